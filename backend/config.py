@@ -1,0 +1,197 @@
+"""EngineConfig: the one typed config the builder writes and the runtime reads back.
+
+An engine directory holds `engine.json` (this dataclass as JSON), `rank{r}.safetensors`,
+tokenizer files and `build_report.json`. Nothing is parsed from file names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Bump when the on-disk layout changes; readers accept every version <= this one.
+ENGINE_FORMAT_VERSION = 1
+ENGINE_CONFIG_FILE = "engine.json"
+BUILD_REPORT_FILE = "build_report.json"
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+
+
+class EngineFormatError(ValueError):
+    """An engine directory that this runtime cannot read; the message names the file/field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # "default" | "linear" | "llama3"
+    scaling_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: Optional[int] = None  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    tie_word_embeddings: bool = False
+    # Per-layer sliding window in tokens; None = full attention for that layer.
+    sliding_windows: tuple = ()
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+    pad_token_id: Optional[int] = None
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+
+@dataclass(frozen=True)
+class LayerQuant:
+    """How one linear layer is stored; see QuantConfig.layouts for the packing."""
+    method: str  # "none" | "int8" | "fp8" | "int4"
+    group_size: Optional[int] = None
+    act_order: bool = False
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str = "none"  # one of SUPPORTED_QUANTIZATION
+    group_size: Optional[int] = None  # requested default group size (int4 only)
+    # Per-linear choices, keyed by module name, e.g. "layers.3.qkv_proj".
+    layers: dict = field(default_factory=dict)
+    # Packing layouts keyed by LayerQuant.method: free text documenting tensor names/dtypes.
+    layouts: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # provenance: text source, samples, hash
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
+    # Per-layer, per-KV-head scales are stored in the weights file as
+    # layers.{i}.k_scale / layers.{i}.v_scale (float32, shape (num_kv_heads,)) when quantized.
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int = 64
+    max_seq_len: int = 2048
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    dtype: str = "float32"
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    limits: Limits = field(default_factory=Limits)
+    tensor_parallel_size: int = 1
+    build: dict = field(default_factory=dict)  # provenance: source, sha256, tool version, time
+    format_version: int = ENGINE_FORMAT_VERSION
+
+    # ---- JSON round trip -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        if not isinstance(d, dict):
+            raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: expected a JSON object")
+        version = d.get("format_version")
+        if not isinstance(version, int):
+            raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: field 'format_version' missing or not an int")
+        if version > ENGINE_FORMAT_VERSION:
+            raise EngineFormatError(
+                f"{ENGINE_CONFIG_FILE}: format_version {version} is newer than this runtime supports "
+                f"(<= {ENGINE_FORMAT_VERSION}); upgrade tritium or rebuild the engine")
+        try:
+            m = dict(d["model"])
+            m["rope"] = RopeConfig(**m.get("rope", {}))
+            m["sliding_windows"] = tuple(m.get("sliding_windows", ()))
+            m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
+            model = ModelConfig(**m)
+            cfg = cls(
+                model=model,
+                dtype=d.get("dtype", "float32"),
+                quantization=QuantConfig(**d.get("quantization", {})),
+                kv_cache=KVCacheConfig(**d.get("kv_cache", {})),
+                limits=Limits(**d.get("limits", {})),
+                tensor_parallel_size=d.get("tensor_parallel_size", 1),
+                build=d.get("build", {}),
+                format_version=version,
+            )
+        except KeyError as e:
+            raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: missing field {e}") from None
+        except TypeError as e:
+            raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: {e}") from None
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        m = self.model
+        if m.architecture not in SUPPORTED_ARCHITECTURES:
+            raise EngineFormatError(
+                f"model.architecture {m.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise EngineFormatError(f"dtype {self.dtype!r} not in {SUPPORTED_DTYPES}")
+        if self.quantization.method not in SUPPORTED_QUANTIZATION:
+            raise EngineFormatError(
+                f"quantization.method {self.quantization.method!r} not in {SUPPORTED_QUANTIZATION}")
+        if self.kv_cache.dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise EngineFormatError(f"kv_cache.dtype {self.kv_cache.dtype!r} not in {SUPPORTED_KV_CACHE_DTYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(m, name) <= 0:
+                raise EngineFormatError(f"model.{name} must be > 0, got {getattr(m, name)}")
+        if m.num_heads % m.num_kv_heads:
+            raise EngineFormatError(
+                f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
+        if m.sliding_windows and len(m.sliding_windows) != m.num_layers:
+            raise EngineFormatError("model.sliding_windows must have one entry per layer")
+        lim = self.limits
+        for name in ("max_batch_size", "max_seq_len", "block_size"):
+            if getattr(lim, name) <= 0:
+                raise EngineFormatError(f"limits.{name} must be > 0")
+
+    # ---- files -------------------------------------------------------------------------
+    def save(self, engine_dir: str) -> None:
+        with open(os.path.join(engine_dir, ENGINE_CONFIG_FILE), "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, engine_dir: str) -> "EngineConfig":
+        path = os.path.join(engine_dir, ENGINE_CONFIG_FILE)
+        if not os.path.isdir(engine_dir):
+            raise EngineFormatError(f"{engine_dir}: engine directory does not exist")
+        if not os.path.isfile(path):
+            raise EngineFormatError(f"{path}: missing engine config (is this an engine directory?)")
+        try:
+            with open(path) as f:
+                data: Any = json.load(f)
+        except json.JSONDecodeError as e:
+            raise EngineFormatError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(data)
+
+    def weights_file(self, rank: int = 0) -> str:
+        return f"rank{rank}.safetensors"

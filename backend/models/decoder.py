@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Mistral sliding window, Qwen2 qkv bias).
+
+Plain torch and device-agnostic; every op goes through tritium.kernels.ops so that the Triton
+kernels drop in on GPU. Forward runs over a flat batch of new tokens with a paged KV cache.
+Weight names (engine safetensors):
+    embed_tokens.weight, norm.weight, lm_head.weight (absent when tied)
+    layers.{i}.input_norm.weight, layers.{i}.post_attn_norm.weight
+    layers.{i}.qkv_proj.*  ([q; k; v] rows), layers.{i}.o_proj.*
+    layers.{i}.gate_up_proj.*  ([gate; up] rows), layers.{i}.down_proj.*
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from tritium.kernels import ops
+from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+
+from ..attention_metadata import AttentionMetadata
+from ..config import EngineConfig
+from .linear import make_linear
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+KVCache = Tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: EngineConfig, idx: int):
+        super().__init__()
+        m = cfg.model
+        dtype = TORCH_DTYPES[cfg.dtype]
+        q = cfg.quantization.layers
+        self.idx = idx
+        self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
+        self.eps = m.rms_norm_eps
+        self.window = m.window(idx)
+        self.scale = m.head_dim ** -0.5
+        qkv_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        self.register_buffer("input_norm_weight", torch.empty(m.hidden_size, dtype=dtype))
+        self.register_buffer("post_attn_norm_weight", torch.empty(m.hidden_size, dtype=dtype))
+        self.qkv_proj = make_linear(m.hidden_size, qkv_out, m.attention_bias, dtype,
+                                    q.get(f"layers.{idx}.qkv_proj"))
+        self.o_proj = make_linear(m.num_heads * m.head_dim, m.hidden_size, False, dtype,
+                                  q.get(f"layers.{idx}.o_proj"))
+        self.gate_up_proj = make_linear(m.hidden_size, 2 * m.intermediate_size, False, dtype,
+                                        q.get(f"layers.{idx}.gate_up_proj"))
+        self.down_proj = make_linear(m.intermediate_size, m.hidden_size, False, dtype,
+                                     q.get(f"layers.{idx}.down_proj"))
+        # Per-KV-head scales of a quantized KV cache; None for a float cache.
+        self.k_scale: Optional[torch.Tensor] = None
+        self.v_scale: Optional[torch.Tensor] = None
+
+    def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
+                cos_sin_cache):
+        x, residual = ops.rms_norm(hidden, self.input_norm_weight, self.eps, residual)
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, positions, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
+                                   self.k_scale, self.v_scale)
+        hidden = self.o_proj(attn.reshape(t, nq))
+        x, residual = ops.rms_norm(hidden, self.post_attn_norm_weight, self.eps, residual)
+        hidden = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return hidden, residual
+
+
+class DecoderLM(nn.Module):
+    """The whole decoder-only LM. Build with from_config, then load_engine_weights."""
+
+    def __init__(self, cfg: EngineConfig):
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.register_buffer("embed_tokens_weight", torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_layers))
+        self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
+        self.lm_head = None if m.tie_word_embeddings else make_linear(
+            m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
+        r = m.rope
+        inv_freq = rope_inv_freq(m.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor,
+                                 r.high_freq_factor, r.original_max_position_embeddings)
+        max_pos = max(cfg.limits.max_seq_len, 1)
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_pos), persistent=False)
+
+    # Engine tensor name <-> module attribute. Norm/embedding buffers use '_weight' attributes
+    # so the engine names stay the familiar dotted ones.
+    @staticmethod
+    def engine_name_to_attr(name: str) -> str:
+        for suffix in ("input_norm.weight", "post_attn_norm.weight"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + suffix.replace(".weight", "_weight")
+        if name in ("embed_tokens.weight", "norm.weight"):
+            return name.replace(".weight", "_weight")
+        return name
+
+    def load_engine_weights(self, tensors: dict) -> None:
+        """Assign engine tensors (name -> tensor); errors name the tensor that is wrong."""
+        own = dict(self.named_buffers())
+        own.pop("cos_sin_cache", None)
+        seen = set()
+        for name, t in tensors.items():
+            attr = self.engine_name_to_attr(name)
+            if attr.endswith("k_scale") or attr.endswith("v_scale"):
+                layer = self.layers[int(attr.split(".")[1])]
+                setattr(layer, attr.split(".")[-1], t.float())
+                continue
+            if attr not in own:
+                raise ValueError(f"engine weights: unexpected tensor {name!r}")
+            cur = own[attr]
+            if cur is not None and tuple(cur.shape) != tuple(t.shape):
+                raise ValueError(f"engine weights: tensor {name!r} has shape {tuple(t.shape)}, "
+                                 f"config implies {tuple(cur.shape)}")
+            mod_name, _, leaf = attr.rpartition(".")
+            mod = self.get_submodule(mod_name) if mod_name else self
+            target_dtype = cur.dtype if cur is not None else t.dtype
+            mod._buffers[leaf] = t.to(target_dtype)
+            seen.add(attr)
+        missing = [n for n, b in own.items() if b is not None and n not in seen]
+        if missing:
+            raise ValueError(f"engine weights: missing tensors {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+        hidden = self.embed_tokens_weight[input_ids]
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
+        hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> float32 logits (N, vocab)."""
+        if self.lm_head is None:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens_weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float()
