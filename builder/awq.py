@@ -1,0 +1,59 @@
+"""AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration", 2023): per-input-channel scales s = mean|x|^alpha protect the weights that meet
+large activations. For each group of linears sharing an input, alpha is grid-searched on
+calibration inputs to minimise the output error of the group-quantized layer; the chosen s is
+multiplied into the weight columns and divided out of the previous op (folded), so the float
+function is unchanged and only the rounding is redistributed.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .quantize_int4 import int4_codes, int4_params
+
+
+def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Quantize-dequantize (N, K) with group-wise asymmetric RTN (same grid as quantize_int4)."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)
+    scale, zero = int4_params(wg)
+    q = int4_codes(wg, scale[..., None], zero[..., None])
+    return ((q - 8.0) * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
+def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor,
+                     group_size: int, n_grid: int = 20, group_pool: int = 1,
+                     ) -> Tuple[torch.Tensor, float, List[float]]:
+    """Grid-search alpha in s = mean|x|^alpha for linears sharing input x (n_tokens, K).
+
+    weights: float (N_i, K) matrices; x_mean_abs: (K,) per-channel mean |x| over calibration.
+    group_pool > 1 averages the statistic over that many consecutive blocks (used for o_proj
+    under GQA, where heads sharing a KV head must share a scale to be foldable into v).
+    Returns (s (K,), best alpha, loss per grid point); alpha = 0 (s = 1) is plain RTN.
+    """
+    W = torch.cat([w.float() for w in weights], dim=0)
+    x = x.float()
+    ref = x @ W.t()
+    stat = x_mean_abs.float().clamp_min(1e-5)
+    losses, best = [], (float("inf"), None, 0.0)
+    for r in range(n_grid):
+        alpha = r / n_grid
+        s = stat.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (as the paper's code does)
+        wq = fake_quantize_int4(W * s, group_size) / s
+        loss = (x @ wq.t() - ref).pow(2).mean().item()
+        losses.append(loss)
+        if loss < best[0]:
+            best = (loss, s, alpha)
+    return best[1], best[2], losses
+
+
+def pooled_head_stat(x_mean_abs: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """For o_proj under GQA: average the per-channel statistic over the query heads that share a
+    KV head, expanded back to (num_heads * head_dim,), so that s can be folded into v's rows."""
+    group = num_heads // num_kv_heads
+    pooled = x_mean_abs.view(num_kv_heads, group, head_dim).mean(dim=1, keepdim=True)
+    return pooled.expand(num_kv_heads, group, head_dim).reshape(-1)

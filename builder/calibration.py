@@ -1,0 +1,162 @@
+"""Calibration and evaluation text, and a layer-by-layer runner over calibration samples.
+
+The default texts are the docstrings of fixed lists of Python standard-library modules, read
+from their source with `ast` (nothing is imported or executed): available offline on every
+machine, deterministic for a given Python, and disjoint between calibration and evaluation.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from tritium.backend.attention_metadata import AttentionMetadata
+
+CALIBRATION_MODULES = (
+    "argparse", "subprocess", "threading", "logging", "json", "unittest.case", "functools",
+    "inspect", "typing", "tarfile", "shutil", "os", "datetime", "collections", "email.message",
+    "http.client", "urllib.request", "pathlib", "socket", "asyncio.tasks",
+)
+EVAL_MODULES = (
+    "difflib", "textwrap", "statistics", "fractions", "heapq", "calendar", "configparser", "csv",
+    "dataclasses", "enum", "optparse", "mailbox", "imaplib", "smtplib", "ftplib", "pprint",
+    "random", "contextlib",
+)
+CALIBRATION_SEQ_LEN = 256     # tokens per calibration sample
+MIN_CALIBRATION_CHARS = 2000  # below this a text cannot give meaningful statistics
+MIN_CALIBRATION_TOKENS = 512
+
+
+def module_docstrings(module: str) -> str:
+    """Docstrings of a stdlib module (module, classes, functions; ast order) as one text."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    docs = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc:
+                docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def default_calibration_text() -> str:
+    """Default calibration text: docstrings of CALIBRATION_MODULES."""
+    return "\n\n".join(t for t in map(module_docstrings, CALIBRATION_MODULES) if t)
+
+
+def default_eval_text() -> str:
+    """Default evaluation text: docstrings of EVAL_MODULES (disjoint from the calibration text)."""
+    return "\n\n".join(t for t in map(module_docstrings, EVAL_MODULES) if t)
+
+
+def text_provenance(text: str, source: str) -> dict:
+    return {"source": source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def calibration_samples(token_ids: Sequence[int], num_samples: int,
+                        seq_len: int = CALIBRATION_SEQ_LEN) -> List[List[int]]:
+    """Split a token stream into up to num_samples consecutive windows of seq_len tokens
+    (shorter windows when the text is short). Raises ValueError when the text is too short."""
+    n = len(token_ids)
+    if n < MIN_CALIBRATION_TOKENS:
+        raise ValueError(f"calibration text too short: {n} tokens, need at least {MIN_CALIBRATION_TOKENS}")
+    seq_len = min(seq_len, n // num_samples)
+    if seq_len < 32:
+        seq_len = 32
+        num_samples = n // 32
+    return [list(token_ids[i * seq_len:(i + 1) * seq_len]) for i in range(num_samples)]
+
+
+class LayerwiseRunner:
+    """Runs a DecoderLM one layer at a time over calibration samples, holding each layer's inputs.
+
+    Samples are packed into chunks of several sequences (one AttentionMetadata each) with a
+    private float KV cache per chunk, so a layer's forward is exactly the model's forward.
+    """
+
+    def __init__(self, model, samples: List[List[int]], max_chunk_tokens: int = 2048):
+        self.model = model
+        m = model.cfg.model
+        self.block_size = model.cfg.limits.block_size
+        self.chunks = []
+        cur: List[List[int]] = []
+        for s in samples:
+            if cur and sum(map(len, cur)) + len(s) > max_chunk_tokens:
+                self.chunks.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
+            self.chunks.append(cur)
+        self.metas, self.positions, self.num_blocks = [], [], []
+        self.hidden: List[torch.Tensor] = []
+        self.residual: List[Optional[torch.Tensor]] = []
+        for seqs in self.chunks:
+            tables, nb = [], 0
+            for s in seqs:
+                need = (len(s) + self.block_size - 1) // self.block_size
+                tables.append(list(range(nb, nb + need)))
+                nb += need
+            lens = [len(s) for s in seqs]
+            self.metas.append(AttentionMetadata.build(lens, lens, tables, self.block_size))
+            self.positions.append(torch.cat([torch.arange(n) for n in lens]))
+            self.num_blocks.append(nb)
+            ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+            self.hidden.append(model.embed_tokens_weight[ids])
+            self.residual.append(None)
+        self.kv_shape = (m.num_kv_heads, m.head_dim)
+        self.num_tokens = sum(len(s) for s in samples)
+
+    @torch.no_grad()
+    def run_layer(self, idx: int, on_chunk: Optional[Callable[[torch.Tensor], None]] = None,
+                  advance: bool = False) -> None:
+        """Forward layer idx over every chunk. on_chunk(positions) is called before each chunk
+        (hooks use it to know token positions); advance=True keeps the outputs as the next
+        layer's inputs."""
+        layer = self.model.layers[idx]
+        dtype = self.hidden[0].dtype
+        for c, meta in enumerate(self.metas):
+            if on_chunk is not None:
+                on_chunk(self.positions[c])
+            shape = (self.num_blocks[c], self.block_size) + self.kv_shape
+            kv = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            h, r = layer(self.positions[c], self.hidden[c], self.residual[c], kv, meta,
+                         self.model.cos_sin_cache)
+            if advance:
+                self.hidden[c], self.residual[c] = h, r
+
+
+def capture_inputs(modules: dict, fn: Callable[[str, torch.Tensor], None]):
+    """Register forward pre-hooks calling fn(name, x2d_float) on each module; returns handles."""
+    handles = []
+    for name, mod in modules.items():
+        def hook(_m, args, _name=name):
+            x = args[0]
+            fn(_name, x.reshape(-1, x.shape[-1]).float())
+        handles.append(mod.register_forward_pre_hook(hook))
+    return handles
+
+
+def kv_amax_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, positions_ref: List[torch.Tensor]):
+    """Forward hook on layer.qkv_proj that tracks per-KV-head amax of K (after RoPE) and V,
+    i.e. exactly what the layer writes into its KV cache."""
+    from tritium.kernels import ops
+    nq = layer.num_heads * layer.head_dim
+    nkv = layer.num_kv_heads * layer.head_dim
+
+    def hook(_m, _args, out):
+        t = out.shape[0]
+        q = out[:, :nq].reshape(t, layer.num_heads, layer.head_dim)
+        k = out[:, nq:nq + nkv].reshape(t, layer.num_kv_heads, layer.head_dim)
+        v = out[:, nq + nkv:].reshape(t, layer.num_kv_heads, layer.head_dim)
+        _, k = ops.rotary(q.clone(), k.clone(), positions_ref[0], cos_sin_cache)
+        for key, x in (("k", k), ("v", v)):
+            a = x.float().abs().amax(dim=(0, 2))
+            stats[key] = a if key not in stats else torch.maximum(stats[key], a)
+    return hook

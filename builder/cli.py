@@ -1,0 +1,44 @@
+"""`tritium build SOURCE -o ENGINE_DIR [...]`: compile a checkpoint into an engine."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tritium.backend.config import SUPPORTED_DTYPES
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build", help="compile a Hugging Face checkpoint or GGUF file into an engine",
+                       description="Compile a Hugging Face checkpoint folder (config.json + *.safetensors + "
+                                   "tokenizer) or a GGUF file into a versioned Tritium engine directory.")
+    p.add_argument("source", help="checkpoint folder or .gguf file")
+    p.add_argument("-o", "--output", required=True, help="engine directory to write (replaced if it exists)")
+    p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES,
+                   help="float dtype of weights and activations (default bfloat16)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="max concurrent sequences (default 64)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="max prompt + output tokens per sequence (default: min(model context, 2048))")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow *.bin/*.pt checkpoints (unpickling can run arbitrary code)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace):
+    from .build import BuildOptions
+    extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "calibration_text",
+                                           "calibration_samples", "exclude_modules") if hasattr(args, k)}
+    return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
+                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                        block_size=args.block_size, allow_pickle=args.allow_pickle,
+                        progress=not args.quiet, **extra)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .build import build_engine
+    cfg = build_engine(options_from_args(args))
+    m = cfg.model
+    print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
+          f"dtype {cfg.dtype}, quantization {cfg.quantization.method}", file=sys.stderr)
+    return 0

@@ -1,0 +1,36 @@
+"""FP8 (E4M3) weights with one float32 scale per output channel, and the inverse.
+
+Layout (the engine's `fp8` layout):
+    qweight float8_e4m3fn (N, K), scales float32 (N,);   w[n, k] = float(qweight[n, k]) * scales[n]
+The scale maps each row's amax onto E4M3's largest finite value (448).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
+              "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
+FP8_E4M3_MAX = 448.0
+
+
+def has_float8() -> bool:
+    """Whether this torch build has the float8_e4m3fn dtype."""
+    return hasattr(torch, "float8_e4m3fn")
+
+
+def quantize_fp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float weight (N, K) -> (qweight float8_e4m3fn (N, K), scales float32 (N,))."""
+    if not has_float8():
+        raise ValueError("quantization 'fp8' needs a torch build with float8_e4m3fn")
+    wf = w.float()
+    scales = (wf.abs().amax(dim=1) / FP8_E4M3_MAX).clamp_min(1e-12)
+    q = (wf / scales[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_fp8: float weight (N, K)."""
+    return (qweight.float() * scales.float()[:, None]).to(dtype)

@@ -1,0 +1,95 @@
+"""INT4 weights: group-wise asymmetric round-to-nearest, packing, and the inverse.
+
+Layout (the engine's `int4` layout; the Triton W4A16 kernel and torch's CPU kernel read it):
+    qweight  uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high nibble = odd k
+    scales   float32 (K // G, N)
+    zeros    float32 (K // G, N)
+    g_idx    int32   (K,)         optional (GPTQ act-order): group of input channel k
+    w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
+An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
+(scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
+               "scales float32 (K//G, N); zeros float32 (K//G, N); optional g_idx int32 (K,); "
+               "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
+
+# Group sizes torch's packed CPU kernel and the Triton kernel both accept.
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+FALLBACK_GROUP_SIZES = (64, 32)
+
+
+def choose_group_size(in_features: int, requested: int) -> Optional[int]:
+    """The requested group size if it divides in_features, else the largest of 64/32 that does
+    (smaller than the request); None if nothing fits."""
+    for g in (requested,) + tuple(f for f in FALLBACK_GROUP_SIZES if f < requested):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: integer (N, K) codes in 0..15 -> uint8 (N, K//2), even k in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, K//2) -> uint8 codes (N, K)."""
+    lo = qweight & 0x0F
+    hi = qweight >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def int4_params(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of the asymmetric 4-bit grid covering each row of w (..., G) -> (...,), (...,).
+
+    scale = (max - min) / 15; codes q = round((w - min) / scale); zero = min + 8 * scale.
+    """
+    w = w.float()
+    wmin = w.amin(dim=-1)
+    wmax = w.amax(dim=-1)
+    scale = ((wmax - wmin) / 15.0).clamp_min(1e-10)
+    return scale, wmin + 8.0 * scale
+
+
+def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Nearest 4-bit code of w given broadcastable (scale, zero): q = clamp(round((w - zero)/scale) + 8)."""
+    return (torch.round((w.float() - zero) / scale) + 8).clamp_(0, 15)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest group-wise asymmetric INT4 of a float weight (N, K).
+
+    Returns (qweight uint8 (N, K//2), scales float32 (K//G, N), zeros float32 (K//G, N)).
+    """
+    n, k = w.shape
+    if k % group_size or k % 2:
+        raise ValueError(f"group_size {group_size} must divide in_features {k} (and K must be even)")
+    wg = w.float().reshape(n, k // group_size, group_size)
+    scale, zero = int4_params(wg)                                   # (N, K//G)
+    q = int4_codes(wg, scale[..., None], zero[..., None]).reshape(n, k)
+    return pack_int4(q), scale.t().contiguous(), zero.t().contiguous()
+
+
+def group_index(k: int, group_size: int, g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Group of each input channel: g_idx if given, else k // group_size."""
+    if g_idx is not None:
+        return g_idx.long()
+    return torch.arange(k) // group_size
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, g_idx: Optional[torch.Tensor] = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_int4 (and of GPTQ's output): float weight (N, K)."""
+    q = unpack_int4(qweight).float()
+    g = group_index(q.shape[1], group_size, g_idx).to(qweight.device)
+    w = (q - 8.0) * scales.float()[g].t() + zeros.float()[g].t()
+    return w.to(dtype)
