@@ -10,6 +10,7 @@ from typing import Iterable, Optional
 
 import torch
 import triton
+import triton.language as tl
 
 TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 FP8_E4M3_MAX = 448.0
@@ -60,3 +61,12 @@ def check_device(ref: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
             raise ValueError(f"{name}: on {t.device}, expected {ref.device} like the other inputs")
 
 
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr):
+    """tl.dot with fp32 accumulation; IEEE keeps fp32 operands exact (no TF32) on tensor cores."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
