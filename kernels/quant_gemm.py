@@ -1,0 +1,271 @@
+"""Triton GEMMs on quantized weights: W4A16 (int4 groups, GPTQ g_idx), W8A16 (int8 / fp8 weight
+only) and FP8 W8A8 with its per-token activation quantizer. Layouts and references: gemm_ref.py.
+
+All compute y (M, N) = x (M, K) @ W^T with fp32 accumulation; weights are dequantized in
+registers tile by tile, so only the packed bytes travel from memory (the point of W4A16 for
+bandwidth-bound decode).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_write_triton import round_to_e4m3
+from .triton_common import (TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape,
+                            dot_upcast, is_interpreter, mm, next_pow2)
+from .gemm_ref import FP8_MIN_AMAX
+
+
+@triton.jit
+def _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_o_m + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr, out_ptr,
+                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size,
+                       HAS_GIDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        cdt = x.dtype
+        if UPCAST:
+            cdt = tl.float32
+        wmask = kmask[:, None] & nmask[None, :]
+        # byte k // 2 of row n holds k (low nibble if k even, high nibble if odd)
+        packed = tl.load(qw_ptr + rn[None, :] * stride_qw_n + (rk // 2)[:, None], mask=wmask, other=0)
+        q = ((packed.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
+        if HAS_GIDX:
+            g = tl.load(gidx_ptr + rk, mask=kmask, other=0).to(tl.int64)
+            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+        elif GROUP_ALIGNED:
+            # the whole K tile lies in one group: one (BLOCK_N,) row of scales / zeros
+            g = k0 // group_size
+            s = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)[None, :]
+            z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)[None, :]
+        else:
+            g = (rk // group_size).to(tl.int64)
+            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+        # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]
+        w = (q - 8.0) * s + z
+        acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
+    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, bias_ptr, out_ptr,
+                       M, N, K, stride_x_m, stride_qw_n, stride_o_m,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        cdt = x.dtype
+        if UPCAST:
+            cdt = tl.float32
+        q = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        # int8 and e4m3 values are exact in fp16 / bf16, so the cast loses nothing
+        acc += mm(x.to(cdt), q.to(tl.float32).to(cdt), IEEE)
+    # per-output-channel scale factors out of the K sum: y = (x @ q^T) * scale[n]
+    acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0)[None, :]
+    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+
+
+@triton.jit
+def _fp8_quant_per_token_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x_m, stride_xq_m, min_amax,
+                                BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x_m + rk, mask=rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # scale = max(amax, tiny) / 448, so amax maps to the largest finite E4M3 value
+    scale = tl.maximum(tl.max(amax, axis=0), min_amax) / 448.0
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * stride_x_m + rk, mask=rk < K, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(xq_ptr + row * stride_xq_m + rk, round_to_e4m3(y).to(tl.float8e4nv), mask=rk < K)
+
+
+@triton.jit
+def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr,
+                     M, N, K, stride_x_m, stride_qw_n, stride_o_m,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, OPERANDS: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(xq_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if OPERANDS == 0:  # native FP8 tensor cores (sm89+)
+            acc += tl.dot(a, b)
+        elif OPERANDS == 1:  # older GPUs: E4M3 is exact in fp16
+            acc += tl.dot(a.to(tl.float16), b.to(tl.float16))
+        else:  # interpreter
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    # y = (x_q @ w_q^T) * x_scale[m] * w_scale[n]
+    xs = tl.load(x_scale_ptr + rm, mask=mmask, other=0.0)
+    ws = tl.load(w_scale_ptr + rn, mask=nmask, other=0.0)
+    acc = acc * xs[:, None] * ws[None, :]
+    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+
+
+def _prep_x(x: torch.Tensor, k: int, name: str = "x") -> torch.Tensor:
+    check_dtype(name, x, TORCH_FLOATS)
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: last dim {x.shape[-1]} does not match the weight's in_features {k}")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
+    if bias is not None:
+        check_shape("bias", bias, (n,))
+        check_dtype("bias", bias, TORCH_FLOATS)
+
+
+def _tiles(m: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K): skinny M for decode batches; tl.dot wants every dim >= 16."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return block_m, 64, 64
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, g_idx: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ dequant_int4(qweight, scales, zeros)^T (+ bias); x (..., K) -> (..., N) in x's dtype."""
+    check_dtype("qweight", qweight, (torch.uint8,))
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size: must divide in_features {k}, got {group_size}")
+    check_last_contiguous("qweight", qweight)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        check_shape(name, t, (k // group_size, n))
+        check_dtype(name, t, (torch.float32,))
+        check_last_contiguous(name, t)
+    if zeros.stride() != scales.stride():
+        raise ValueError("zeros: must have the same strides as scales")
+    if g_idx is not None:
+        check_shape("g_idx", g_idx, (k,))
+        check_dtype("g_idx", g_idx, (torch.int32, torch.int64))
+    _check_bias(bias, n)
+    x2 = _prep_x(x, k)
+    check_device(x2, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, bias=bias)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m, block_n, block_k = _tiles(m)
+        if group_size & (group_size - 1) == 0:
+            block_k = min(block_k, group_size)
+        upcast = dot_upcast(x.dtype)
+        # x: (M, K); qweight: (N, K//2) uint8; scales/zeros: (K//G, N); out: (M, N). Grid: (M tiles, N tiles).
+        _w4a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
+            bias if bias is not None else x2, out,
+            m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size,
+            HAS_GIDX=g_idx is not None, GROUP_ALIGNED=group_size % block_k == 0, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+            IEEE=upcast or x.dtype == torch.float32, num_warps=4)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weight-only GEMM: y = x @ (qweight * scales[:, None])^T (+ bias); qweight int8 or e4m3 (N, K)."""
+    check_dtype("qweight", qweight, (torch.int8, torch.float8_e4m3fn))
+    n, k = qweight.shape
+    check_last_contiguous("qweight", qweight)
+    check_shape("scales", scales, (n,))
+    check_dtype("scales", scales, (torch.float32,))
+    _check_bias(bias, n)
+    x2 = _prep_x(x, k)
+    check_device(x2, qweight=qweight, scales=scales, bias=bias)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        block_m, block_n, block_k = _tiles(m)
+        upcast = dot_upcast(x.dtype)
+        # x: (M, K); qweight: (N, K); scales: (N,); out: (M, N). Grid: (M tiles, N tiles).
+        _w8a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            x2, qweight, scales, bias if bias is not None else x2, out,
+            m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32, num_warps=4)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def quantize_fp8_per_token(x: torch.Tensor):
+    """x (M, K) float -> (x_q float8_e4m3fn (M, K), scale float32 (M,)), scale = amax / 448."""
+    check_dtype("x", x, TORCH_FLOATS)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected (tokens, features), got {tuple(x.shape)}")
+    check_last_contiguous("x", x)
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        # x, x_q: (M, K) row-major; scale: (M,). One program per token row, two passes over K.
+        _fp8_quant_per_token_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), FP8_MIN_AMAX,
+                                          BLOCK_K=min(next_pow2(k), 1024), num_warps=4)
+    return xq, scale
+
+
+def _fp8_operands(device: torch.device) -> int:
+    if is_interpreter():
+        return 2
+    return 0 if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+
+
+def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """FP8 W8A8: per-token E4M3 activations times per-channel E4M3 weights (N, K); (..., K) -> (..., N)."""
+    check_dtype("qweight", qweight, (torch.float8_e4m3fn,))
+    n, k = qweight.shape
+    check_last_contiguous("qweight", qweight)
+    check_shape("scales", scales, (n,))
+    check_dtype("scales", scales, (torch.float32,))
+    _check_bias(bias, n)
+    x2 = _prep_x(x, k)
+    check_device(x2, qweight=qweight, scales=scales, bias=bias)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        xq, xs = quantize_fp8_per_token(x2)
+        block_m, block_n, block_k = _tiles(m)
+        # x_q: (M, K) e4m3; x_scale: (M,); qweight: (N, K) e4m3; scales: (N,); out: (M, N).
+        _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            xq, xs, qweight, scales, bias if bias is not None else x2, out,
+            m, n, k, xq.stride(0), qweight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            OPERANDS=_fp8_operands(x.device), num_warps=4)
+    return out.reshape(*x.shape[:-1], n)
