@@ -1,0 +1,88 @@
+"""Prometheus metrics of the `tritium` backend, through pb_utils.MetricFamily.
+
+They appear on tritonserver's /metrics endpoint, each labelled with model and version:
+histograms of time to first token, inter-token latency and request latency; counters of prompt
+tokens, generated tokens and preemptions; gauges of KV-cache blocks and requests by state.
+`pb_utils` is passed in so this module imports without a server.
+"""
+from __future__ import annotations
+
+import threading
+
+# Latency buckets in seconds: 1 ms .. 60 s, roughly x2.5 apart (CPU decode steps are ~10-100 ms).
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+METRIC_NAMES = (
+    "tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
+    "tritium_request_latency_seconds", "tritium_prompt_tokens_total", "tritium_generation_tokens_total",
+    "tritium_preemptions_total", "tritium_kv_cache_blocks", "tritium_requests",
+)
+
+
+class TritiumMetrics:
+    """Owns the metric families of one model instance; thread-safe updates."""
+
+    def __init__(self, pb_utils, model: str, version: str):
+        mf = pb_utils.MetricFamily
+        labels = {"model": model, "version": str(version)}
+        self._lock = threading.Lock()
+
+        def hist(name, desc):
+            fam = mf(name=name, description=desc, kind=mf.HISTOGRAM)
+            return fam, fam.Metric(labels=labels, buckets=LATENCY_BUCKETS)
+
+        def one(name, desc, kind, extra=None):
+            fam = mf(name=name, description=desc, kind=kind)
+            return fam, fam.Metric(labels=dict(labels, **(extra or {})))
+
+        # Families must stay referenced for as long as their metrics are used.
+        self._families = []
+        f, self.ttft = hist("tritium_time_to_first_token_seconds", "Time from arrival to the first output token")
+        self._families.append(f)
+        f, self.itl = hist("tritium_inter_token_latency_seconds", "Time between consecutive output tokens")
+        self._families.append(f)
+        f, self.e2e = hist("tritium_request_latency_seconds", "Time from arrival to the last output token")
+        self._families.append(f)
+        f, self.prompt_tokens = one("tritium_prompt_tokens_total", "Prompt tokens processed", mf.COUNTER)
+        self._families.append(f)
+        f, self.generation_tokens = one("tritium_generation_tokens_total", "Tokens generated", mf.COUNTER)
+        self._families.append(f)
+        f, self.preemptions = one("tritium_preemptions_total", "Requests preempted for lack of KV blocks",
+                                  mf.COUNTER)
+        self._families.append(f)
+        kv = mf(name="tritium_kv_cache_blocks", description="KV-cache blocks by state", kind=mf.GAUGE)
+        self._families.append(kv)
+        self.kv = {s: kv.Metric(labels=dict(labels, state=s)) for s in ("used", "free", "cached")}
+        rq = mf(name="tritium_requests", description="Engine requests by state", kind=mf.GAUGE)
+        self._families.append(rq)
+        self.requests = {s: rq.Metric(labels=dict(labels, state=s)) for s in ("running", "waiting")}
+        self._preemptions_seen = 0
+
+    def observe_token_times(self, arrival: float, token_times: list) -> None:
+        """Record one finished sequence: TTFT, each inter-token gap, and end-to-end latency."""
+        if not token_times:
+            return
+        with self._lock:
+            self.ttft.observe(max(token_times[0] - arrival, 0.0))
+            for a, b in zip(token_times, token_times[1:]):
+                self.itl.observe(max(b - a, 0.0))
+            self.e2e.observe(max(token_times[-1] - arrival, 0.0))
+
+    def add_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
+        with self._lock:
+            if prompt_tokens:
+                self.prompt_tokens.increment(prompt_tokens)
+            if generated_tokens:
+                self.generation_tokens.increment(generated_tokens)
+
+    def update_engine_stats(self, stats: dict) -> None:
+        """Copy engine.stats() into the gauges; turn the cumulative preemption count into a counter."""
+        with self._lock:
+            for s in ("used", "free", "cached"):
+                self.kv[s].set(float(stats.get(f"kv_blocks_{s}", 0)))
+            self.requests["running"].set(float(stats.get("num_running", 0)))
+            self.requests["waiting"].set(float(stats.get("num_waiting", 0)))
+            total = int(stats.get("preemptions", 0))
+            if total > self._preemptions_seen:
+                self.preemptions.increment(total - self._preemptions_seen)
+                self._preemptions_seen = total

@@ -1,0 +1,127 @@
+"""Tokenizer models of the ensemble: NAME_preprocessing (text -> ids) and NAME_postprocessing
+(ids -> text, stateless and streaming-safe).
+
+The repository writer puts a two-line model.py in each model folder that imports the classes
+below, so the code lives in the installed package. Both read `tokenizer.json` from the
+`tokenizer_dir` parameter (the engine folder; `~`, $VARS and paths relative to the model
+folder expand). Encoding and decoding match the engine (special tokens added on encode,
+skipped on decode).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import numpy as np
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer_from_params(args: dict):
+    """tokenizers.Tokenizer from the model config's `tokenizer_dir` parameter."""
+    from tokenizers import Tokenizer
+    from tritium.backend.triton_contract import resolve_path
+    cfg = json.loads(args["model_config"])
+    value = cfg.get("parameters", {}).get("tokenizer_dir", {}).get("string_value", "")
+    if not value.strip():
+        raise ValueError(f"model '{args['model_name']}' needs parameter tokenizer_dir")
+    path = os.path.join(resolve_path(value, args["model_repository"]), "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer_dir: {path} not found")
+    return Tokenizer.from_file(path)
+
+
+def decode_delta(tokenizer, context_ids: List[int], new_ids: List[int], final: bool) -> str:
+    """Text that `new_ids` add after `context_ids` (the last few ids already detokenized).
+
+    Same windowed scheme as vLLM's incremental detokenizer: decode(context + new) minus
+    decode(context). A trailing U+FFFD means a UTF-8 character is still incomplete, so it is
+    held back (it comes out with the next delta, where the ids reappear as context) unless
+    this is the final response. Leading-space rules (SentencePiece, byte-level BPE) cancel out
+    because both decodes start at the same token.
+    """
+    prefix = tokenizer.decode(list(context_ids), skip_special_tokens=True) if context_ids else ""
+    prefix = prefix.rstrip(REPLACEMENT_CHAR)
+    full = tokenizer.decode(list(context_ids) + list(new_ids), skip_special_tokens=True)
+    if not final:
+        full = full.rstrip(REPLACEMENT_CHAR)
+    if not full.startswith(prefix):  # a merge changed earlier text; never re-emit
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+    return full[len(prefix):]
+
+
+def _opt(request, name) -> Optional[np.ndarray]:
+    import triton_python_backend_utils as pb_utils
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+class PreprocessingModel:
+    """text_input [B, 1] bytes -> input_ids [B, L] int32 (right padded with 0), input_lengths [B, 1]."""
+
+    def initialize(self, args):
+        self.tokenizer = load_tokenizer_from_params(args)
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+        responses = []
+        for request in requests:
+            try:
+                texts = _opt(request, "text_input")
+                if texts is None:
+                    raise ValueError("text_input is required")
+                rows = []
+                for v in texts.reshape(texts.shape[0], -1)[:, 0]:
+                    try:
+                        s = bytes(v).decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ValueError("text_input must be UTF-8 text") from None
+                    if not s:
+                        raise ValueError("text_input must not be empty")
+                    rows.append(self.tokenizer.encode(s).ids)
+                width = max(len(r) for r in rows)
+                ids = np.zeros((len(rows), width), dtype=np.int32)
+                for i, r in enumerate(rows):
+                    ids[i, :len(r)] = r
+                lens = np.array([[len(r)] for r in rows], dtype=np.int32)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("input_lengths", lens)]))
+            except ValueError as e:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+        return responses
+
+
+class PostprocessingModel:
+    """output_ids [B, L] (+ context_ids, finish_reason, text_input, exclude_input_in_output)
+    -> text_output [B, 1]. One call per streamed LLM response; no state between calls."""
+
+    def initialize(self, args):
+        self.tokenizer = load_tokenizer_from_params(args)
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+        responses = []
+        for request in requests:
+            ids = _opt(request, "output_ids")
+            if ids is None:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("output_ids is required")))
+                continue
+            ids = ids.reshape(ids.shape[0], -1)
+            ctx = _opt(request, "context_ids")
+            fin = _opt(request, "finish_reason")
+            prompt = _opt(request, "text_input")
+            excl = _opt(request, "exclude_input_in_output")
+            out = []
+            for b in range(ids.shape[0]):
+                context = [] if ctx is None else [int(x) for x in ctx.reshape(ctx.shape[0], -1)[min(b, ctx.shape[0] - 1)]]
+                final = fin is None or bool(bytes(fin.reshape(fin.shape[0], -1)[min(b, fin.shape[0] - 1)][0]))
+                text = decode_delta(self.tokenizer, context, [int(x) for x in ids[b]], final)
+                echo = excl is not None and not bool(excl.reshape(-1)[min(b, excl.size - 1)])
+                if echo and prompt is not None and not context:
+                    text = bytes(prompt.reshape(prompt.shape[0], -1)[min(b, prompt.shape[0] - 1)][0]).decode() + text
+                out.append([text.encode("utf-8")])
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor("text_output", np.array(out, dtype=np.object_))]))
+        return responses
