@@ -1,0 +1,266 @@
+"""LLMEngine: in-flight batching over a paged KV cache. One step = schedule() -> run() -> postprocess().
+
+    engine = LLMEngine("engines/smollm2")
+    engine.add_request("a", prompt="Hello", params=SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step(): print(out.outputs[0].text_delta, end="")
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from .block_manager import BlockManager, cdiv
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, num_blocks_for_budget
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from .stats import engine_stats
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class LLMEngine:
+    """The runtime: owns the model runner, the block manager and the scheduler (not thread-safe;
+    AsyncLLMEngine wraps it with a loop thread)."""
+
+    def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
+                 max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
+                 device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None):
+        from .loader import load_engine
+        cfg, model, tokenizer = load_engine(engine_dir, device)
+        self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                    enable_prefix_caching, kv_cache_memory_bytes)
+
+    @classmethod
+    def from_model(cls, cfg: EngineConfig, model, tokenizer=None, **kwargs) -> "LLMEngine":
+        """Build an engine around an already loaded DecoderLM (tests, benchmarks)."""
+        self = cls.__new__(cls)
+        self._setup(cfg, model, tokenizer, kwargs.pop("num_kv_blocks", None), kwargs.pop("max_num_seqs", None),
+                    kwargs.pop("max_num_batched_tokens", None), kwargs.pop("enable_prefix_caching", True),
+                    kwargs.pop("kv_cache_memory_bytes", None))
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        return self
+
+    def _setup(self, cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+               enable_prefix_caching, kv_cache_memory_bytes):
+        self.config: EngineConfig = cfg
+        self.tokenizer = tokenizer
+        self.device = next(iter(model.buffers())).device
+        if num_kv_blocks is None:
+            num_kv_blocks = num_blocks_for_budget(cfg, self.device, kv_cache_memory_bytes)
+        elif isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
+        self.block_size = cfg.limits.block_size
+        self.max_seq_len = cfg.limits.max_seq_len
+        self.block_manager = BlockManager(num_kv_blocks, self.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs or cfg.limits.max_batch_size,
+                                   max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.runner = ModelRunner(cfg, model, num_kv_blocks, self.device)
+        self.requests: Dict[str, Request] = {}
+        self._aborted: List[RequestOutput] = []
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+    def _validate(self, request_id, prompt, prompt_token_ids, params, priority) -> List[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        vocab = self.config.model.vocab_size
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = list(prompt_token_ids)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids entries must be integers in [0, {vocab}), got {t!r}")
+        params.validate(self.max_seq_len, vocab, len(ids))
+        need = cdiv(len(ids) + params.max_tokens, self.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request can never fit: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{need} KV blocks of {self.block_size} tokens, the pool has {self.block_manager.num_blocks} "
+                f"(raise num_kv_blocks or lower max_tokens)")
+        if (params.stop_list or params.bad_words) and self.tokenizer is None:
+            raise ValueError("stop strings and bad_words need a tokenizer; this engine has none")
+        return ids
+
+    def _bad_words_ids(self, words) -> List[List[int]]:
+        out = []
+        for w in words:
+            for variant in {w, w if w.startswith(" ") else " " + w}:
+                ids = self.tokenizer.encode(variant, add_special_tokens=False).ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def add_request(self, request_id: str, prompt: Optional[str] = None,
+                    prompt_token_ids: Optional[List[int]] = None, params: Optional[SamplingParams] = None,
+                    priority: int = 0) -> None:
+        """Queue a request. Bad input raises ValueError naming the field; nothing else is touched."""
+        params = SamplingParams() if params is None else params
+        ids = self._validate(request_id, prompt, prompt_token_ids, params, priority)
+        req = Request(request_id, ids, params, priority, eos_token_ids=self.config.model.eos_token_ids,
+                      stop_token_ids=params.stop_token_ids,
+                      bad_words_ids=self._bad_words_ids(params.bad_words) if params.bad_words else ())
+        for seq in req.seqs:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop_list) if self.tokenizer else None
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its final output (finish_reason "abort") comes with
+        the next step(). Returns False if the id is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        req.metrics.finished_time = time.monotonic()
+        self._aborted.append(self._make_output(req))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> List[RequestOutput]:
+        """Run one iteration; returns outputs of the requests that changed."""
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        logits = self.runner.run(sched)
+        return outputs + self.postprocess(sched, logits)
+
+    def postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> List[RequestOutput]:
+        """Advance computed counts, cache full blocks, fork n > 1 samples, sample, check stops."""
+        now = time.monotonic()
+        self.num_steps += 1
+        sample_seqs: List[Sequence] = []
+        rows: List[int] = []
+        num_rows = 0  # logits rows come one per sequence that completed its tokens, in order
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+            seq.request.metrics.num_scheduled_tokens += n
+            self.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prompt chunk: nothing to sample yet
+            row, num_rows = num_rows, num_rows + 1
+            sample_seqs.append(seq)
+            rows.append(row)
+            for child in seq.request.seqs:
+                if child.status == SequenceStatus.PENDING_FORK:
+                    self.scheduler.fork(seq, child)  # shares the prompt's blocks; same logits row
+                    sample_seqs.append(child)
+                    rows.append(row)
+        if not sample_seqs:
+            return []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
+        tokens, entries = self.runner.sample(logits, sample_seqs)
+        touched: Dict[str, Request] = {}
+        for seq, tok, entry in zip(sample_seqs, tokens, entries):
+            self._append_token(seq, tok, entry, now)
+            touched[seq.request.request_id] = seq.request
+        outs = []
+        for rid, req in touched.items():
+            outs.append(self._make_output(req))
+            if req.is_finished:
+                req.metrics.finished_time = now
+                self.requests.pop(rid, None)
+        return outs
+
+    def _append_token(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
+        req, p = seq.request, seq.request.params
+        seq.token_ids.append(tok)
+        seq.num_new_tokens_out.append(tok)
+        self.num_generated_tokens += 1
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        m.num_output_tokens += 1
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cum_logprob += entry["logprob"]
+        if tok in req.eos_token_ids or tok in req.stop_token_ids:
+            # The stop token is reported in token_ids but contributes no text.
+            seq.stop_reason = tok
+            self.scheduler.finish(seq, "stop")
+            return
+        if seq.detok is not None:
+            stop = seq.detok.add_tokens([tok], check_stop=seq.num_output_tokens >= p.min_tokens)
+            if stop is not None:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, "stop")
+                return
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            self.scheduler.finish(seq, "length")
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        comps = []
+        for seq in req.seqs:
+            fin = seq.is_finished
+            if seq.detok is not None:
+                delta = seq.detok.delta(finished=fin)
+                text = seq.detok.emitted_text
+            else:
+                delta = text = ""
+            comps.append(CompletionOutput(
+                index=seq.index, text=text, text_delta=delta, token_ids=seq.output_token_ids,
+                new_token_ids=seq.num_new_tokens_out, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                cum_logprob=seq.cum_logprob if seq.logprobs is not None else None))
+            seq.num_new_tokens_out = []
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.is_finished, comps,
+                             req.metrics.to_dict())
+
+    # ------------------------------------------------------------------ helpers
+    def stats(self) -> dict:
+        """Engine counters: KV blocks used/free/cached, running/waiting, preemptions, tokens."""
+        return engine_stats(self)
+
+    def generate(self, prompts=None, params=None, prompt_token_ids=None) -> List[RequestOutput]:
+        """Run a list of prompts (or id lists) to completion together; final outputs in input order."""
+        items = prompts if prompts is not None else prompt_token_ids
+        params_list = params if isinstance(params, list) else [params] * len(items)
+        base = f"gen{time.monotonic_ns()}-"
+        for i, (item, p) in enumerate(zip(items, params_list)):
+            kw = {"prompt": item} if prompts is not None else {"prompt_token_ids": item}
+            self.add_request(f"{base}{i}", params=p, **kw)
+        final: Dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[f"{base}{i}"] for i in range(len(items))]
+
+
+def __getattr__(name):
+    # AsyncLLMEngine lives in async_engine.py (it imports this module); re-exported lazily.
+    if name == "AsyncLLMEngine":
+        from .async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
+    raise AttributeError(name)

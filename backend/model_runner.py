@@ -1,0 +1,142 @@
+"""ModelRunner: owns the KV pool, turns a SchedulerOutput into one forward pass, samples.
+
+KV pool: per layer a (k_cache, v_cache) pair, each (num_blocks, block_size, num_kv_heads,
+head_dim), in the engine dtype, or float8_e4m3fn / int8 when the engine's kv_cache.dtype says
+so (the model's layers then carry k_scale / v_scale). The pool is zero-filled: padded reads of
+never-written slots must be finite, or a masked attention score could still turn into NaN.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .attention_metadata import AttentionMetadata
+from .config import EngineConfig
+from .models.decoder import TORCH_DTYPES
+from .sampler import Sampler
+from .scheduler import SchedulerOutput
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB when no budget and no block count is given on CPU
+GPU_MEMORY_FRACTION = 0.85       # of the free memory after the weights, on CUDA
+
+
+def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
+    return KV_CACHE_DTYPES.get(cfg.kv_cache.dtype, TORCH_DTYPES[cfg.dtype])
+
+
+def kv_bytes_per_block(cfg: EngineConfig) -> int:
+    """Bytes of one block across all layers, K and V."""
+    m = cfg.model
+    elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
+    return 2 * m.num_layers * cfg.limits.block_size * m.num_kv_heads * m.head_dim * elem
+
+
+def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memory_bytes: Optional[int]) -> int:
+    """How many blocks fit the memory budget (bytes); a default budget per device when None."""
+    if kv_cache_memory_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_cache_memory_bytes = int(free * GPU_MEMORY_FRACTION)
+        else:
+            # No point in more than every sequence of a full batch at max length.
+            full = cfg.limits.max_batch_size * -(-cfg.limits.max_seq_len // cfg.limits.block_size)
+            kv_cache_memory_bytes = min(DEFAULT_CPU_KV_BYTES, full * kv_bytes_per_block(cfg))
+    n = kv_cache_memory_bytes // kv_bytes_per_block(cfg)
+    if n < 1:
+        raise ValueError(f"kv cache memory budget {kv_cache_memory_bytes} bytes holds no block "
+                         f"({kv_bytes_per_block(cfg)} bytes each)")
+    return int(n)
+
+
+class ModelRunner:
+    """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step."""
+
+    def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device):
+        self.cfg = cfg
+        self.model = model
+        self.device = device
+        self.block_size = cfg.limits.block_size
+        self.num_blocks = num_blocks
+        m = cfg.model
+        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        dtype = kv_cache_dtype(cfg)
+        if dtype in (torch.float8_e4m3fn, torch.int8):
+            missing = [i for i, layer in enumerate(model.layers) if layer.k_scale is None]
+            if missing:
+                raise ValueError(f"kv_cache.dtype {cfg.kv_cache.dtype!r} needs layers.N.k_scale/v_scale "
+                                 f"in the engine weights; missing for layers {missing[:4]}")
+        self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(m.num_layers)]
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ batch
+    def _copy_blocks(self, copies: List[Tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def prepare(self, sched: SchedulerOutput):
+        """Flat batch: input ids, positions, AttentionMetadata, and the rows that need logits."""
+        bs = self.block_size
+        ids: List[int] = []
+        positions: List[np.ndarray] = []
+        slots: List[np.ndarray] = []
+        seq_lens: List[int] = []
+        logit_rows: List[int] = []
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                logit_rows.append(len(ids) - 1)
+        query_lens = list(sched.num_new_tokens)
+        max_blocks = max(len(s.block_table) for s in sched.seqs)
+        tables = np.zeros((len(sched.seqs), max_blocks), dtype=np.int32)
+        for i, seq in enumerate(sched.seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return input_ids, pos_t, meta, logit_rows
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """One forward pass. Returns float32 logits (on CPU), one row per sequence that completes
+        its tokens this step (in sched.seqs order); partial prompt chunks get no row."""
+        self._copy_blocks(sched.block_copies)
+        input_ids, positions, meta, logit_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not logit_rows:
+            return torch.empty(0, self.cfg.model.vocab_size)
+        # Only the last token of a finished prompt or a decode needs the LM head.
+        rows = torch.tensor(logit_rows, device=hidden.device)
+        return self.model.compute_logits(hidden[rows]).float().cpu()
+
+    def sample(self, logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[dict]]]:
+        with torch.inference_mode():
+            return self.sampler(logits, seqs)

@@ -1,0 +1,135 @@
+"""Per-request sampling inside one batch.
+
+Each row of the batch carries its own SamplingParams. Processing order, per row:
+  1. bans: bad words (last token of a bad-word sequence whose prefix was just generated) and,
+     until min_tokens are out, EOS and stop token ids -> logit -inf;
+  2. repetition penalty (Keskar et al., "CTRL", 2019) over prompt + output tokens: a seen token's
+     logit l becomes l / r if l > 0 else l * r;
+  3. presence / frequency penalties (OpenAI API definition) over output tokens:
+     l -= frequency_penalty * count + presence_penalty * (count > 0);
+  4. temperature 0 -> argmax (greedy); otherwise l / T, then
+  5. top-k (keep the k largest), top-p (nucleus, Holtzman et al. 2020: the smallest set of most
+     likely tokens whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens with
+     p < min_p * p_max); the survivors are renormalized by the softmax;
+  6. draw with the exponential race: argmax_i p_i / E_i, E_i ~ Exp(1) i.i.d., is a sample of
+     Categorical(p) (the Gumbel-max trick in exponential form). Each seeded sequence draws its
+     E from its own torch.Generator, one vocabulary-sized draw per token, so its tokens depend
+     only on its seed and its own history, never on the rest of the batch.
+Logprobs are the model's raw log-softmax (step 0 logits, before any of the above), the same
+numbers a user can recompute from the model alone.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence as Seq, Tuple
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def apply_bans(logits: torch.Tensor, seqs: Seq) -> None:
+    """Step 1, in place: bad words and min_tokens bans."""
+    for r, seq in enumerate(seqs):
+        req = seq.request
+        banned: List[int] = []
+        if seq.num_output_tokens < req.params.min_tokens:
+            banned += list(req.eos_token_ids) + list(req.stop_token_ids)
+        for word in req.bad_words_ids:
+            k = len(word) - 1
+            if k == 0 or (seq.num_tokens >= k and seq.token_ids[-k:] == word[:-1]):
+                banned.append(word[-1])
+        if banned:
+            logits[r, banned] = NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq) -> None:
+    """Steps 2-3, in place, only for rows that ask for a penalty."""
+    vocab = logits.shape[1]
+    for r, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(seq.token_ids, dtype=torch.long)] = True
+            row = logits[r]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[r] = torch.where(seen, penalized, row)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            out = seq.output_token_ids
+            if out:
+                counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).to(logits.dtype)
+                logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Step 5: mask (-inf) what top-k, top-p and min-p drop. top_k 0 = off; logits are tempered."""
+    n, vocab = logits.shape
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        vals, idx = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).expand(n, vocab)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        drop = rank >= k[:, None]
+        vals = vals.masked_fill(drop, NEG_INF)
+        probs = vals.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep a token while the mass of the tokens ranked above it is still below p.
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.scatter(1, idx, vals.masked_fill(drop, NEG_INF))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        thresh = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, NEG_INF)
+    return logits
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the exact definitions."""
+
+    def __call__(self, logits: torch.Tensor, seqs: Seq) -> Tuple[List[int], List[Optional[dict]]]:
+        """logits: float32 (N, V), one row per sequence in `seqs` (a row may be repeated for n > 1).
+
+        Returns (token ids, logprob entries or None per row).
+        """
+        n, vocab = logits.shape
+        params = [s.request.params for s in seqs]
+        want_lp = [p.logprobs is not None for p in params]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        x = logits.clone()
+        apply_bans(x, seqs)
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+               for p in params):
+            apply_penalties(x, seqs)
+        greedy = [p.temperature == 0.0 for p in params]
+        tokens = x.argmax(dim=-1)
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            xs = x[rows] / torch.tensor([params[i].temperature for i in rows])[:, None]
+            xs = truncate(xs,
+                          torch.tensor([max(params[i].top_k, 0) for i in rows]),
+                          torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
+                          torch.tensor([params[i].min_p for i in rows], dtype=torch.float32))
+            probs = xs.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_()
+            for j, i in enumerate(rows):
+                gen = seqs[i].generator
+                if gen is not None:
+                    noise[j] = torch.empty(vocab).exponential_(generator=gen)
+            sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+            tokens[rows] = sampled
+        token_list = tokens.tolist()
+        entries: List[Optional[dict]] = [None] * n
+        if raw_lp is not None:
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                tok = token_list[i]
+                entry = {"token_id": tok, "logprob": float(raw_lp[i, tok]), "top_logprobs": []}
+                if p.logprobs > 0:
+                    vals, ids = raw_lp[i].topk(p.logprobs)
+                    entry["top_logprobs"] = [{"token_id": int(t), "logprob": float(v)}
+                                             for t, v in zip(ids.tolist(), vals.tolist())]
+                entries[i] = entry
+        return token_list, entries

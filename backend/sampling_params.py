@@ -1,0 +1,109 @@
+"""SamplingParams: how one request is decoded. Validated once, at admission, with clear errors.
+
+Order in which the sampler applies them (see backend/sampler.py):
+    bad words / min_tokens bans -> repetition penalty -> presence & frequency penalties
+    -> temperature -> top-k -> top-p -> min-p -> sample (greedy when temperature == 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+# Largest number of top logprobs a request may ask for per token.
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+def _check_number(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
+    """Raise ValueError naming `name` unless lo (<|<=) value (<|<=) hi; NaN is always rejected."""
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{name} must be {kind}, got NaN")
+    lo_s = "(" if lo_open else "["
+    hi_s = ")" if hi_open else "]"
+    rng = f"{lo_s}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{hi_s}"
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be in {rng}, got {value!r}")
+    if hi is not None and (value >= hi if hi_open else value > hi):
+        raise ValueError(f"{name} must be in {rng}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (the Engine API contract; see notes/COMMON.md).
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k. `stop` strings end the output
+    and are not emitted; `stop_token_ids` (and the model's EOS unless ignore_eos) end it too.
+    `bad_words` are strings never generated. `logprobs` N returns the sampled token's logprob
+    plus the top N (N = 0: sampled only). `n` independent samples share the prompt's KV blocks.
+    """
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: Union[List[str], str] = field(default_factory=list)
+    stop_token_ids: List[int] = field(default_factory=list)
+    bad_words: List[str] = field(default_factory=list)
+    logprobs: Optional[int] = None
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_seq_len: int, vocab_size: int, prompt_len: int) -> None:
+        """Check every field; raise ValueError naming the first bad one and its allowed range."""
+        if prompt_len <= 0:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        if prompt_len >= max_seq_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; the engine's max_seq_len is {max_seq_len}, "
+                             f"so prompts must have at most {max_seq_len - 1} tokens")
+        _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
+        if prompt_len + self.max_tokens > max_seq_len:
+            raise ValueError(f"max_tokens must be in [1, {max_seq_len - prompt_len}] for this "
+                             f"{prompt_len}-token prompt (max_seq_len {max_seq_len}), got {self.max_tokens}")
+        _check_number("temperature", self.temperature, lo=0.0)
+        if math.isinf(self.temperature):
+            raise ValueError("temperature must be finite and >= 0, got inf")
+        _check_number("top_k", self.top_k, lo=-1, integer=True)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        if math.isinf(self.repetition_penalty):
+            raise ValueError("repetition_penalty must be finite and > 0")
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _check_number("seed", self.seed, lo=0, hi=2 ** 63 - 1, integer=True)
+        _check_number("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens, integer=True)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for s in self.stop_list:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids entries must be token ids in [0, {vocab_size}), got {t!r}")
+        if isinstance(self.bad_words, str):
+            raise ValueError("bad_words must be a list of strings, not a single string")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {w!r}")
+        if self.logprobs is not None:
+            _check_number("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, integer=True)
+        _check_number("n", self.n, lo=1, hi=MAX_N, integer=True)
+
+    @property
+    def stop_list(self) -> List[str]:
+        """`stop` as a list (a single string is accepted for convenience)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)

@@ -1,0 +1,48 @@
+"""Engine-level statistics: KV block states, queue lengths, preemptions, token counters."""
+from __future__ import annotations
+
+from typing import Dict
+
+
+def kv_live_tokens(engine) -> int:
+    """Tokens whose K/V sit in blocks now in use; a block shared by several sequences counts once."""
+    bs = engine.block_size
+    fill: Dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for i, bid in enumerate(seq.block_table):
+            n = min(bs, max(seq.num_computed_tokens - i * bs, 0))
+            if n > fill.get(bid, 0):
+                fill[bid] = n
+    return sum(fill.values())
+
+
+def engine_stats(engine) -> dict:
+    """Snapshot of the engine. The integer keys kv_blocks_used / kv_blocks_free / kv_blocks_cached,
+    preemptions, num_running and num_waiting are part of the Engine API contract.
+
+    kv_blocks_used: blocks held by a sequence (ref_cnt > 0); kv_blocks_cached: unheld blocks still
+    holding a reusable prefix (evicted lazily, LRU); kv_blocks_free: the rest.
+    kv_live_fraction: live tokens / (used blocks x block_size), i.e. how much allocated KV memory
+    holds real tokens (paging wastes at most the tail of each sequence's last block).
+    """
+    bm = engine.block_manager
+    used, free, cached = bm.usage()
+    live = kv_live_tokens(engine)
+    sched = engine.scheduler
+    return {
+        "kv_blocks_used": used,
+        "kv_blocks_free": free,
+        "kv_blocks_cached": cached,
+        "kv_blocks_total": bm.num_blocks,
+        "block_size": engine.block_size,
+        "kv_live_tokens": live,
+        "kv_live_fraction": live / (used * engine.block_size) if used else 1.0,
+        "preemptions": sched.num_preemptions,
+        "num_running": len(sched.running),
+        "num_waiting": len(sched.waiting),
+        "num_requests": len(engine.requests),
+        "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens,
+        "num_steps": engine.num_steps,
+        "num_computed_tokens": engine.num_computed_tokens,
+        "num_generated_tokens": engine.num_generated_tokens,
+    }
