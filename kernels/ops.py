@@ -1,12 +1,17 @@
 """Op registry used by the ModelRunner: one function per op, picked per device.
 
-CUDA tensors go to the Triton kernels, CPU tensors to the torch references (and torch's packed
-CPU int4/int8 GEMMs for quantized linears). `TRITIUM_KERNELS=reference|triton` forces one side.
+CUDA tensors go to the Triton kernels, CPU tensors to the torch references (the quantized linear
+classes add torch's packed CPU int4/int8 GEMMs on CPU). `TRITIUM_KERNELS=reference|triton` forces
+one side; forcing triton for CPU tensors needs `TRITON_INTERPRET=1` (Triton's interpreter).
+The Triton modules are imported lazily: `@triton.jit` fixes compiled-vs-interpreted at import,
+and CPU-only installs need not have triton at all.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
+from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from .paged_attention import paged_attention_ref
 from .rms_norm import rms_norm_ref
@@ -23,21 +28,75 @@ def kernel_mode() -> str:
     return mode
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def use_triton(t) -> bool:
+    """Whether an op on tensor `t` runs the Triton kernel (else the torch reference)."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if not t.is_cuda and not _interpreting():
+            raise ValueError("TRITIUM_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                             "(Triton's interpreter); or use TRITIUM_KERNELS=reference|auto")
+        return True
+    return t.is_cuda
+
+
+def _tk(module: str):
+    return importlib.import_module(f".{module}", __package__)
+
+
 def rms_norm(x, weight, eps, residual=None):
+    if use_triton(x):
+        return _tk("elementwise_triton").rms_norm(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
 def rotary(q, k, positions, cos_sin_cache):
+    if use_triton(q):
+        return _tk("elementwise_triton").rotary(q, k, positions, cos_sin_cache)
     return rotary_ref(q, k, positions, cos_sin_cache)
 
 
 def silu_mul(x):
+    if use_triton(x):
+        return _tk("elementwise_triton").silu_mul(x)
     return silu_mul_ref(x)
 
 
 def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    if use_triton(k):
+        return _tk("kv_write_triton").kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return kv_write_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
+    """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode."""
+    if use_triton(q):
+        return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
+                                                        k_scale, v_scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+
+
+def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):
+    """x (..., K) @ int4 weight (packed layout of gemm_ref.py)^T (+ bias)."""
+    if use_triton(x):
+        return _tk("quant_gemm").w4a16_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)
+    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, g_idx, bias)
+
+
+def linear_w8a16(x, qweight, scales, bias=None):
+    """Weight-only int8 (or fp8) GEMM: x @ (qweight * scales[:, None])^T (+ bias)."""
+    if use_triton(x):
+        return _tk("quant_gemm").w8a16_gemm(x, qweight, scales, bias)
+    return w8a16_gemm_ref(x, qweight, scales, bias)
+
+
+def linear_fp8(x, qweight, scales, bias=None):
+    """FP8 W8A8 with dynamic per-token activation scales (amax / 448)."""
+    if use_triton(x):
+        return _tk("quant_gemm").fp8_gemm(x, qweight, scales, bias)
+    return fp8_gemm_ref(x, qweight, scales, bias)
