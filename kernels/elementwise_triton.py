@@ -14,6 +14,16 @@ import triton.language as tl
 from .triton_common import TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape, next_pow2
 
 
+def _out_or_new(out: Optional[torch.Tensor], name: str, like: torch.Tensor, shape=None) -> torch.Tensor:
+    shape = tuple(like.shape) if shape is None else tuple(shape)
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    check_shape(name, out, shape)
+    if out.dtype != like.dtype or not out.is_contiguous() or out.device != like.device:
+        raise ValueError(f"{name}: must be a contiguous {like.dtype} tensor on {like.device}")
+    return out
+
+
 # ---------------------------------------------------------------- RMSNorm (+ residual)
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
@@ -38,10 +48,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             residual: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+             residual_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x (T, H); with residual, normalises x + residual.
 
     Returns (normed, residual_out) like rms_norm_ref; residual_out is x itself without residual.
+    out / residual_out: optional preallocated (T, H) outputs.
     """
     check_dtype("x", x, TORCH_FLOATS)
     if x.dim() != 2:
@@ -52,13 +64,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_device(x, weight=weight, residual=residual)
     if weight.dtype != x.dtype:
         raise ValueError(f"weight: dtype {weight.dtype} must match x dtype {x.dtype}")
-    out = torch.empty_like(x)
+    out = _out_or_new(out, "out", x)
     if residual is not None:
         check_shape("residual", residual, (t, h))
         check_last_contiguous("residual", residual)
         if residual.dtype != x.dtype:
             raise ValueError(f"residual: dtype {residual.dtype} must match x dtype {x.dtype}")
-        res_out = torch.empty_like(x)
+        res_out = _out_or_new(residual_out, "residual_out", x)
     else:
         res_out = x
     if t == 0:
@@ -99,9 +111,10 @@ def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cs_ptr,
     tl.store(obase + half, o2.to(x1.dtype), mask=mask)
 
 
-def _rotary_one(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+def _rotary_one(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                out: Optional[torch.Tensor], name: str) -> torch.Tensor:
     t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    out = _out_or_new(out, name, x)
     if t == 0:
         return out
     half = d // 2
@@ -116,10 +129,12 @@ def _rotary_one(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-           cos_sin_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+           cos_sin_cache: torch.Tensor, q_out: Optional[torch.Tensor] = None,
+           k_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Neox RoPE on q (T, Hq, D) and k (T, Hkv, D) at positions (T,); returns new (q, k).
 
-    cos_sin_cache is (max_pos, D) float32 [cos | sin] (rope_cos_sin_cache, any scaling).
+    cos_sin_cache is (max_pos, D) float32 [cos | sin] (rope_cos_sin_cache, any scaling);
+    q_out / k_out: optional preallocated contiguous outputs.
     """
     for name, x in (("q", q), ("k", k)):
         check_dtype(name, x, TORCH_FLOATS)
@@ -136,7 +151,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     check_dtype("cos_sin_cache", cos_sin_cache, (torch.float32,))
     check_last_contiguous("cos_sin_cache", cos_sin_cache)
     check_device(q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
-    return _rotary_one(q, positions, cos_sin_cache), _rotary_one(k, positions, cos_sin_cache)
+    return (_rotary_one(q, positions, cos_sin_cache, q_out, "q_out"),
+            _rotary_one(k, positions, cos_sin_cache, k_out, "k_out"))
 
 
 # ---------------------------------------------------------------- SiLU-and-mul
@@ -154,8 +170,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x_row, stride_out_row, n,
     tl.store(out_ptr + row * stride_out_row + cols, y.to(gate.dtype), mask=mask)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (..., 2n) = [gate | up] -> silu(gate) * up, shape (..., n)."""
+def silu_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (..., 2n) = [gate | up] -> silu(gate) * up, shape (..., n); out: optional (..., n)."""
     check_dtype("x", x, TORCH_FLOATS)
     if x.shape[-1] % 2:
         raise ValueError(f"x: last dim must be even ([gate | up]), got {x.shape[-1]}")
@@ -163,7 +179,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
     rows = x2.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    out = _out_or_new(out, "out", x, (*x.shape[:-1], n)).view(rows, n)
     if rows and n:
         block_n = min(next_pow2(n), 1024)
         # x: (rows, 2n) = [gate | up]; out: (rows, n). Grid: (row, column block).

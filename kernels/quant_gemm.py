@@ -154,6 +154,16 @@ def _check_bias(bias: Optional[torch.Tensor], n: int) -> None:
         check_dtype("bias", bias, TORCH_FLOATS)
 
 
+def _out_2d(out: Optional[torch.Tensor], x: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The (M, N) output: a new tensor, or a view of the caller's contiguous (..., N) `out`."""
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    check_shape("out", out, (*x.shape[:-1], n))
+    if out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out: must be a contiguous {x.dtype} tensor")
+    return out.view(m, n)
+
+
 def _tiles(m: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K): skinny M for decode batches; tl.dot wants every dim >= 16."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -162,7 +172,7 @@ def _tiles(m: int):
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, g_idx: Optional[torch.Tensor] = None,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ dequant_int4(qweight, scales, zeros)^T (+ bias); x (..., K) -> (..., N) in x's dtype."""
     check_dtype("qweight", qweight, (torch.uint8,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
@@ -182,7 +192,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     x2 = _prep_x(x, k)
     check_device(x2, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx, bias=bias)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _out_2d(out, x, m, n)
     if m:
         block_m, block_n, block_k = _tiles(m)
         if group_size & (group_size - 1) == 0:
@@ -200,7 +210,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 
 def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weight-only GEMM: y = x @ (qweight * scales[:, None])^T (+ bias); qweight int8 or e4m3 (N, K)."""
     check_dtype("qweight", qweight, (torch.int8, torch.float8_e4m3fn))
     n, k = qweight.shape
@@ -211,7 +221,7 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x2 = _prep_x(x, k)
     check_device(x2, qweight=qweight, scales=scales, bias=bias)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _out_2d(out, x, m, n)
     if m:
         block_m, block_n, block_k = _tiles(m)
         upcast = dot_upcast(x.dtype)
@@ -247,7 +257,7 @@ def _fp8_operands(device: torch.device) -> int:
 
 
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+             bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FP8 W8A8: per-token E4M3 activations times per-channel E4M3 weights (N, K); (..., K) -> (..., N)."""
     check_dtype("qweight", qweight, (torch.float8_e4m3fn,))
     n, k = qweight.shape
@@ -258,7 +268,7 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x2 = _prep_x(x, k)
     check_device(x2, qweight=qweight, scales=scales, bias=bias)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = _out_2d(out, x, m, n)
     if m:
         xq, xs = quantize_fp8_per_token(x2)
         block_m, block_n, block_k = _tiles(m)
