@@ -172,12 +172,14 @@ class TritonPythonModel:
 
     def _serve_row(self, request, state, row, rid, p, ids, sp, arrival):
         n = sp.n
-        sent_ids = [[] for _ in range(n)]       # ids already sent, per sample
+        # With exclude_input_in_output false, output_ids start with the prompt ids and
+        # text_output with the prompt (tensorrtllm_backend's convention); both go out once.
+        echo_ids = [] if p.exclude_input_in_output else list(ids)
+        echo_text = "" if p.exclude_input_in_output else (
+            p.prompt if p.prompt is not None else self.tokenizer.decode(ids) if self.tokenizer else "")
+        sent_ids = [[] for _ in range(n)]       # ids already sent, per sample (context_ids source)
         done = [False] * n
         token_times = [[] for _ in range(n)]
-        echo = "" if p.exclude_input_in_output else (p.prompt if p.prompt is not None
-                                                      else self.tokenizer.decode(ids) if self.tokenizer else "")
-        echo_sent = [False] * n
         try:
             for out in self.engine.generate(rid, prompt_token_ids=list(ids), params=sp):
                 if state.closed or request.is_cancelled():
@@ -192,16 +194,16 @@ class TritonPythonModel:
                     new_ids = list(c.new_token_ids or [])
                     token_times[i].extend([now] * len(new_ids))
                     finished = c.finish_reason is not None
-                    if not new_ids and not c.text_delta and not finished:
-                        continue
                     self.metrics.add_tokens(0, len(new_ids))
-                    if p.stream:
-                        text = ("" if echo_sent[i] else echo) + (c.text_delta or "")
-                        echo_sent[i] = True
-                        self._emit(state, c, row, text, new_ids, sent_ids[i], len(ids), p, finished)
-                        sent_ids[i].extend(new_ids)
-                    elif finished:
-                        self._emit(state, c, row, echo + c.text, list(c.token_ids), [], len(ids), p, True)
+                    if p.stream and (new_ids or c.text_delta or finished):
+                        first = not sent_ids[i]
+                        text = (echo_text if first else "") + (c.text_delta or "")
+                        out_ids = (echo_ids if first else []) + new_ids
+                        self._emit(state, c, row, text, out_ids, new_ids, sent_ids[i], len(ids), p, finished)
+                        sent_ids[i].extend(out_ids)
+                    elif finished and not p.stream:
+                        self._emit(state, c, row, echo_text + c.text, echo_ids + list(c.token_ids),
+                                   list(c.token_ids), [], len(ids), p, True)
                     if finished:
                         done[i] = True
                         self.metrics.observe_token_times(arrival, token_times[i])
@@ -214,12 +216,13 @@ class TritonPythonModel:
         finally:
             self._update_stats()
 
-    def _emit(self, state, c, row, text, new_ids, prev_ids, num_input, p, finished):
-        lps = token_logprobs(c.logprobs, list(c.token_ids))
-        new_lps = lps[len(lps) - len(new_ids):] if (p.return_log_probs and lps) else []
+    def _emit(self, state, c, row, text, out_ids, gen_ids, prev_ids, num_input, p, finished):
+        """One response. out_ids: what output_ids carries; gen_ids: the generated ids among them."""
+        lps = token_logprobs(c.logprobs, list(c.token_ids)) if p.return_log_probs else []
+        new_lps = lps[len(lps) - len(gen_ids):] if lps and gen_ids else []
         cum = c.cum_logprob if p.return_log_probs else None
         arrays = response_arrays(
-            text=text, new_ids=new_ids, finish_reason=c.finish_reason if finished else None,
+            text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
             cum_log_prob=cum, log_probs=new_lps, num_input_tokens=num_input,
             num_output_tokens=len(c.token_ids), batch_index=row, sequence_index=c.index,
             context_ids=prev_ids[-NUM_CONTEXT_IDS:])

@@ -57,7 +57,8 @@ INPUTS = (
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,), doc="generated text (the delta when streaming)"),
-    TensorSpec("output_ids", "TYPE_INT32", (-1,), doc="generated token ids (the new ones when streaming)"),
+    TensorSpec("output_ids", "TYPE_INT32", (-1,),
+               doc="generated token ids (new ones when streaming); prompt ids first if exclude_input_in_output is false"),
     TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc='"" until done, then "stop", "length" or "abort"'),
     TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), doc="sum of output token logprobs so far"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), doc="logprob of each token in output_ids"),

@@ -93,8 +93,12 @@ class PreprocessingModel:
 
 
 class PostprocessingModel:
-    """output_ids [B, L] (+ context_ids, finish_reason, text_input, exclude_input_in_output)
-    -> text_output [B, 1]. One call per streamed LLM response; no state between calls."""
+    """output_ids [B, L] (+ context_ids, finish_reason) -> text_output [B, 1].
+
+    One call per streamed LLM response; no state between calls. The prompt echo needs nothing
+    here: with exclude_input_in_output false the LLM puts the prompt ids in front of output_ids
+    (tensorrtllm_backend's convention), so they decode with the rest.
+    """
 
     def initialize(self, args):
         self.tokenizer = load_tokenizer_from_params(args)
@@ -111,16 +115,11 @@ class PostprocessingModel:
             ids = ids.reshape(ids.shape[0], -1)
             ctx = _opt(request, "context_ids")
             fin = _opt(request, "finish_reason")
-            prompt = _opt(request, "text_input")
-            excl = _opt(request, "exclude_input_in_output")
             out = []
             for b in range(ids.shape[0]):
                 context = [] if ctx is None else [int(x) for x in ctx.reshape(ctx.shape[0], -1)[min(b, ctx.shape[0] - 1)]]
                 final = fin is None or bool(bytes(fin.reshape(fin.shape[0], -1)[min(b, fin.shape[0] - 1)][0]))
                 text = decode_delta(self.tokenizer, context, [int(x) for x in ids[b]], final)
-                echo = excl is not None and not bool(excl.reshape(-1)[min(b, excl.size - 1)])
-                if echo and prompt is not None and not context:
-                    text = bytes(prompt.reshape(prompt.shape[0], -1)[min(b, prompt.shape[0] - 1)][0]).decode() + text
                 out.append([text.encode("utf-8")])
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor("text_output", np.array(out, dtype=np.object_))]))
