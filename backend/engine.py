@@ -95,6 +95,8 @@ class LLMEngine:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"prompt_token_ids entries must be integers in [0, {vocab}), got {t!r}")
         params.validate(self.max_seq_len, vocab, len(ids))
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n must be in [1, {self.scheduler.max_num_seqs}] (max_num_seqs), got {params.n}")
         need = cdiv(len(ids) + params.max_tokens, self.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(

@@ -72,6 +72,8 @@ class Scheduler:
 
     def _slots_needed(self, seq: Sequence) -> int:
         # Sequence 0 of an n-sample request forks n - 1 siblings once its prompt is done.
+        if seq.index != 0 or seq.request.params.n == 1:
+            return 1
         return 1 + sum(1 for s in seq.request.seqs if s.status == SequenceStatus.PENDING_FORK)
 
     # ------------------------------------------------------------------ the step
@@ -103,9 +105,12 @@ class Scheduler:
             i += 1
 
         # 2) Waiting sequences, in order, unless memory was just short (they would only thrash).
+        # Running prompts of n > 1 requests hold slots for the samples they will fork.
+        num_slots = sum(self._slots_needed(s) for s in self.running)
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            if len(self.running) + self._slots_needed(seq) > self.max_num_seqs:
+            need = self._slots_needed(seq)
+            if num_slots + need > self.max_num_seqs:
                 break
             computed = self.bm.get_computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
@@ -115,6 +120,7 @@ class Scheduler:
             self.bm.allocate(seq, num_new, computed)
             self.waiting.pop(0)
             self._start_running(seq)
+            num_slots += need
             m = seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now

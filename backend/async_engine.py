@@ -1,0 +1,119 @@
+"""AsyncLLMEngine: an LLMEngine driven by a background loop thread, with a stream per request.
+
+Any thread may call generate(); the request joins the running batch at the next step
+(in-flight batching). Each stream is a plain iterator of RequestOutput, fed through a
+queue.Queue, so it is safe to consume from the thread that created it while the loop runs.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Dict, Iterator, List, Optional
+
+from .engine import LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The loop thread hit an internal error; pending requests are failed with it."""
+
+
+class AsyncLLMEngine:
+    """Thread-safe wrapper: generate() streams, abort() cancels, stats() snapshots."""
+
+    def __init__(self, engine_dir: Optional[str] = None, *, engine: Optional[LLMEngine] = None, **kwargs):
+        self.engine = engine if engine is not None else LLMEngine(engine_dir, **kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
+        self._cv = threading.Condition()
+        self._streams: Dict[str, "queue.Queue"] = {}
+        self._stopped = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="tritium-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, request_id: str, prompt: Optional[str] = None, prompt_token_ids: Optional[List[int]] = None,
+                 params: Optional[SamplingParams] = None, priority: int = 0) -> Iterator[RequestOutput]:
+        """Add a request and return its stream. Bad input raises ValueError here, before streaming."""
+        q: "queue.Queue" = queue.Queue()
+        with self._cv:
+            if self._error is not None:
+                raise EngineDeadError(f"engine loop died: {self._error!r}")
+            if self._stopped:
+                raise RuntimeError("engine is shut down")
+            self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                    params=params, priority=priority)
+            self._streams[request_id] = q
+            self._cv.notify()
+        return self._stream(request_id, q)
+
+    def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # consumer went away (or error): free the request's blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its stream ends with finish_reason "abort"."""
+        with self._cv:
+            ok = self.engine.abort(request_id)
+            self._cv.notify()
+            return ok
+
+    def stats(self) -> dict:
+        with self._cv:
+            return self.engine.stats()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread; unfinished streams get an error."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self._fail_all(RuntimeError("engine shut down"))
+
+    # ------------------------------------------------------------------ loop
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cv:
+            streams, self._streams = self._streams, {}
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+            self.engine._aborted.clear()
+        for q in streams.values():
+            q.put(err)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self.engine.has_unfinished():
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except BaseException as e:  # an internal bug must not hang every client
+                    self._error = e
+                    outputs = None
+                deliveries = []
+                for out in outputs or []:
+                    q = self._streams.get(out.request_id)
+                    if q is not None:
+                        deliveries.append((q, out))
+                        if out.finished:
+                            del self._streams[out.request_id]
+            if outputs is None:
+                self._fail_all(EngineDeadError(f"engine step failed: {self._error!r}"))
+                return
+            for q, out in deliveries:
+                q.put(out)
