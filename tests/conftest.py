@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny checkpoints and engines (built once per session), SmolLM2."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a real CUDA GPU (reported as skipped on CPU)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (SmolLM2, real server)")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(family, **overrides) -> checkpoint folder (cached per args)."""
+    cache = {}
+
+    def make(family: str = "llama", **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt-{family}")
+            cache[key] = make_checkpoint(family, str(path), **overrides)
+        return cache[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint, tmp_path_factory):
+    """Factory: tiny_engine(family, dtype="float32", **build_kwargs) -> engine dir (cached)."""
+    from tritium.builder.build import BuildOptions, build_engine
+    cache = {}
+
+    def make(family: str = "llama", dtype: str = "float32", **kw):
+        key = (family, dtype, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp(f"engine-{family}-{dtype}") / "engine")
+            build_engine(BuildOptions(source=tiny_checkpoint(family), output=out, dtype=dtype,
+                                      progress=False, **kw))
+            cache[key] = out
+        return cache[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from tritium.builder.default_model import smollm2_gguf_path
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_gguf, tmp_path_factory):
+    """Factory: smollm2_engine(dtype) -> engine dir built from SmolLM2's GGUF (cached)."""
+    from tritium.builder.build import BuildOptions, build_engine
+    cache = {}
+
+    def make(dtype: str = "float32", **kw):
+        key = (dtype, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp(f"smollm2-{dtype}") / "engine")
+            build_engine(BuildOptions(source=smollm2_gguf, output=out, dtype=dtype, progress=False, **kw))
+            cache[key] = out
+        return cache[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """HF transformers' own load of the SmolLM2 GGUF (float32): the numerics oracle."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
+                                                    gguf_file=os.path.basename(smollm2_gguf),
+                                                    dtype=torch.float32).eval()
+
+
+__all__ = ["FAMILIES"]
