@@ -20,6 +20,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help='print one JSON object per line: {"text","token_ids","prompt_token_ids","finish_reason"}')
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    from tritium.client.remote_generate import add_remote_arguments
+    add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
     p.set_defaults(func=run)
 
 
@@ -34,6 +36,9 @@ def parse_prompt_ids(s: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "url", None):
+        from tritium.client.remote_generate import run_remote
+        return run_remote(args)
     from tritium.backend.loader import load_engine
     from tritium.backend.simple_generate import generate_simple
     if not args.engine:

@@ -1,0 +1,220 @@
+"""A small Python client for Tritium models on tritonserver, over tritonclient gRPC or HTTP.
+
+    from tritium.client.triton_client import TritiumClient
+    c = TritiumClient("127.0.0.1:8001", protocol="grpc", model="smollm2")
+    print(c.generate("Hello", max_tokens=32, temperature=0).text)
+    for chunk in c.stream("Hello", max_tokens=32):
+        print(chunk.text, end="", flush=True)
+
+gRPC uses tritonclient's bidirectional stream (the only way to talk to a decoupled model);
+HTTP uses Triton's generate / generate_stream (server-sent events) endpoints. Both speak the
+tensor contract of tritium.backend.triton_contract, so they work with the NAME, NAME_ensemble
+and NAME_bls models alike.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import numpy as np
+
+from tritium.backend.triton_contract import INPUTS
+
+_SPEC = {s.name: s for s in INPUTS}
+_NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_,
+       "TYPE_UINT64": np.uint64}
+_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL",
+         "TYPE_UINT64": "UINT64"}
+
+
+class TritiumClientError(RuntimeError):
+    """The server answered with an error (its message names the bad field)."""
+
+
+@dataclass
+class Chunk:
+    """One streamed response: the new text and ids, and finish_reason on the last one."""
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    num_input_tokens: Optional[int] = None
+    num_output_tokens: Optional[int] = None
+    log_probs: List[float] = field(default_factory=list)
+    cum_log_prob: Optional[float] = None
+    sequence_index: int = 0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+    num_input_tokens: Optional[int] = None
+    num_output_tokens: Optional[int] = None
+    log_probs: List[float] = field(default_factory=list)
+    cum_log_prob: Optional[float] = None
+
+
+def build_request(prompt: Optional[str] = None, **params) -> dict:
+    """Validated {input name: value} from keyword parameters (names of the tensor contract)."""
+    req = {}
+    if prompt is not None:
+        req["text_input"] = prompt
+    for k, v in params.items():
+        if v is None:
+            continue
+        if k not in _SPEC:
+            raise ValueError(f"unknown parameter {k!r}; allowed: {', '.join(sorted(_SPEC))}")
+        req[k] = v
+    return req
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    spec = _SPEC[name]
+    dtype = _NP[spec.data_type]
+    if spec.dims == (1,):
+        value = [value]
+    if dtype is np.object_:
+        arr = np.array([[v.encode("utf-8") if isinstance(v, str) else v for v in value]], dtype=np.object_)
+    else:
+        arr = np.array([value], dtype=dtype)
+    return arr
+
+
+def _chunk_from_arrays(get) -> Chunk:
+    def scalar(name, conv):
+        a = get(name)
+        return None if a is None or a.size == 0 else conv(a.reshape(-1)[0])
+    text = scalar("text_output", lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v)) or ""
+    ids = get("output_ids")
+    lps = get("output_log_probs")
+    fr = scalar("finish_reason", lambda v: v.decode() if isinstance(v, bytes) else str(v))
+    return Chunk(text=text, token_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
+                 finish_reason=fr or None, num_input_tokens=scalar("num_input_tokens", int),
+                 num_output_tokens=scalar("num_output_tokens", int),
+                 log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)],
+                 cum_log_prob=scalar("cum_log_probs", float), sequence_index=scalar("sequence_index", int) or 0)
+
+
+class TritiumClient:
+    """Generate text from a Tritium model over gRPC (default) or HTTP."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", protocol: str = "grpc", model: str = "tritium",
+                 timeout: float = 600.0):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+        self.url = url.split("://", 1)[-1].rstrip("/")
+        self.protocol = protocol
+        self.model = model
+        self.timeout = timeout
+
+    # ---- public API ------------------------------------------------------------------------
+    def stream(self, prompt: Optional[str] = None, **params) -> Iterator[Chunk]:
+        """Yield one Chunk per streamed response (stream=True is set for you)."""
+        params["stream"] = True
+        req = build_request(prompt, **params)
+        yield from (self._grpc(req) if self.protocol == "grpc" else self._http(req, stream=True))
+
+    def generate(self, prompt: Optional[str] = None, **params) -> Completion:
+        """One complete answer (stream=False): text, token ids, finish_reason, counts, logprobs."""
+        params["stream"] = False
+        req = build_request(prompt, **params)
+        chunks = list(self._grpc(req) if self.protocol == "grpc" else self._http(req, stream=False))
+        return join_chunks(chunks)
+
+    def is_ready(self) -> bool:
+        if self.protocol == "grpc":
+            import tritonclient.grpc as grpcclient
+            with grpcclient.InferenceServerClient(self.url) as c:
+                return c.is_model_ready(self.model)
+        try:
+            with urllib.request.urlopen(f"http://{self.url}/v2/models/{self.model}/ready", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    # ---- gRPC --------------------------------------------------------------------------------
+    def _grpc(self, req: dict) -> Iterator[Chunk]:
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+        inputs = []
+        for name, value in req.items():
+            arr = _as_array(name, value)
+            inp = grpcclient.InferInput(name, list(arr.shape), _WIRE[_SPEC[name].data_type])
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        results: "queue.Queue" = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
+        done = False
+        try:
+            client.start_stream(callback=lambda result, error: results.put((result, error)),
+                                stream_timeout=self.timeout)
+            client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
+                                      enable_empty_final_response=True)
+            while True:
+                result, error = results.get(timeout=self.timeout)
+                if error is not None:
+                    raise TritiumClientError(error.message() if isinstance(error, InferenceServerException)
+                                             else str(error))
+                resp = result.get_response()
+                final = resp.parameters.get("triton_final_response")
+                if resp.outputs:
+                    yield _chunk_from_arrays(result.as_numpy)
+                if final is not None and final.bool_param:
+                    done = True
+                    return
+        finally:
+            # Closing early (a consumer that stops iterating) cancels the request on the server.
+            client.stop_stream(cancel_requests=not done)
+            client.close()
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    def _http(self, req: dict, stream: bool) -> Iterator[Chunk]:
+        endpoint = "generate_stream" if stream else "generate"
+        body = json.dumps(req).encode("utf-8")
+        r = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/{endpoint}", data=body,
+                                   headers={"Content-Type": "application/json"})
+        try:
+            resp = urllib.request.urlopen(r, timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            raise TritiumClientError(_http_error(e.read())) from None
+        with resp:
+            if not stream:
+                yield _chunk_from_json(json.loads(resp.read().decode("utf-8")))
+                return
+            for raw in resp:  # server-sent events: "data: {...}" lines
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                d = json.loads(line[5:])
+                if "error" in d:
+                    raise TritiumClientError(d["error"])
+                yield _chunk_from_json(d)
+
+
+def _http_error(raw: bytes) -> str:
+    try:
+        return json.loads(raw.decode("utf-8")).get("error", raw.decode("utf-8", "replace"))
+    except (ValueError, AttributeError):
+        return raw.decode("utf-8", "replace")
+
+
+def _chunk_from_json(d: dict) -> Chunk:
+    def get(name):
+        return None if name not in d else np.array(d[name], dtype=np.object_ if isinstance(d[name], str) else None)
+    return _chunk_from_arrays(get)
+
+
+def join_chunks(chunks: List[Chunk]) -> Completion:
+    """Concatenate streamed chunks of sequence 0 into one Completion."""
+    mine = [c for c in chunks if c.sequence_index == 0]
+    last = mine[-1] if mine else Chunk("", [])
+    return Completion(text="".join(c.text for c in mine), token_ids=[t for c in mine for t in c.token_ids],
+                      finish_reason=last.finish_reason, num_input_tokens=last.num_input_tokens,
+                      num_output_tokens=last.num_output_tokens,
+                      log_probs=[x for c in mine for x in c.log_probs], cum_log_prob=last.cum_log_prob)
