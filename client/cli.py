@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = [
     "tritium.builder.cli",          # build
     "tritium.client.generate_cli",  # generate (in-process or --url)
+    "tritium.client.serve_cli",     # serve (real tritonserver)
 ]
 
 

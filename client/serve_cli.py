@@ -1,0 +1,117 @@
+"""`tritium serve [--repo DIR] [--http-port N] [--grpc-port N] [--metrics-port N]`.
+
+Starts the real tritonserver (nvidia-pytriton wheel) with the `tritium` backend installed
+beside the python backend, waits until every model is ready, prints the endpoints, and stops
+cleanly (no child left) on Ctrl-C, SIGINT or SIGTERM. With no --repo it builds the default
+SmolLM2-135M-Instruct engine once into the Tritium cache, writes a repository next to it and
+serves that.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+DEFAULT_NAME = "smollm2"
+# INT4 once weight quantization serves well on every device; float until then (issue 5).
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_QUANTIZATION = "none"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model repository from a real tritonserver",
+                       description="Start tritonserver with the tritium backend. Without --repo, build (once, "
+                                   "cached) and serve SmolLM2-135M-Instruct.")
+    p.add_argument("--repo", default=None, help="model repository (from `tritium build --repo`); "
+                                                "default: the cached SmolLM2 repository")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="metrics port (default 8002; 0 = any free)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--log-file", default=None, help="write the server log here (default: the cache folder)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness (default 600)")
+    p.set_defaults(func=run)
+
+
+def default_repository() -> str:
+    """Build SmolLM2's engine into the cache if needed, write its repository; return the repo path."""
+    from tritium.builder.repository import write_repository
+    from tritium.client.server import cache_dir
+    engine = default_engine_dir()
+    if not os.path.isfile(os.path.join(engine, "engine.json")):
+        from tritium.builder.build import BuildOptions, build_engine
+        from tritium.builder.default_model import smollm2_gguf_path
+        print(f"tritium serve: building the default engine into {engine} (once) ...", file=sys.stderr)
+        tmp = engine + ".partial"
+        build_engine(BuildOptions(source=smollm2_gguf_path(), output=tmp, dtype=DEFAULT_DTYPE,
+                                  quantization=DEFAULT_QUANTIZATION, progress=True))
+        os.replace(tmp, engine)  # a killed build never leaves a half engine behind
+    repo = os.path.join(cache_dir(), "repos", DEFAULT_NAME)
+    write_repository(repo, DEFAULT_NAME, engine)
+    return repo
+
+
+def default_engine_dir() -> str:
+    from tritium.client.server import cache_dir
+    return os.path.join(cache_dir(), "engines", f"{DEFAULT_NAME}-135m-instruct")
+
+
+def _port(v: int):
+    if v < 0 or v > 65535:
+        raise ValueError(f"port must be in [0, 65535], got {v}")
+    return v or None  # 0 -> pick a free port
+
+
+def run(args: argparse.Namespace) -> int:
+    from tritium.client.server import TritonServer, cache_dir
+    repo = args.repo if args.repo else default_repository()
+    log_file = args.log_file or os.path.join(cache_dir(), "tritonserver.log")
+    open(log_file, "w").close()
+    srv = TritonServer(repo, http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
+                       metrics_port=_port(args.metrics_port), host=args.host, log_file=log_file)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(f"tritium serve: starting tritonserver on {repo} (log: {log_file}) ...", file=sys.stderr)
+        srv.start(wait=False)
+        ready = threading.Thread(target=lambda: _wait(srv, args.timeout, stop), daemon=True)
+        ready.start()
+        while ready.is_alive() and not stop.is_set():
+            ready.join(0.2)
+        if stop.is_set() and not srv.is_ready():
+            return 130
+        if srv.proc.poll() is not None or not srv.is_ready():
+            raise RuntimeError(getattr(srv, "_ready_error", "tritonserver did not become ready"))
+        models = sorted(n for n in os.listdir(repo) if os.path.isfile(os.path.join(repo, n, "config.pbtxt")))
+        print(f"tritonserver ready: HTTP http://{srv.http_url}  gRPC {srv.grpc_url}  metrics {srv.metrics_url}")
+        print(f"models: {', '.join(models)}")
+        llm = next((m for m in models if not m.endswith(("_preprocessing", "_postprocessing", "_ensemble", "_bls"))),
+                   models[0] if models else DEFAULT_NAME)
+        print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --stream "Hello"')
+        print("Ctrl-C stops the server.", flush=True)
+        while not stop.is_set():
+            if srv.proc.poll() is not None:
+                print(f"tritium serve: tritonserver exited with code {srv.proc.returncode} (log: {log_file})",
+                      file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+        print("tritium serve: stopping ...", file=sys.stderr)
+        return 0
+    except RuntimeError as e:
+        raise OSError(str(e)) from None
+    finally:
+        srv.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _wait(srv, timeout: float, stop: threading.Event) -> None:
+    try:
+        srv.wait_ready(timeout)
+    except (RuntimeError, TimeoutError) as e:
+        srv._ready_error = str(e)
