@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tritium.backend.config import SUPPORTED_DTYPES
@@ -22,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow *.bin/*.pt checkpoints (unpickling can run arbitrary code)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--repo", default=None, help="also write a Triton model repository here (NAME, "
+                   "NAME_preprocessing, NAME_postprocessing, NAME_ensemble, NAME_bls)")
+    p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
     p.set_defaults(func=run)
 
 
@@ -41,4 +45,9 @@ def run(args: argparse.Namespace) -> int:
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}", file=sys.stderr)
+    if getattr(args, "repo", None):
+        from .repository import write_repository
+        name = args.name or os.path.basename(os.path.normpath(args.output))
+        models = write_repository(args.repo, name, args.output)
+        print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return 0
