@@ -15,7 +15,7 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 METRIC_NAMES = (
     "tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
     "tritium_request_latency_seconds", "tritium_prompt_tokens_total", "tritium_generation_tokens_total",
-    "tritium_preemptions_total", "tritium_kv_cache_blocks", "tritium_requests",
+    "tritium_preemptions_total", "tritium_kv_cache_blocks", "tritium_requests", "tritium_engine_steps_total",
 )
 
 
@@ -50,6 +50,10 @@ class TritiumMetrics:
         f, self.preemptions = one("tritium_preemptions_total", "Requests preempted for lack of KV blocks",
                                   mf.COUNTER)
         self._families.append(f)
+        # Engine steps: generated tokens / steps is the mean decode batch (in-flight batching at work).
+        f, self.steps = one("tritium_engine_steps_total", "Engine steps (schedule -> run -> postprocess)",
+                            mf.COUNTER)
+        self._families.append(f)
         kv = mf(name="tritium_kv_cache_blocks", description="KV-cache blocks by state", kind=mf.GAUGE)
         self._families.append(kv)
         self.kv = {s: kv.Metric(labels=dict(labels, state=s)) for s in ("used", "free", "cached")}
@@ -57,6 +61,7 @@ class TritiumMetrics:
         self._families.append(rq)
         self.requests = {s: rq.Metric(labels=dict(labels, state=s)) for s in ("running", "waiting")}
         self._preemptions_seen = 0
+        self._steps_seen = 0
 
     def observe_token_times(self, arrival: float, token_times: list) -> None:
         """Record one finished sequence: TTFT, each inter-token gap, and end-to-end latency."""
@@ -86,3 +91,7 @@ class TritiumMetrics:
             if total > self._preemptions_seen:
                 self.preemptions.increment(total - self._preemptions_seen)
                 self._preemptions_seen = total
+            steps = int(stats.get("num_steps", 0))
+            if steps > self._steps_seen:
+                self.steps.increment(steps - self._steps_seen)
+                self._steps_seen = steps
