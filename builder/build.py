@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -163,4 +164,7 @@ def _write_tokenizer(ckpt, engine_dir: str):
     from .tokenizer_export import copy_hf_tokenizer, export_gguf_tokenizer
     if hasattr(ckpt, "copy_tokenizer_files"):
         return copy_hf_tokenizer(ckpt.copy_tokenizer_files(), engine_dir)
+    if ckpt.field("tokenizer.ggml.tokens") is None:
+        print(f"warning: {ckpt.path} holds no tokenizer; the engine takes token ids only", file=sys.stderr)
+        return []
     return export_gguf_tokenizer(ckpt.path, engine_dir)

@@ -22,7 +22,7 @@ def tiny_checkpoint(tmp_path_factory):
     cache = {}
 
     def make(family: str = "llama", **overrides):
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"ckpt-{family}")
             cache[key] = make_checkpoint(family, str(path), **overrides)
