@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "tritium.builder.cli",          # build
     "tritium.client.generate_cli",  # generate (in-process or --url)
     "tritium.client.serve_cli",     # serve (real tritonserver)
+    "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
 ]
 
 

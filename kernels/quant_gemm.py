@@ -196,7 +196,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if m:
         block_m, block_n, block_k = _tiles(m)
         if group_size & (group_size - 1) == 0:
-            block_k = min(block_k, group_size)
+            block_k = max(16, min(block_k, group_size))  # a K tile inside one group when possible
         upcast = dot_upcast(x.dtype)
         # x: (M, K); qweight: (N, K//2) uint8; scales/zeros: (K//G, N); out: (M, N). Grid: (M tiles, N tiles).
         _w4a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
