@@ -137,8 +137,8 @@ def _scalar(name: str, a: np.ndarray, kind: type):
         if flat.dtype.kind not in "iu":
             raise ValueError(f"{name} must be an integer tensor, got {flat.dtype}")
         return int(v)
-    if flat.dtype.kind not in "fiu":
-        raise ValueError(f"{name} must be a numeric tensor, got {flat.dtype}")
+    if flat.dtype.kind != "f":
+        raise ValueError(f"{name} must be a float tensor (TYPE_FP32), got {flat.dtype}")
     return float(v)
 
 

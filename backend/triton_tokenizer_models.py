@@ -33,22 +33,30 @@ def load_tokenizer_from_params(args: dict):
 
 
 def decode_delta(tokenizer, context_ids: List[int], new_ids: List[int], final: bool) -> str:
-    """Text that `new_ids` add after `context_ids` (the last few ids already detokenized).
+    """Text that `new_ids` add after `context_ids` (the last few ids already sent).
 
-    Same windowed scheme as vLLM's incremental detokenizer: decode(context + new) minus
-    decode(context). A trailing U+FFFD means a UTF-8 character is still incomplete, so it is
-    held back (it comes out with the next delta, where the ids reappear as context) unless
-    this is the final response. Leading-space rules (SentencePiece, byte-level BPE) cancel out
-    because both decodes start at the same token.
+    Windowed like vLLM's incremental detokenizer: decode(context + new) minus decode(context).
+    The window first drops leading context ids whose decode starts mid-character (U+FFFD from
+    a cut UTF-8 sequence), so both decodes start on a character boundary. A trailing U+FFFD
+    means the last character is still incomplete: it is held back (its ids come back as
+    context next time) unless this is the final response. Leading-space rules (SentencePiece,
+    byte-level BPE) cancel out because both decodes start at the same token. Exact for valid
+    UTF-8 output; a malformed byte sequence (a lone continuation byte) within the window may
+    lose its U+FFFD here, while the LLM model's own text_output stays exact.
     """
-    prefix = tokenizer.decode(list(context_ids), skip_special_tokens=True) if context_ids else ""
-    prefix = prefix.rstrip(REPLACEMENT_CHAR)
-    full = tokenizer.decode(list(context_ids) + list(new_ids), skip_special_tokens=True)
+    ctx, new = list(context_ids), list(new_ids)
+
+    def dec(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+    start = 0
+    while start < len(ctx) and dec(ctx[start:] + new).startswith(REPLACEMENT_CHAR):
+        start += 1
+    ctx = ctx[start:]
+    prefix = dec(ctx).rstrip(REPLACEMENT_CHAR)
+    full = dec(ctx + new)
     if not final:
         full = full.rstrip(REPLACEMENT_CHAR)
-    if not full.startswith(prefix):  # a merge changed earlier text; never re-emit
-        return full[len(prefix):] if len(full) > len(prefix) else ""
-    return full[len(prefix):]
+    return full[len(prefix):] if full.startswith(prefix) else ""
 
 
 def _opt(request, name) -> Optional[np.ndarray]:
