@@ -67,12 +67,12 @@ OUTPUTS = (
     TensorSpec("batch_index", "TYPE_INT32", (-1,), doc="row of the request batch this response is for"),
     TensorSpec("sequence_index", "TYPE_INT32", (-1,), doc="sample index when num_return_sequences > 1"),
     TensorSpec("context_ids", "TYPE_INT32", (-1,),
-               doc="up to 4 generated ids before output_ids (lets a stateless postprocessor detokenize)"),
+               doc="up to 8 ids sent before output_ids (lets a stateless postprocessor detokenize)"),
 )
 
-# How many already-sent ids ride along in context_ids: enough to complete any UTF-8 character
-# (4 bytes) split over byte-fallback tokens.
-NUM_CONTEXT_IDS = 4
+# How many already-sent ids ride along in context_ids: a UTF-8 character (at most 4 bytes, so
+# 4 tokens) plus 3 more to find the character boundary before it (see decode_delta).
+NUM_CONTEXT_IDS = 8
 
 DEFAULT_MAX_TOKENS = 16
 

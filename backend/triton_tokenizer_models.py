@@ -32,26 +32,37 @@ def load_tokenizer_from_params(args: dict):
     return Tokenizer.from_file(path)
 
 
-def decode_delta(tokenizer, context_ids: List[int], new_ids: List[int], final: bool) -> str:
-    """Text that `new_ids` add after `context_ids` (the last few ids already sent).
+def _splits_cleanly(dec, ids: List[int], s: int) -> bool:
+    """True when position s of ids is a character boundary: decoding the (up to) 3 ids before it
+    and the id at it separately gives the same characters as decoding them together (a UTF-8
+    character has at most 4 bytes). Spaces are ignored, because SentencePiece drops the leading
+    space of a decode's first token."""
+    left, right = ids[max(0, s - 3):s], ids[s:s + 1]
+    return dec(left + right).replace(" ", "") == (dec(left) + dec(right)).replace(" ", "")
 
-    Windowed like vLLM's incremental detokenizer: decode(context + new) minus decode(context).
-    The window first drops leading context ids whose decode starts mid-character (U+FFFD from
-    a cut UTF-8 sequence), so both decodes start on a character boundary. A trailing U+FFFD
-    means the last character is still incomplete: it is held back (its ids come back as
-    context next time) unless this is the final response. Leading-space rules (SentencePiece,
-    byte-level BPE) cancel out because both decodes start at the same token. Exact for valid
-    UTF-8 output; a malformed byte sequence (a lone continuation byte) within the window may
-    lose its U+FFFD here, while the LLM model's own text_output stays exact.
+
+def decode_delta(tokenizer, context_ids: List[int], new_ids: List[int], final: bool) -> str:
+    """Text that `new_ids` add after `context_ids` (the last ids already sent, NUM_CONTEXT_IDS).
+
+    Windowed like vLLM's incremental detokenizer: decode(window + new) minus decode(window),
+    where the window is the shortest tail of the context that starts on a character boundary
+    (never inside a multi-byte character cut by the context's start) and holds a real
+    character before any held-back U+FFFD run. A trailing U+FFFD means
+    the last character is incomplete: it is held back (its ids come back as context next
+    time) unless this is the final response, so the deltas join to exactly the full decode.
+    Leading-space rules (SentencePiece, byte-level BPE) cancel out because both decodes start
+    at the same token.
     """
     ctx, new = list(context_ids), list(new_ids)
 
     def dec(ids):
         return tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-    start = 0
-    while start < len(ctx) and dec(ctx[start:] + new).startswith(REPLACEMENT_CHAR):
-        start += 1
-    ctx = ctx[start:]
+    # The window must start on a character boundary and hold the whole held-back U+FFFD run
+    # (it ends at the last real character inside the window).
+    start = len(ctx) - 1
+    while start > 0 and not (_splits_cleanly(dec, ctx, start) and dec(ctx[start:]).rstrip(REPLACEMENT_CHAR)):
+        start -= 1
+    ctx = ctx[max(start, 0):]
     prefix = dec(ctx).rstrip(REPLACEMENT_CHAR)
     full = dec(ctx + new)
     if not final:

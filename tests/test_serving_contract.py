@@ -160,6 +160,8 @@ def test_decode_delta_joins_to_full_decode():
     alphabet = list("abc xyz.,日本語のテキスト京都🙂🚀🙃éüñ—∑λ→")
     texts += ["".join(rng.choice(alphabet, 30)) for _ in range(20)]  # random valid UTF-8 text
     id_lists = [tok.encode(t).ids for t in texts]
+    # random ids: malformed UTF-8 (lone lead / continuation bytes) split across tokens anyhow
+    id_lists += [list(rng.integers(0, tok.get_vocab_size(), 40)) for _ in range(40)]
     for ids in id_lists:
         ids = [int(i) for i in ids]
         sent, pieces = [], []
