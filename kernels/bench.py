@@ -63,7 +63,8 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
     e = torch.empty((), dtype=dtype).element_size()
     t = 256 if quick else 4096
     out = []
-    x, r, w = (torch.randn(t, HIDDEN, device=device, dtype=dtype) for _ in range(3))
+    x, r = (torch.randn(t, HIDDEN, device=device, dtype=dtype) for _ in range(2))
+    w = torch.randn(HIDDEN, device=device, dtype=dtype)
     out.append((f"rms_norm+res T={t} H={HIDDEN}", lambda: ew.rms_norm(x, w, 1e-6, r),
                 lambda: rms_norm_ref(x, w, 1e-6, r), 4 * t * HIDDEN * e, 0, ""))
     q, k = torch.randn(t, HQ, D, device=device, dtype=dtype), torch.randn(t, HKV, D, device=device, dtype=dtype)
@@ -74,13 +75,16 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
     gu = torch.randn(t, 2 * FFN, device=device, dtype=dtype)
     out.append((f"silu_mul T={t} N={FFN}", lambda: ew.silu_mul(gu), lambda: silu_mul_ref(gu),
                 3 * t * FFN * e, 0, ""))
+    v = torch.randn(t, HKV, D, device=device, dtype=dtype)
     for kvd in (None, torch.float8_e4m3fn):
         kc, vc, ks, vs, _ = _paged(1, t, 16, dtype, device, kvd)
+        kc2, vc2 = kc.clone(), vc.clone()
         slots = torch.randperm(kc.shape[0] * 16, device=device)[:t]
         ce = 1 if kvd is not None else e
+        # the thunks return the caches so that --check compares what was written
         out.append((f"kv_write T={t} cache={kvd or dtype}",
-                    lambda kc=kc, vc=vc, ks=ks, vs=vs, s=slots: kvw.kv_write(k[:, :HKV], k[:, :HKV], kc, vc, s, ks, vs),
-                    lambda kc=kc, vc=vc, ks=ks, vs=vs, s=slots: kv_write_ref(k[:, :HKV], k[:, :HKV], kc, vc, s, ks, vs),
+                    lambda kc=kc, vc=vc, ks=ks, vs=vs, s=slots: kvw.kv_write(k, v, kc, vc, s, ks, vs) or (kc, vc),
+                    lambda kc=kc2, vc=vc2, ks=ks, vs=vs, s=slots: kv_write_ref(k, v, kc, vc, s, ks, vs) or (kc, vc),
                     2 * t * HKV * D * (e + ce), 0, ""))
     for b, ctx, kvd in ((64, 512 if quick else 2048, None), (8, 1024 if quick else 16384, None),
                         (64, 512 if quick else 2048, torch.float8_e4m3fn)):
