@@ -11,6 +11,15 @@ from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.simple_generate import generate_simple
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: intra-op threads only add barrier waits (ruinous on a shared 2-core box).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def alone(engine, prompt, max_tokens):
     ids, _ = generate_simple(engine.runner.model, prompt, max_tokens, eos_token_ids=())
     return ids
