@@ -18,7 +18,10 @@ from .rms_norm import rms_norm_ref
 from .rotary import rotary_ref
 from .silu_mul import silu_mul_ref
 
+import torch
+
 VALID_MODES = ("auto", "reference", "triton")
+_FP8 = torch.float8_e4m3fn
 
 
 def kernel_mode() -> str:
@@ -45,6 +48,11 @@ def use_triton(t) -> bool:
     return t.is_cuda
 
 
+def _fp8_kernels_ok(t) -> bool:
+    """Triton handles E4M3 only from compute capability 8.9 (Ada/Hopper); older GPUs use torch."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def _tk(module: str):
     return importlib.import_module(f".{module}", __package__)
 
@@ -68,14 +76,14 @@ def silu_mul(x):
 
 
 def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-    if use_triton(k):
+    if use_triton(k) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(k)):
         return _tk("kv_write_triton").kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return kv_write_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
     """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode."""
-    if use_triton(q):
+    if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                                         k_scale, v_scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
@@ -90,13 +98,13 @@ def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):
 
 def linear_w8a16(x, qweight, scales, bias=None):
     """Weight-only int8 (or fp8) GEMM: x @ (qweight * scales[:, None])^T (+ bias)."""
-    if use_triton(x):
+    if use_triton(x) and (qweight.dtype != _FP8 or _fp8_kernels_ok(x)):
         return _tk("quant_gemm").w8a16_gemm(x, qweight, scales, bias)
     return w8a16_gemm_ref(x, qweight, scales, bias)
 
 
 def linear_fp8(x, qweight, scales, bias=None):
     """FP8 W8A8 with dynamic per-token activation scales (amax / 448)."""
-    if use_triton(x):
+    if use_triton(x) and _fp8_kernels_ok(x):
         return _tk("quant_gemm").fp8_gemm(x, qweight, scales, bias)
     return fp8_gemm_ref(x, qweight, scales, bias)

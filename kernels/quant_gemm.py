@@ -129,9 +129,7 @@ def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr
         b = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if OPERANDS == 0:  # native FP8 tensor cores (sm89+)
             acc += tl.dot(a, b)
-        elif OPERANDS == 1:  # older GPUs: E4M3 is exact in fp16
-            acc += tl.dot(a.to(tl.float16), b.to(tl.float16))
-        else:  # interpreter
+        else:  # interpreter: E4M3 values are exact in fp32
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     # y = (x_q @ w_q^T) * x_scale[m] * w_scale[n]
     xs = tl.load(x_scale_ptr + rm, mask=mmask, other=0.0)
@@ -251,9 +249,13 @@ def quantize_fp8_per_token(x: torch.Tensor):
 
 
 def _fp8_operands(device: torch.device) -> int:
+    """2: interpreter (fp32 dot); 0: native FP8 tensor cores. Triton has no E4M3 below sm89."""
     if is_interpreter():
         return 2
-    return 0 if torch.cuda.get_device_capability(device) >= (8, 9) else 1
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("fp8 GEMM: needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                         "use the reference path (TRITIUM_KERNELS=reference) on older GPUs")
+    return 0
 
 
 def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
