@@ -81,6 +81,14 @@ class QuantConfig:
     calibration: dict = field(default_factory=dict)  # provenance: text source, samples, hash
 
 
+def _quant_config_from_dict(q: dict) -> QuantConfig:
+    """QuantConfig from JSON: per-layer entries become LayerQuant again (make_linear reads them)."""
+    q = dict(q)
+    q["layers"] = {name: LayerQuant(**lq) if isinstance(lq, dict) else lq
+                   for name, lq in q.get("layers", {}).items()}
+    return QuantConfig(**q)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
@@ -133,7 +141,7 @@ class EngineConfig:
             cfg = cls(
                 model=model,
                 dtype=d.get("dtype", "float32"),
-                quantization=QuantConfig(**d.get("quantization", {})),
+                quantization=_quant_config_from_dict(d.get("quantization", {})),
                 kv_cache=KVCacheConfig(**d.get("kv_cache", {})),
                 limits=Limits(**d.get("limits", {})),
                 tensor_parallel_size=d.get("tensor_parallel_size", 1),

@@ -24,13 +24,10 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor,
-                     group_size: int, n_grid: int = 20, group_pool: int = 1,
-                     ) -> Tuple[torch.Tensor, float, List[float]]:
+                     group_size: int, n_grid: int = 20) -> Tuple[torch.Tensor, float, List[float]]:
     """Grid-search alpha in s = mean|x|^alpha for linears sharing input x (n_tokens, K).
 
     weights: float (N_i, K) matrices; x_mean_abs: (K,) per-channel mean |x| over calibration.
-    group_pool > 1 averages the statistic over that many consecutive blocks (used for o_proj
-    under GQA, where heads sharing a KV head must share a scale to be foldable into v).
     Returns (s (K,), best alpha, loss per grid point); alpha = 0 (s = 1) is plain RTN.
     """
     W = torch.cat([w.float() for w in weights], dim=0)

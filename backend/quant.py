@@ -1,0 +1,176 @@
+"""Quantized linear layers (weight-only INT8 / FP8 / INT4), registered into LINEAR_REGISTRY.
+
+Buffers are named as the engine stores them (see QuantConfig.layouts and builder/quantize_*.py):
+    int8: qweight int8 (N, K), scales float32 (N,)
+    fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,)
+    int4: qweight uint8 (N, K//2), scales/zeros float32 (K//G, N), optional g_idx int32 (K,)
+    bias (engine dtype, optional) for all.
+On CPU the layers convert their weights once (lazily, on the first call after a load or a device
+move) into the layout of torch's packed kernels and never dequantize the whole weight per step,
+except FP8, which CPU torch has no GEMM for: it is weight-only and dequantized per call.
+On CUDA they call tritium.kernels.ops.linear_w4a16 / linear_w8a16 / linear_fp8 when present.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tritium.kernels import ops
+
+from .models.linear import register_linear
+
+
+def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # torch's packed CPU kernels take bf16 or fp32 activations; fp16 runs in fp32.
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+class _QuantLinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, layer_quant):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.layer_quant = layer_quant
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+        self._packed = None   # kernel-ready tensors, rebuilt when the source buffers change
+        self._packed_key = None
+
+    def _get_packed(self):
+        # Identity of the source buffers: a load or .to(device) swaps them and forces a repack.
+        key = tuple(self._buffers.values())
+        if self._packed is None or len(key) != len(self._packed_key) or any(
+                a is not b for a, b in zip(key, self._packed_key)):
+            self._packed = self._pack()
+            self._packed_key = key
+        return self._packed
+
+    def prepare_for_device(self, device) -> None:
+        """Called by the engine loader after a device move: convert to the kernel layout now."""
+        if torch.device(device).type == "cpu" and hasattr(self, "_pack"):
+            self._get_packed()
+
+    def _finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(_QuantLinearBase):
+    """W8A16: y = x (qweight * scales[:, None])^T via aten._weight_int8pack_mm on CPU."""
+
+    def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
+        super().__init__(in_features, out_features, bias, dtype, layer_quant)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+
+    def _pack(self):
+        cdtype = _cpu_compute_dtype(self.dtype)
+        return self.qweight.contiguous(), self.scales.to(cdtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda and hasattr(ops, "linear_w8a16"):
+            return self._finish(ops.linear_w8a16(x2, self.qweight, self.scales), x)
+        if x.is_cuda:  # no kernel: dense fallback in the activation dtype
+            w = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
+            return self._finish(x2 @ w.t(), x)
+        qw, scales = self._get_packed()
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), qw, scales)
+        return self._finish(y, x)
+
+
+class Fp8Linear(_QuantLinearBase):
+    """FP8 E4M3 weights. CPU: weight-only, dequantized per call; CUDA: ops.linear_fp8 (dynamic
+    per-token activation quantization where the device has FP8 matmul)."""
+
+    def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
+        super().__init__(in_features, out_features, bias, dtype, layer_quant)
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError("fp8 engine: this torch build has no float8_e4m3fn dtype")
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda and hasattr(ops, "linear_fp8"):
+            return self._finish(ops.linear_fp8(x2, self.qweight, self.scales), x)
+        cdtype = _cpu_compute_dtype(self.dtype) if not x.is_cuda else x.dtype
+        # y = (x W8^T) * s: the per-output-channel scale commutes with the matmul, so only the
+        # E4M3 -> compute-dtype cast of the weight is done per call.
+        y = x2.to(cdtype) @ self.qweight.to(cdtype).t()
+        return self._finish(y * self.scales.to(cdtype), x)
+
+
+class Int4Linear(_QuantLinearBase):
+    """W4A16 group-wise asymmetric: aten._weight_int4pack_mm_for_cpu on CPU.
+
+    With act-order (g_idx), input channels are permuted once at load so that each group is
+    contiguous, and x is permuted the same way at run time.
+    """
+
+    def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
+        super().__init__(in_features, out_features, bias, dtype, layer_quant)
+        group_size = getattr(layer_quant, "group_size", None)
+        if not group_size or in_features % group_size:
+            raise ValueError(f"int4 layer: group_size {group_size} must divide in_features {in_features}")
+        self.group_size = group_size
+        num_groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(num_groups, out_features, dtype=torch.float32))
+        self.register_buffer("zeros", torch.empty(num_groups, out_features, dtype=torch.float32))
+        act_order = bool(getattr(layer_quant, "act_order", False))
+        self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32) if act_order else None)
+
+    def _pack(self):
+        from tritium.builder.quantize_int4 import unpack_int4  # pure layout helper, no heavy deps
+        cdtype = _cpu_compute_dtype(self.dtype)
+        q = unpack_int4(self.qweight).to(torch.int32)
+        perm = None
+        if self.g_idx is not None:
+            perm = torch.argsort(self.g_idx.long(), stable=True)
+            expected = torch.arange(self.in_features, device=perm.device) // self.group_size
+            if not torch.equal(self.g_idx.long()[perm], expected):
+                raise ValueError("int4 layer: g_idx must assign exactly group_size channels to each group")
+            q = q[:, perm].contiguous()
+        sz = torch.stack((self.scales, self.zeros), dim=-1).to(cdtype).contiguous()  # (K/G, N, 2)
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            return ("packed", packed, sz, perm)
+        except RuntimeError:
+            # Shapes the packed kernel rejects (tiny test models): keep one dense copy instead.
+            from tritium.builder.quantize_int4 import dequantize_int4
+            w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx, cdtype)
+            return ("dense", w, None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x.is_cuda and hasattr(ops, "linear_w4a16"):
+            y = ops.linear_w4a16(x2, self.qweight, self.scales, self.zeros, self.group_size, self.g_idx)
+            return self._finish(y, x)
+        if x.is_cuda:
+            from tritium.builder.quantize_int4 import dequantize_int4
+            w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx, x.dtype)
+            return self._finish(x2 @ w.t(), x)
+        kind, w, sz, perm = self._get_packed()
+        xc = x2.to(sz.dtype if sz is not None else w.dtype)
+        if kind == "dense":
+            return self._finish(xc @ w.t(), x)
+        if perm is not None:
+            xc = xc[:, perm]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc.contiguous(), w, self.group_size, sz)
+        return self._finish(y, x)
+
+
+register_linear("int8", Int8Linear)
+register_linear("fp8", Fp8Linear)
+register_linear("int4", Int4Linear)
+
+
+def quantized_weight_bytes(module: nn.Module) -> Optional[int]:
+    """Bytes held by a quantized linear's engine buffers (None for other modules)."""
+    if not isinstance(module, _QuantLinearBase):
+        return None
+    return sum(b.numel() * b.element_size() for b in module._buffers.values() if b is not None)

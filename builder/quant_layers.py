@@ -1,0 +1,136 @@
+"""Quantize the four linears of one decoder layer in an engine state dict.
+
+Replaces `layers.{i}.{linear}.weight` by the method's tensors (qweight, scales, zeros, g_idx),
+folds AWQ scales into the preceding op's tensors, and puts the dequantized weights back into
+the float calibration model so that later layers are calibrated on quantized inputs.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from .awq import awq_search_scale, pooled_head_stat
+from .gptq import gptq_quantize
+from .quantize_fp8 import dequantize_fp8, quantize_fp8
+from .quantize_int4 import dequantize_int4, quantize_int4
+from .quantize_int8 import dequantize_int8, quantize_int8
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def linear_in_features(m, lin: str) -> int:
+    """Input dimension of a layer linear from the ModelConfig."""
+    return {"qkv_proj": m.hidden_size, "gate_up_proj": m.hidden_size,
+            "o_proj": m.num_heads * m.head_dim, "down_proj": m.intermediate_size}[lin]
+
+
+def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
+    """One float weight (N, K) -> (engine tensors by suffix, dequantized float32 weight)."""
+    if lq.method == "int8":
+        q, s = quantize_int8(w)
+        return {"qweight": q, "scales": s}, dequantize_int8(q, s)
+    if lq.method == "fp8":
+        q, s = quantize_fp8(w)
+        return {"qweight": q, "scales": s}, dequantize_fp8(q, s)
+    g_idx = None
+    if method == "int4-gptq":
+        q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size, act_order=lq.act_order)
+    else:
+        q, s, z = quantize_int4(w, lq.group_size)
+    out = {"qweight": q, "scales": s, "zeros": z}
+    if g_idx is not None:
+        out["g_idx"] = g_idx
+    return out, dequantize_int4(q, s, z, lq.group_size, g_idx)
+
+
+def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, stats: dict) -> dict:
+    """AWQ: search and fold the per-channel scales of the four linears of layer i.
+
+    qkv <- input_norm, o_proj <- v rows of qkv (scale shared by query heads of a KV group),
+    gate_up <- post_attn_norm, down <- up rows of gate_up. Mutates W and `new`; returns alphas.
+    """
+    m = cfg.model
+    pre = f"layers.{i}."
+    nq, nkv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    alphas = {}
+
+    def search(lin, stat=None):
+        lq = plan.get(pre + lin)
+        if lq is None or lq.method != "int4":
+            return None
+        st = stats[lin]
+        s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
+                                       lq.group_size)
+        alphas[lin] = alpha
+        return s
+
+    def fold_norm(norm_name, s):
+        t = new[pre + norm_name]
+        new[pre + norm_name] = (t.float() / s).to(t.dtype)
+
+    s = search("qkv_proj")
+    if s is not None:
+        W["qkv_proj"] = W["qkv_proj"] * s
+        fold_norm("input_norm.weight", s)
+    s = search("o_proj", pooled_head_stat(stats["o_proj"]["mean_abs"], m.num_heads, m.num_kv_heads, m.head_dim))
+    if s is not None:
+        group = m.num_heads // m.num_kv_heads
+        s_kv = s.view(m.num_kv_heads, group, m.head_dim)[:, 0].reshape(-1)
+        W["o_proj"] = W["o_proj"] * s
+        W["qkv_proj"] = W["qkv_proj"].clone()
+        W["qkv_proj"][nq + nkv:] /= s_kv[:, None]
+        if pre + "qkv_proj.bias" in new:
+            b = new[pre + "qkv_proj.bias"]
+            bf = b.float().clone()
+            bf[nq + nkv:] /= s_kv
+            new[pre + "qkv_proj.bias"] = bf.to(b.dtype)
+    s = search("gate_up_proj")
+    if s is not None:
+        W["gate_up_proj"] = W["gate_up_proj"] * s
+        fold_norm("post_attn_norm.weight", s)
+    s = search("down_proj")
+    if s is not None:
+        W["down_proj"] = W["down_proj"] * s
+        W["gate_up_proj"] = W["gate_up_proj"].clone()
+        W["gate_up_proj"][m.intermediate_size:] /= s[:, None]
+    return alphas
+
+
+def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
+                   stats: Optional[dict]) -> dict:
+    """Quantize layer i's linears in `new` (engine tensors, replaced not mutated) and load the
+    dequantized result into `layer` (a float DecoderLayer). Returns per-linear report entries."""
+    pre = f"layers.{i}."
+    W = {lin: new[pre + lin + ".weight"].float() for lin in LINEARS}
+    orig = {lin: w for lin, w in W.items()}
+    report = {}
+    alphas = _awq_fold(cfg, i, W, new, plan, stats) if method == "int4-awq" else {}
+    for lin in LINEARS:
+        name = pre + lin
+        lq = plan.get(name)
+        mod = getattr(layer, lin)
+        dtype = mod.weight.dtype
+        if lq is None or lq.method == "none":
+            new[name + ".weight"] = W[lin].to(dtype)  # may carry folded AWQ scales
+            mod._buffers["weight"] = new[name + ".weight"]
+            continue
+        tensors, deq = quantize_weight(W[lin], lq, method, stats.get(lin) if stats else None)
+        del new[name + ".weight"]
+        for suffix, t in tensors.items():
+            new[f"{name}.{suffix}"] = t
+        mod._buffers["weight"] = deq.to(dtype)
+        entry = {"method": lq.method, "group_size": lq.group_size,
+                 "rel_weight_error": float((deq - W[lin]).norm() / W[lin].norm().clamp_min(1e-12))}
+        if lin in alphas:
+            entry["awq_alpha"] = alphas[lin]
+        if stats and "H" in stats.get(lin, {}):
+            H = stats[lin]["H"].hessian()
+            d = deq - orig[lin]
+            entry["rel_output_error"] = float(((d @ H) * d).sum() / ((orig[lin] @ H) * orig[lin]).sum())
+        report[name] = entry
+    for norm in ("input_norm.weight", "post_attn_norm.weight"):
+        layer._buffers[norm.replace(".weight", "_weight")] = new[pre + norm]
+    if pre + "qkv_proj.bias" in new:
+        layer.qkv_proj._buffers["bias"] = new[pre + "qkv_proj.bias"]
+    return report

@@ -1,0 +1,257 @@
+"""Apply a quantization method to a float engine state dict (the builder's quantize step).
+
+    validate_quant_args(opts)                       -> raises ValueError before any work
+    quantize_engine_weights(cfg, tensors, opts)     -> (tensors, QuantConfig, KVCacheConfig, report)
+
+`opts` is the builder's BuildOptions (or any object / keywords with the same fields:
+quantization, group_size, kv_cache_dtype, calibration_text, calibration_samples,
+exclude_modules, progress, source). Data-free methods (int8, fp8, int4-rtn) quantize each
+linear directly; AWQ, GPTQ and a quantized KV cache run the float model layer by layer over
+calibration text (inputs of layer i come from the already-quantized layers < i).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import time
+from types import SimpleNamespace
+from typing import Dict, Optional, Tuple
+
+import torch
+from tqdm import tqdm
+
+from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineConfig,
+                                    KVCacheConfig, LayerQuant, QuantConfig)
+
+from . import calibration as calib
+from .quant_eval import encode_text, evaluate
+from .quant_layers import LINEARS, linear_in_features, quantize_layer
+from .quantize_fp8 import FP8_LAYOUT, has_float8
+from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES, choose_group_size
+from .quantize_int8 import INT8_LAYOUT
+
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_CALIBRATION_SAMPLES = 128
+DEFAULT_EVAL_TOKENS = 4096
+KV_QMAX = {"int8": 127.0, "fp8": 448.0}
+CALIBRATED = ("int4-awq", "int4-gptq")
+
+_DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", calibration_text=None,
+                 calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
+                 source=None, act_order=False, eval_tokens=DEFAULT_EVAL_TOKENS)
+
+
+def _options(opts=None, **kw) -> SimpleNamespace:
+    d = dict(_DEFAULTS)
+    if opts is not None:
+        d.update({k: getattr(opts, k) for k in _DEFAULTS if hasattr(opts, k)})
+    d.update({k: v for k, v in kw.items() if v is not None})
+    if d["group_size"] is None:
+        d["group_size"] = DEFAULT_GROUP_SIZE
+    if d["calibration_samples"] is None:
+        d["calibration_samples"] = DEFAULT_CALIBRATION_SAMPLES
+    return SimpleNamespace(**d)
+
+
+def _excluded(name: str, patterns: Optional[str]) -> bool:
+    """--exclude-modules: comma-separated fnmatch globs over names like 'layers.3.down_proj'."""
+    return bool(patterns) and any(fnmatch.fnmatch(name, p.strip()) for p in patterns.split(",") if p.strip())
+
+
+def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> None:
+    """Check quantization options before any work; raises ValueError naming the flag."""
+    o = _options(opts, **kw)
+    if o.quantization not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"--quantization {o.quantization!r} not supported; allowed: "
+                         f"{', '.join(SUPPORTED_QUANTIZATION)}")
+    if o.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {o.kv_cache_dtype!r} not supported; allowed: "
+                         f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    if o.quantization.startswith("int4") and o.group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"--group-size {o.group_size} fits no layer; allowed: "
+                         f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
+    if not isinstance(o.calibration_samples, int) or o.calibration_samples < 1:
+        raise ValueError(f"--calibration-samples must be >= 1, got {o.calibration_samples}")
+    if (o.quantization == "fp8" or o.kv_cache_dtype == "fp8") and not has_float8():
+        raise ValueError("--quantization/--kv-cache-dtype fp8 needs a torch build with float8_e4m3fn "
+                         f"(torch {torch.__version__} has none)")
+    if o.calibration_text is not None:
+        text = _read_text(o.calibration_text, "--calibration-text")
+        if len(text) < calib.MIN_CALIBRATION_CHARS:
+            raise ValueError(f"--calibration-text {o.calibration_text}: calibration text too short "
+                             f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
+    if cfg is not None and o.quantization.startswith("int4"):
+        _plan(cfg, o)  # raises if a layer's input dim takes no group size
+
+
+def _read_text(path: str, flag: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: file not found")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
+    """Per-linear LayerQuant for every linear in the model (method 'none' when excluded)."""
+    kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
+    plan = {}
+    for i in range(cfg.model.num_layers):
+        for lin in LINEARS:
+            name = f"layers.{i}.{lin}"
+            if _excluded(name, o.exclude_modules):
+                plan[name] = LayerQuant("none")
+                continue
+            if kind != "int4":
+                plan[name] = LayerQuant(kind)
+                continue
+            k = linear_in_features(cfg.model, lin)
+            g = choose_group_size(k, o.group_size)
+            if g is None:
+                raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
+                                 f"not a multiple of {o.group_size}, 64 or 32")
+            plan[name] = LayerQuant("int4", group_size=g,
+                                    act_order=bool(o.act_order and o.quantization == "int4-gptq"))
+    return plan
+
+
+def load_source_tokenizer(source: Optional[str]):
+    """tokenizers.Tokenizer of a build source (HF folder's tokenizer.json, or the GGUF's)."""
+    from tokenizers import Tokenizer
+    if source and os.path.isdir(source) and os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return Tokenizer.from_file(os.path.join(source, "tokenizer.json"))
+    if source and os.path.isfile(source) and source.lower().endswith(".gguf"):
+        import tempfile
+        from .tokenizer_export import export_gguf_tokenizer
+        with tempfile.TemporaryDirectory() as d:
+            export_gguf_tokenizer(source, d)
+            return Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    return None
+
+
+def _float_model(cfg: EngineConfig, tensors, model_factory=None):
+    from tritium.backend.models.decoder import DecoderLM
+    fcfg = dataclasses.replace(cfg, quantization=QuantConfig(), kv_cache=KVCacheConfig())
+    model = (model_factory or DecoderLM)(fcfg)
+    model.load_engine_weights(tensors)
+    return model.eval()
+
+
+def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None, *,
+                            model_factory=None, tokenizer=None, **kw
+                            ) -> Tuple[Dict[str, torch.Tensor], QuantConfig, KVCacheConfig, dict]:
+    """Quantize a float engine state dict per `opts` (BuildOptions or keywords, see module doc).
+
+    Returns (new tensors, QuantConfig with per-layer choices and layouts, KVCacheConfig, report)."""
+    o = _options(opts, **kw)
+    validate_quant_args(o, cfg)
+    t0 = time.time()
+    if o.quantization == "none" and o.kv_cache_dtype == "auto":
+        return dict(tensors), QuantConfig(), KVCacheConfig(), {}
+    plan = _plan(cfg, o) if o.quantization != "none" else {}
+    needs_calib = o.quantization in CALIBRATED or o.kv_cache_dtype != "auto"
+    tokenizer = tokenizer or load_source_tokenizer(o.source)
+    cal_text = _read_text(o.calibration_text, "--calibration-text") if o.calibration_text else None
+    cal_src = o.calibration_text or "python-stdlib-docstrings:" + ",".join(calib.CALIBRATION_MODULES)
+    calibration_info: dict = {}
+    new = dict(tensors)
+    model = _float_model(cfg, tensors, model_factory)
+    layer_reports: dict = {}
+    kv_scales: dict = {}
+    if needs_calib:
+        if tokenizer is None:
+            raise ValueError("calibration needs the source's tokenizer (tokenizer.json or a GGUF vocabulary)")
+        text = cal_text if cal_text is not None else calib.default_calibration_text()
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        samples = calib.calibration_samples(ids, o.calibration_samples)
+        calibration_info = {**calib.text_provenance(text, cal_src), "samples": len(samples),
+                            "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
+        runner = calib.LayerwiseRunner(model, samples)
+    for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
+                  disable=not o.progress):
+        layer = model.layers[i]
+        stats = None
+        if needs_calib and o.quantization in CALIBRATED:
+            stats = _collect_layer_inputs(runner, i, o.quantization)
+        rep = quantize_layer(cfg, i, layer, new, plan, o.quantization, stats)
+        layer_reports.update(rep)
+        if needs_calib and (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto"):
+            kv_stats: dict = {}
+            pos_ref = [None]
+            handle = None
+            if o.kv_cache_dtype != "auto":
+                hook = calib.kv_amax_hook(layer, model.cos_sin_cache, kv_stats, pos_ref)
+                handle = layer.qkv_proj.register_forward_hook(hook)
+            # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
+            runner.run_layer(i, on_chunk=lambda p: pos_ref.__setitem__(0, p), advance=True)
+            if handle is not None:
+                handle.remove()
+                qmax = KV_QMAX[o.kv_cache_dtype]
+                for key in ("k", "v"):
+                    kv_scales[f"layers.{i}.{key}_scale"] = (kv_stats[key] / qmax).clamp_min(1e-8).float()
+    new.update(kv_scales)
+    layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
+    used = {lq.method for lq in plan.values()}
+    qcfg = QuantConfig(method=o.quantization,
+                       group_size=o.group_size if o.quantization.startswith("int4") else None,
+                       layers=dict(plan),
+                       layouts={k: v for k, v in layouts.items() if k in used},
+                       calibration=calibration_info)
+    kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype)
+    report = {"method": o.quantization, "kv_cache_dtype": o.kv_cache_dtype,
+              "quantize_seconds": round(time.time() - t0, 2),
+              "weight_bytes": _nbytes(new), "float_weight_bytes": _nbytes(tensors),
+              "layers": layer_reports}
+    report["weight_bytes_ratio"] = report["weight_bytes"] / report["float_weight_bytes"]
+    if tokenizer is not None and o.eval_tokens:
+        report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
+    return new, qcfg, kvcfg, report
+
+
+def _nbytes(tensors) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def _collect_layer_inputs(runner, i: int, method: str) -> dict:
+    """Run layer i over the calibration set with hooks on its linears' inputs.
+    GPTQ keeps a Hessian per input; AWQ keeps mean |x| and a strided subsample of rows."""
+    from .gptq import HessianAccumulator
+    layer = runner.model.layers[i]
+    mods = {lin: getattr(layer, lin) for lin in LINEARS}
+    stats: dict = {lin: {} for lin in LINEARS}
+
+    def on_input(name, x):
+        s = stats[name]
+        if method == "int4-gptq":
+            s.setdefault("H", HessianAccumulator(x.shape[1])).add(x)
+        else:
+            s["abs_sum"] = s.get("abs_sum", 0) + x.abs().sum(0)
+            s["n"] = s.get("n", 0) + x.shape[0]
+            stride = max(1, runner.num_tokens // AWQ_SEARCH_TOKENS)
+            s.setdefault("rows", []).append(x[::stride])
+    handles = calib.capture_inputs(mods, on_input)
+    try:
+        runner.run_layer(i)
+    finally:
+        for h in handles:
+            h.remove()
+    for s in stats.values():
+        if "rows" in s:
+            s["x"] = torch.cat(s.pop("rows"))[:AWQ_SEARCH_TOKENS]
+            s["mean_abs"] = s.pop("abs_sum") / s["n"]
+    return stats
+
+
+AWQ_SEARCH_TOKENS = 512  # calibration rows per linear used in AWQ's grid search
+
+
+def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, model_factory) -> dict:
+    """Perplexity / KL / top-1 of the quantized model against the float one on the default eval text."""
+    from tritium.backend.models.decoder import DecoderLM
+    ids = encode_text(tokenizer, calib.default_eval_text(), o.eval_tokens)
+    ref = _float_model(cfg, float_tensors, model_factory)
+    qmodel = (model_factory or DecoderLM)(dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg))
+    qmodel.load_engine_weights(q_tensors)
+    res = evaluate(qmodel.eval(), ids, reference=ref, progress=o.progress)
+    res["text"] = "python-stdlib-docstrings:" + ",".join(calib.EVAL_MODULES)
+    return res
