@@ -1,0 +1,103 @@
+"""Compile every Triton kernel variant for an H100 (sm90) with Triton's bundled ptxas; no GPU needed.
+
+Run as a script with TRITON_INTERPRET unset (test_kernels_compile.py does). Catches what the
+interpreter cannot: type errors of the compiled language, unsupported dot operand types, layouts,
+and kernels whose shared memory exceeds an H100's 227 KiB per block. Prints one line per variant.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tritium.kernels import elementwise_triton as ew  # noqa: E402
+from tritium.kernels import kv_write_triton as kvw  # noqa: E402
+from tritium.kernels import paged_decode as pd  # noqa: E402
+from tritium.kernels import prefill_attention as pa  # noqa: E402
+from tritium.kernels import quant_gemm as qg  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+H100_SMEM = 227 * 1024
+FLOAT_ARGS = {"eps", "scale_log2", "min_amax"}
+
+
+def compile_variant(fn, ptrs: dict, consts: dict, num_warps: int = 4):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptrs[name]
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def variants():
+    bf, f32 = "*bf16", "*fp32"
+    yield "rms_norm+res", ew._rms_norm_kernel, dict.fromkeys(
+        ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"], bf), dict(HAS_RESIDUAL=True, BLOCK_N=4096), 16
+    yield "rotary", ew._rotary_kernel, {"x_ptr": bf, "out_ptr": bf, "pos_ptr": "*i64", "cs_ptr": f32}, \
+        dict(BLOCK_H=16, BLOCK_HALF=64), 4
+    yield "silu_mul", ew._silu_mul_kernel, {"x_ptr": bf, "out_ptr": bf}, dict(BLOCK_N=1024), 4
+    for kind, cache in ((0, bf), (1, "*i8"), (2, "*fp8e4nv")):
+        yield f"kv_write kind={kind}", kvw._kv_write_kernel, {
+            "k_ptr": bf, "v_ptr": bf, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_ptr": "*i64",
+            "k_scale_ptr": f32, "v_scale_ptr": f32}, dict(KIND=kind, BLOCK_H=8, BLOCK_D=128), 4
+    for dt, cache, quant in ((bf, bf, False), (bf, "*fp8e4nv", True), (bf, "*i8", True), (f32, f32, False)):
+        for split in ((False, True) if dt == bf else (False,)):
+            yield f"paged_decode q={dt} cache={cache} split={split}", pd._paged_decode_kernel, {
+                "q_ptr": dt, "k_cache_ptr": cache, "v_cache_ptr": cache, "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "k_scale_ptr": f32, "v_scale_ptr": f32, "out_ptr": dt, "part_acc_ptr": f32, "part_ml_ptr": f32,
+            }, dict(PARTITION=512, BLOCK_N=64, BLOCK_G=16, BLOCK_D=128, KV_QUANT=quant, USE_SPLIT=split,
+                    UPCAST=False, IEEE=dt == f32), 4
+        yield f"prefill q={dt} cache={cache}", pa._prefill_attention_kernel, {
+            "q_ptr": dt, "k_cache_ptr": cache, "v_cache_ptr": cache, "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "qsl_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": f32, "v_scale_ptr": f32, "out_ptr": dt,
+        }, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, KV_QUANT=quant, UPCAST=False, IEEE=dt == f32), 8
+    yield "paged_decode_reduce", pd._paged_decode_reduce_kernel, {
+        "part_acc_ptr": f32, "part_ml_ptr": f32, "out_ptr": bf}, dict(BLOCK_S=32, BLOCK_D=128), 4
+    for gidx, aligned in ((False, True), (True, False), (False, False)):
+        yield f"w4a16 g_idx={gidx} aligned={aligned}", qg._w4a16_gemm_kernel, {
+            "x_ptr": bf, "qw_ptr": "*u8", "scales_ptr": f32, "zeros_ptr": f32, "gidx_ptr": "*i32",
+            "bias_ptr": bf, "out_ptr": bf}, dict(HAS_GIDX=gidx, GROUP_ALIGNED=aligned, HAS_BIAS=True, BLOCK_M=16,
+                                                 BLOCK_N=64, BLOCK_K=64, UPCAST=False, IEEE=False), 4
+    for w in ("*i8", "*fp8e4nv"):
+        yield f"w8a16 w={w}", qg._w8a16_gemm_kernel, {
+            "x_ptr": bf, "qw_ptr": w, "scales_ptr": f32, "bias_ptr": bf, "out_ptr": bf}, dict(
+                HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, UPCAST=False, IEEE=False), 4
+    yield "fp8_quant_per_token", qg._fp8_quant_per_token_kernel, {
+        "x_ptr": bf, "xq_ptr": "*fp8e4nv", "scale_ptr": f32}, dict(BLOCK_K=1024), 4
+    yield "fp8_gemm", qg._fp8_gemm_kernel, {
+        "xq_ptr": "*fp8e4nv", "x_scale_ptr": f32, "qw_ptr": "*fp8e4nv", "w_scale_ptr": f32, "bias_ptr": bf,
+        "out_ptr": bf}, dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, OPERANDS=0), 4
+
+
+def main() -> int:
+    failures = 0
+    for label, fn, ptrs, consts, warps in variants():
+        t0 = time.time()
+        try:
+            k = compile_variant(fn, ptrs, consts, warps)
+            smem = k.metadata.shared
+            ok = smem <= H100_SMEM
+            print(f"{'ok ' if ok else 'BIG'} {label}: shared {smem} B, {time.time() - t0:.1f}s", flush=True)
+            failures += not ok
+        except Exception as e:  # report every variant, then fail
+            failures += 1
+            print(f"ERR {label}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
