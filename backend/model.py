@@ -102,7 +102,13 @@ class TritonPythonModel:
     # ---- requests -----------------------------------------------------------------------
     def execute(self, requests):
         for request in requests:
-            self._admit(request)
+            try:
+                self._admit(request)
+            except Exception as e:  # never leave a request without its final response
+                pb_utils.Logger.log_error(f"tritium: admitting a request failed: {type(e).__name__}: {e}")
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tritium: {type(e).__name__}: {e}")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _parse(self, arrays: dict):

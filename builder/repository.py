@@ -57,7 +57,10 @@ def llm_config(name: str, engine_dir: str, max_batch_size: int, engine_params: O
 
 
 def preprocessing_config(name: str, tokenizer_dir: str, max_batch_size: int) -> str:
-    ins = [TensorSpec("text_input", "TYPE_STRING", (1,), optional=False)]
+    # Triton 2.51's ensemble does not enforce required inputs (a request without text_input
+    # ends with no response and no error), so text_input is optional here and the other
+    # ensemble inputs ride along (ignored) so that this step runs and names the missing field.
+    ins = [TensorSpec("text_input", "TYPE_STRING", (1,))] + _PASSTHROUGH
     outs = [TensorSpec("input_ids", "TYPE_INT32", (-1,)), TensorSpec("input_lengths", "TYPE_INT32", (1,))]
     return (_header(name, "python", max_batch_size, False) + _io("input", ins) + _io("output", outs, optional=False)
             + _INSTANCE + _params(tokenizer_dir=tokenizer_dir))
@@ -79,14 +82,15 @@ def _step(model: str, inputs: dict, outputs: dict) -> str:
 
 def ensemble_config(name: str, llm: str, pre: str, post: str, max_batch_size: int) -> str:
     """text -> text ensemble; streams when the client asks (the LLM model is decoupled)."""
-    ins = [TensorSpec("text_input", "TYPE_STRING", (1,), optional=False)] + _PASSTHROUGH
+    ins = [TensorSpec("text_input", "TYPE_STRING", (1,))] + _PASSTHROUGH  # optional: see preprocessing_config
     outs = [s for s in OUTPUTS if s.name == "text_output"] + _ENSEMBLE_LLM_OUTPUTS
     llm_in = {"input_ids": "_input_ids", "input_lengths": "_input_lengths"}
     llm_in.update({s.name: s.name for s in _PASSTHROUGH})
     llm_out = {s.name: s.name for s in _ENSEMBLE_LLM_OUTPUTS}
     llm_out["context_ids"] = "_context_ids"
     steps = [
-        _step(pre, {"text_input": "text_input"}, {"input_ids": "_input_ids", "input_lengths": "_input_lengths"}),
+        _step(pre, dict({"text_input": "text_input"}, **{s.name: s.name for s in _PASSTHROUGH}),
+              {"input_ids": "_input_ids", "input_lengths": "_input_lengths"}),
         _step(llm, llm_in, llm_out),
         # Every input of a step after a decoupled model must come from that model (Triton rule).
         _step(post, {"output_ids": "output_ids", "context_ids": "_context_ids", "finish_reason": "finish_reason"},

@@ -1,0 +1,338 @@
+"""Serving through a real tritonserver (nvidia-pytriton wheel) on loopback ports.
+
+One server for the module: a tiny random Llama engine built by `tritium build ... --repo --name`,
+its five models, plus two broken models loaded on demand. The oracle is the in-process
+LLMEngine (greedy), and tritonclient / Triton's HTTP endpoints are the only way in.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NAME = "tiny"
+PROMPTS = ["Hello world, this is a test", "naïve café — 日本語のテキスト 🙂", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_checkpoint, tmp_path_factory):
+    """(engine_dir, repo_dir) from the real `tritium build` command."""
+    from tritium.client.cli import main
+    root = tmp_path_factory.mktemp("serving")
+    engine, repo = str(root / "engine"), str(root / "repo")
+    rc = main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--max-batch-size", "32",
+               "--quiet", "--repo", repo, "--name", NAME])
+    assert rc == 0
+    # Broken models for the load-failure test (loaded on demand, not at start).
+    from tritium.builder.repository import llm_config
+    for bad, eng in (("bad_path", str(root / "no_such_engine")), ("bad_config", str(root / "corrupt"))):
+        os.makedirs(os.path.join(repo, bad, "1"))
+        with open(os.path.join(repo, bad, "config.pbtxt"), "w") as f:
+            f.write(llm_config(bad, eng, 4))
+    shutil.copytree(engine, root / "corrupt")
+    with open(root / "corrupt" / "engine.json", "w") as f:
+        f.write('{"format_version": 1, "model": {"architecture": "llama"')  # truncated JSON
+    return engine, repo, str(root)
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    from tritium.client.server import TritonServer
+    engine, repo, root = built
+    models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls"]
+    srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=models)
+    srv.start(timeout=240)
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, "tritonserver did not exit cleanly"
+    # no stub left behind: the process group is gone
+    with pytest.raises(ProcessLookupError):
+        os.killpg(srv.proc.pid, 0)
+
+
+@pytest.fixture(scope="module")
+def oracle(built):
+    """Greedy reference from the in-process engine: prompt -> (token_ids, text)."""
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    eng = LLMEngine(built[0])
+    cache = {}
+
+    def ref(prompt: str, max_tokens: int):
+        key = (prompt, max_tokens)
+        if key not in cache:
+            out = eng.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+            cache[key] = (list(out.outputs[0].token_ids), out.outputs[0].text, len(out.prompt_token_ids))
+        return cache[key]
+    return ref
+
+
+def client(server, protocol="grpc", model=NAME):
+    from tritium.client.triton_client import TritiumClient
+    return TritiumClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol, model=model)
+
+
+def scrape(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+        if all(lab.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name}{labels} not in /metrics"
+    return total
+
+
+# ---- correctness against in-process greedy --------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("model", [NAME, f"{NAME}_ensemble", f"{NAME}_bls"])
+def test_stream_equals_inprocess_greedy(server, oracle, protocol, model):
+    c = client(server, protocol, model)
+    for prompt in PROMPTS[:2]:
+        ref_ids, ref_text, n_prompt = oracle(prompt, 12)
+        chunks = list(c.stream(prompt, max_tokens=12, temperature=0.0))
+        assert [t for ch in chunks for t in ch.token_ids] == ref_ids
+        assert chunks[-1].finish_reason in ("length", "stop")
+        assert sum(1 for ch in chunks if ch.finish_reason) == 1
+        whole = c.generate(prompt, max_tokens=12, temperature=0.0)
+        assert whole.token_ids == ref_ids and whole.num_input_tokens == n_prompt
+        assert "".join(ch.text for ch in chunks) == whole.text  # deltas join to the whole text
+        assert whole.text == ref_text
+
+
+def test_echo_prompt_and_batch_rows(server, oracle):
+    import tritonclient.grpc as grpcclient
+    ref_ids, ref_text, _ = oracle(PROMPTS[0], 6)
+    echo = client(server).generate(PROMPTS[0], max_tokens=6, temperature=0.0, exclude_input_in_output=False)
+    assert echo.text == PROMPTS[0] + ref_text
+    # batch of 2 rows in one request: served row by row, each response names its row
+    results = queue.Queue()
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    cl.start_stream(callback=lambda result, error: results.put((result, error)))
+    text = grpcclient.InferInput("text_input", [2, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[PROMPTS[0].encode()], [PROMPTS[2].encode()]], dtype=np.object_))
+    mt = grpcclient.InferInput("max_tokens", [2, 1], "INT32")
+    mt.set_data_from_numpy(np.array([[6], [6]], dtype=np.int32))
+    temp = grpcclient.InferInput("temperature", [2, 1], "FP32")
+    temp.set_data_from_numpy(np.zeros((2, 1), dtype=np.float32))
+    cl.async_stream_infer(NAME, [text, mt, temp], enable_empty_final_response=True)
+    rows = {}
+    try:
+        while True:
+            r, e = results.get(timeout=60)
+            assert e is None, str(e)
+            if r.get_response().outputs:
+                rows[int(r.as_numpy("batch_index")[0, 0])] = [int(x) for x in r.as_numpy("output_ids").reshape(-1)]
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        cl.stop_stream()
+        cl.close()
+    assert rows == {0: ref_ids, 1: oracle(PROMPTS[2], 6)[0]}
+
+
+def test_16_concurrent_streams_are_batched(server, oracle):
+    before = scrape(server)
+    prompts = [f"{PROMPTS[i % 3]} #{i}" for i in range(16)]
+    refs = [oracle(p, 24)[0] for p in prompts]
+    got, errors = [None] * 16, []
+    barrier = threading.Barrier(16)
+
+    def run(i):
+        try:
+            barrier.wait()
+            got[i] = [t for ch in client(server).stream(prompts[i], max_tokens=24, temperature=0.0)
+                      for t in ch.token_ids]
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert got == refs
+    time.sleep(0.3)
+    after = scrape(server)
+    gen = metric(after, "tritium_generation_tokens_total", model=NAME) - metric(
+        before, "tritium_generation_tokens_total", model=NAME)
+    steps = metric(after, "tritium_engine_steps_total", model=NAME) - metric(
+        before, "tritium_engine_steps_total", model=NAME)
+    assert gen == sum(len(r) for r in refs)
+    # One request alone yields one token per step; batched, a step yields one per running request.
+    assert gen / steps > 4, f"{gen} tokens in {steps} steps: not batched"
+
+
+def _kv_used(server) -> float:
+    return metric(scrape(server), "tritium_kv_cache_blocks", model=NAME, state="used")
+
+
+def _wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_cancelled_stream_frees_kv_blocks(server, oracle):
+    assert _wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
+    gen_before = metric(scrape(server), "tritium_generation_tokens_total", model=NAME)
+    stream = client(server).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
+    try:
+        for _ in range(3):
+            next(stream)
+        assert _wait_for(lambda: _kv_used(server) > 0, 5), "the running request holds no KV blocks"
+    finally:
+        stream.close()  # closes the gRPC stream with cancel_requests=True
+    assert _wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
+    text = scrape(server)
+    assert metric(text, "tritium_requests", model=NAME, state="running") == 0
+    assert metric(text, "tritium_generation_tokens_total", model=NAME) - gen_before < 200, "it was not cancelled"
+    ref_ids, _, _ = oracle(PROMPTS[0], 8)
+    assert client(server).generate(PROMPTS[0], max_tokens=8, temperature=0.0).token_ids == ref_ids
+
+
+BAD_REQUESTS = [
+    ("wrong dtype", dict(temperature=np.array([[1]], dtype=np.int32)), "temperature"),
+    ("missing text_input", dict(text_input=None), "text_input"),
+    ("max_tokens 0", dict(max_tokens=0), "max_tokens"),
+    ("max_tokens negative", dict(max_tokens=-3), "max_tokens"),
+    ("max_tokens huge", dict(max_tokens=10 ** 6), "max_tokens"),
+    ("top_p 2", dict(top_p=2.0), "top_p"),
+    ("NaN temperature", dict(temperature=float("nan")), "temperature"),
+    ("empty prompt", dict(text_input=""), "text_input"),
+    ("unknown sampling parameter", dict(sampling_parameters='{"temprature": 0.5}'), "temprature"),
+]
+
+
+def _raw_grpc(server, model, fields):
+    """Send raw tensors (any dtype) over gRPC; returns (outputs list, error message or None)."""
+    import tritonclient.grpc as grpcclient
+    results = queue.Queue()
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    cl.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = []
+    for name, v in fields.items():
+        if v is None:
+            continue
+        if isinstance(v, str):
+            arr = np.array([[v.encode()]], dtype=np.object_)
+        elif isinstance(v, np.ndarray):
+            arr = v
+        else:
+            arr = np.array([[v]], dtype=np.float32 if isinstance(v, float) else np.int32)
+        dt = {np.object_: "BYTES", np.float32: "FP32", np.int32: "INT32"}[arr.dtype.type]
+        inp = grpcclient.InferInput(name, list(arr.shape), dt)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    cl.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    outs, err = [], None
+    try:
+        while True:
+            r, e = results.get(timeout=60)
+            if e is not None:
+                err = str(e)
+                break
+            if r.get_response().outputs:
+                outs.append(r)
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        cl.stop_stream()
+        cl.close()
+    return outs, err
+
+
+@pytest.mark.parametrize("model", [NAME, f"{NAME}_ensemble"])
+def test_bad_requests_name_the_field_and_spare_others(server, oracle, model):
+    ref_ids, _, _ = oracle(PROMPTS[2], 40)
+    inflight = client(server).stream(PROMPTS[2], max_tokens=40, temperature=0.0)
+    got = list(next(inflight).token_ids)
+    for label, change, field in BAD_REQUESTS:
+        fields = {"text_input": PROMPTS[0], "max_tokens": 4}
+        fields.update(change)
+        outs, err = _raw_grpc(server, model, fields)
+        assert err is not None and field in err, f"{label}: error {err!r} does not name {field}"
+        assert not outs, label
+    got += [t for ch in inflight for t in ch.token_ids]
+    assert got == ref_ids, "an in-flight request was disturbed by bad ones"
+    assert server.is_ready()
+
+
+def test_load_failures_give_one_line_reason(server, built):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    from tritium.client.server import load_failures
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    for bad, reason in (("bad_path", "does not exist"), ("bad_config", "engine.json")):
+        with pytest.raises(InferenceServerException, match=reason):
+            cl.load_model(bad)
+        assert not cl.is_model_ready(bad)
+    lines = load_failures(os.path.join(built[2], "server.log"))
+    for bad in ("bad_path", "bad_config"):
+        line = next(ln for ln in lines if f"'{bad}'" in ln)
+        assert "tritium: cannot load engine" in line and "\\n" not in line
+    assert cl.is_model_ready(NAME) and server.is_ready()
+    cl.close()
+
+
+def test_metrics_families_are_sane(server):
+    text = scrape(server)
+    lab = dict(model=NAME, version="1")
+    for h in ("tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
+              "tritium_request_latency_seconds"):
+        count = metric(text, h + "_count", **lab)
+        assert count > 0
+        assert metric(text, h + "_sum", **lab) >= 0
+        assert metric(text, h + "_bucket", le="+Inf", **lab) == count
+    assert metric(text, "tritium_prompt_tokens_total", **lab) > 0
+    assert metric(text, "tritium_generation_tokens_total", **lab) >= metric(
+        text, "tritium_request_latency_seconds_count", **lab)
+    assert metric(text, "tritium_preemptions_total", **lab) >= 0
+    used, free, cached = (metric(text, "tritium_kv_cache_blocks", state=s, **lab) for s in ("used", "free", "cached"))
+    assert used >= 0 and free > 0 and cached >= 0
+    for s in ("running", "waiting"):
+        assert metric(text, "tritium_requests", state=s, **lab) >= 0
+
+
+def test_generate_cli_url(server, oracle, capsys):
+    from tritium.client.cli import main
+    _, ref_text, _ = oracle(PROMPTS[1], 10)
+    for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+        assert main(["generate", "--url", url, "--protocol", protocol, "--model", NAME, "--stream",
+                     "--max-tokens", "10", PROMPTS[1]]) == 0
+        assert capsys.readouterr().out == ref_text + "\n"
+        assert main(["generate", "--url", url, "--protocol", protocol, "--model", f"{NAME}_ensemble", "--json",
+                     "--max-tokens", "10", PROMPTS[1]]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == ref_text
+    assert main(["generate", "--url", server.grpc_url, "--model", NAME, "--top-p", "2", "x"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_http_error_names_field(server):
+    body = json.dumps({"text_input": "hi", "max_tokens": 0}).encode()
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/{NAME}/generate", data=body)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert "max_tokens" in e.value.read().decode()
