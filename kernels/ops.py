@@ -13,7 +13,7 @@ import os
 
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
-from .paged_attention import paged_attention_ref
+from .paged_attention import paged_attention_cpu, paged_attention_ref  # noqa: F401
 from .rms_norm import rms_norm_ref
 from .rotary import rotary_ref
 from .silu_mul import silu_mul_ref
@@ -86,7 +86,8 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                                         k_scale, v_scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    # CPU: the batched torch path (same contract as paged_attention_ref, which stays the oracle).
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
 
 def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):

@@ -58,3 +58,93 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                             enable_gqa=kb.shape[0] != hq)
         out[start:start + qlen] = ob.transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast CPU path (runtime helper). Same semantics as paged_attention_ref, fewer and larger ops:
+# - decode rows (query_len 1) are sorted by context length and run in groups of DECODE_GROUP with
+#   one padded SDPA call per group (keys past a row's length masked), K/V gathered block-wise
+#   with index_select (several times faster than advanced indexing on CPU);
+# - prefill rows compute scores with fp32 bmm per KV head (the query heads of a GQA group
+#   stacked), tiled over PREFILL_TILE queries to bound the (heads, tile, context) score buffer.
+#   On CPU this is ~2x faster than SDPA's flash kernel with a mask, at the same accuracy.
+DECODE_GROUP = 16
+PREFILL_TILE = 512
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, scale, dtype) -> torch.Tensor:
+    """(n, num_blocks * block_size, Hkv, D) for n block tables, dequantized to `dtype`."""
+    n = tables.shape[0]
+    flat = tables[:, :num_blocks].reshape(-1).long()
+    x = torch.index_select(cache, 0, flat)
+    x = x.view(n, num_blocks * cache.shape[1], *cache.shape[2:])
+    return dequantize_kv_ref(x, scale, dtype) if (scale is not None or x.dtype != dtype) else x
+
+
+def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, block_tables, scale, window, k_scale, v_scale):
+    bs = k_cache.shape[1]
+    order = sorted(range(len(rows)), key=lambda i: seq_lens[i])
+    for g in range(0, len(order), DECODE_GROUP):
+        idx = order[g:g + DECODE_GROUP]
+        lens = torch.tensor([seq_lens[i] for i in idx])
+        nblk = -(-int(lens.max()) // bs)
+        tables = block_tables[[rows[i][0] for i in idx]]
+        k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype).transpose(1, 2)  # (n, Hkv, L, D)
+        v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype).transpose(1, 2)
+        kpos = torch.arange(nblk * bs)[None, :]
+        allowed = kpos < lens[:, None]
+        if window is not None:
+            allowed &= kpos >= (lens[:, None] - window)
+        tok = torch.tensor([rows[i][1] for i in idx])
+        qb = q[tok].unsqueeze(2)  # (n, Hq, 1, D)
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=allowed[:, None, None, :], scale=scale,
+                                            enable_gqa=k.shape[1] != q.shape[1])
+        out[tok] = ob.squeeze(2)
+
+
+def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, window, k_scale, v_scale):
+    bs = k_cache.shape[1]
+    hq, d = q.shape[1], q.shape[2]
+    k = _gather_blocks(k_cache, table[None], -(-slen // bs), k_scale, torch.float32)[0, :slen]
+    v = _gather_blocks(v_cache, table[None], -(-slen // bs), v_scale, torch.float32)[0, :slen]
+    hkv = k.shape[1]
+    grp = hq // hkv
+    kt = k.permute(1, 2, 0)  # (Hkv, D, slen)
+    vt = v.transpose(0, 1)   # (Hkv, slen, D)
+    kpos = torch.arange(slen)
+    for t0 in range(0, qlen, PREFILL_TILE):
+        t1 = min(qlen, t0 + PREFILL_TILE)
+        n = t1 - t0
+        # q heads h = j * grp + g use KV head j (HF repeat_kv order): stack the group's rows.
+        qt = q[start + t0:start + t1].float().view(n, hkv, grp, d).permute(1, 2, 0, 3).reshape(hkv, grp * n, d)
+        s = torch.bmm(qt, kt).mul_(scale).view(hkv, grp, n, slen)
+        qpos = torch.arange(slen - qlen + t0, slen - qlen + t1)[:, None]
+        allowed = kpos[None, :] <= qpos
+        if window is not None:
+            allowed &= (qpos - kpos[None, :]) < window
+        s.masked_fill_(~allowed, float("-inf"))
+        p = s.softmax(dim=-1).view(hkv, grp * n, slen)
+        o = torch.bmm(p, vt).view(hkv, grp, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        out[start + t0:start + t1] = o.to(out.dtype)
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                        scale: float, sliding_window: Optional[int] = None,
+                        k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """paged_attention_ref's contract, batched for CPU speed (see the comment above). (T, Hq, D)."""
+    out = torch.empty_like(q)
+    decode_rows, decode_lens = [], []
+    start = 0
+    for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if qlen == 1:
+            decode_rows.append((b, start))
+            decode_lens.append(slen)
+        elif qlen > 1:
+            _prefill_one(q, out, start, qlen, slen, meta.block_tables[b], k_cache, v_cache, scale,
+                         sliding_window, k_scale, v_scale)
+        start += qlen
+    if decode_rows:
+        _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta.block_tables, scale,
+                     sliding_window, k_scale, v_scale)
+    return out

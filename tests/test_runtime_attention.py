@@ -1,0 +1,98 @@
+"""Paged attention (reference and the batched CPU path) equals dense causal attention computed
+here in float64 from contiguous K/V, on mixed decode / prefill / chunked-prefill batches."""
+import random
+
+import pytest
+import torch
+
+from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
+from tritium.kernels.paged_attention import paged_attention_cpu, paged_attention_ref
+
+
+def dense(q, k, v, qlen, scale, window):
+    """q (qlen, Hq, D), k/v (slen, Hkv, D): the last qlen positions attend causally (and in window)."""
+    slen, hkv = k.shape[0], k.shape[1]
+    rep = q.shape[1] // hkv
+    k = k.double().repeat_interleave(rep, dim=1)
+    v = v.double().repeat_interleave(rep, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    qpos = torch.arange(slen - qlen, slen)[:, None]
+    kpos = torch.arange(slen)[None, :]
+    ok = kpos <= qpos
+    if window is not None:
+        ok &= qpos - kpos < window
+    s = s.masked_fill(~ok, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def make_case(seed, hq, hkv, d, bs, window, kv_dtype=None, dtype=torch.float32):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    # (query_len, seq_len): decodes, a full prefill, chunked prefills with context, a 1-token prompt.
+    shapes = [(1, rng.randint(1, 50)) for _ in range(5)] + [(17, 17), (5, 40), (9, 23), (1, 1), (30, 61)]
+    rng.shuffle(shapes)
+    num_blocks = sum(-(-s // bs) for _, s in shapes) + 3
+    perm = list(range(num_blocks))
+    rng.shuffle(perm)
+    cdt = kv_dtype or dtype
+    k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=cdt)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = v_scale = None
+    if kv_dtype is not None:
+        k_scale = torch.rand(hkv) * 0.05 + 0.01
+        v_scale = torch.rand(hkv) * 0.05 + 0.01
+    tables, qs, dense_kv = [], [], []
+    for qlen, slen in shapes:
+        nb = -(-slen // bs)
+        table = [perm.pop() for _ in range(nb)]
+        k = torch.randn(slen, hkv, d, dtype=dtype)
+        v = torch.randn(slen, hkv, d, dtype=dtype)
+        if kv_dtype is not None:
+            kq, vq = quantize_kv_ref(k, k_scale, kv_dtype), quantize_kv_ref(v, v_scale, kv_dtype)
+            k, v = dequantize_kv_ref(kq, k_scale, dtype), dequantize_kv_ref(vq, v_scale, dtype)
+        else:
+            kq, vq = k, v
+        for pos in range(slen):
+            k_cache[table[pos // bs], pos % bs] = kq[pos]
+            v_cache[table[pos // bs], pos % bs] = vq[pos]
+        tables.append(table)
+        qs.append(torch.randn(qlen, hq, d, dtype=dtype))
+        dense_kv.append((k, v))
+    meta = AttentionMetadata.build([s[0] for s in shapes], [s[1] for s in shapes], tables, bs)
+    return shapes, torch.cat(qs), qs, dense_kv, k_cache, v_cache, meta, k_scale, v_scale
+
+
+@pytest.mark.parametrize("impl", [paged_attention_ref, paged_attention_cpu])
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(6, 2, 16, 4, None), (4, 1, 18, 8, None), (3, 3, 8, 16, None),
+                                                 (6, 3, 16, 4, 7)])
+def test_paged_equals_dense(impl, hq, hkv, d, bs, window):
+    shapes, q, qs, kv, kc, vc, meta, ks, vs = make_case(hq * 7 + bs, hq, hkv, d, bs, window)
+    out = impl(q, kc, vc, meta, d ** -0.5, window)
+    start = 0
+    for (qlen, _), qb, (k, v) in zip(shapes, qs, kv):
+        ref = dense(qb, k, v, qlen, d ** -0.5, window)
+        torch.testing.assert_close(out[start:start + qlen].double(), ref, atol=1e-5, rtol=1e-5)
+        start += qlen
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_kv_cache(kv_dtype):
+    shapes, q, qs, kv, kc, vc, meta, ks, vs = make_case(3, 6, 2, 16, 4, None, kv_dtype=kv_dtype)
+    out = paged_attention_cpu(q, kc, vc, meta, 0.25, None, ks, vs)
+    start = 0
+    for (qlen, _), qb, (k, v) in zip(shapes, qs, kv):
+        torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, 0.25, None),
+                                   atol=1e-4, rtol=1e-4)
+        start += qlen
+
+
+def test_bf16_within_tolerance():
+    shapes, q, qs, kv, kc, vc, meta, _, _ = make_case(5, 6, 2, 16, 4, None, dtype=torch.bfloat16)
+    out = paged_attention_cpu(q, kc, vc, meta, 0.25)
+    start = 0
+    for (qlen, _), qb, (k, v) in zip(shapes, qs, kv):
+        # bf16 inputs and output: 8 mantissa bits -> ~4e-3 relative rounding of O(1) outputs.
+        torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, 0.25, None),
+                                   atol=2e-2, rtol=2e-2)
+        start += qlen
