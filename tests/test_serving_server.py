@@ -281,20 +281,31 @@ def test_bad_requests_name_the_field_and_spare_others(server, oracle, model):
 
 
 def test_load_failures_give_one_line_reason(server, built):
+    """Runs late: afterwards /v2/health/ready stays false (strict readiness)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
     from tritium.client.server import load_failures
     cl = grpcclient.InferenceServerClient(server.grpc_url)
-    for bad, reason in (("bad_path", "does not exist"), ("bad_config", "engine.json")):
-        with pytest.raises(InferenceServerException, match=reason):
-            cl.load_model(bad)
-        assert not cl.is_model_ready(bad)
-    lines = load_failures(os.path.join(built[2], "server.log"))
-    for bad in ("bad_path", "bad_config"):
-        line = next(ln for ln in lines if f"'{bad}'" in ln)
-        assert "tritium: cannot load engine" in line and "\\n" not in line
-    assert cl.is_model_ready(NAME) and server.is_ready()
-    cl.close()
+    cases = (("bad_path", "does not exist"), ("bad_config", "engine.json: not valid JSON"))
+    try:
+        for bad, reason in cases:
+            with pytest.raises(InferenceServerException, match=reason):
+                cl.load_model(bad)
+            assert not cl.is_model_ready(bad)
+        with open(os.path.join(built[2], "server.log"), encoding="utf-8") as f:
+            log = f.read().splitlines()
+        for bad, reason in cases:
+            line = next(ln for ln in log if f"failed to load '{bad}' version" in ln)
+            first = line.split("\\n")[0]  # the reason comes before the (escaped) traceback
+            assert "tritium: cannot load engine" in first and reason in first
+            assert any(reason in ln for ln in load_failures(os.path.join(built[2], "server.log")))
+        assert cl.is_model_ready(NAME) and cl.is_server_live()
+    finally:
+        for bad, _ in cases:
+            cl.unload_model(bad)
+        cl.close()
+    # (with --strict-readiness the server reports not-ready while a model is UNAVAILABLE) it serves on:
+    assert client(server).generate(PROMPTS[0], max_tokens=3, temperature=0.0).num_output_tokens == 3
 
 
 def test_metrics_families_are_sane(server):
