@@ -83,19 +83,29 @@ def variants():
         "out_ptr": bf}, dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, OPERANDS=0), 4
 
 
+def _compile_one(index: int):
+    label, fn, ptrs, consts, warps = list(variants())[index]
+    t0 = time.time()
+    try:
+        smem = compile_variant(fn, ptrs, consts, warps).metadata.shared
+        return label, smem, None, time.time() - t0
+    except Exception as e:  # report every variant, then fail
+        return label, None, f"{type(e).__name__}: {str(e)[:2000]}", time.time() - t0
+
+
 def main() -> int:
+    from concurrent.futures import ProcessPoolExecutor
     failures = 0
-    for label, fn, ptrs, consts, warps in variants():
-        t0 = time.time()
-        try:
-            k = compile_variant(fn, ptrs, consts, warps)
-            smem = k.metadata.shared
+    # variants compile independently: one process per core
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        for label, smem, err, secs in pool.map(_compile_one, range(len(list(variants())))):
+            if err is not None:
+                failures += 1
+                print(f"ERR {label}: {err}", flush=True)
+                continue
             ok = smem <= H100_SMEM
-            print(f"{'ok ' if ok else 'BIG'} {label}: shared {smem} B, {time.time() - t0:.1f}s", flush=True)
             failures += not ok
-        except Exception as e:  # report every variant, then fail
-            failures += 1
-            print(f"ERR {label}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            print(f"{'ok ' if ok else 'BIG'} {label}: shared {smem} B, {secs:.1f}s", flush=True)
     return 1 if failures else 0
 
 
