@@ -157,6 +157,16 @@ def check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sc
     return False
 
 
+def _default_partition(device: torch.device, num_programs: int, max_seq_len: int) -> int:
+    """Keys per split: enough splits to give every SM ~2 programs, partitions of >= 256 keys."""
+    if device.type != "cuda":
+        return 512
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, -(-2 * sms // max(num_programs, 1)))
+    splits = max(1, min(want, -(-max_seq_len // 256)))
+    return max(256, next_pow2(-(-max_seq_len // splits)))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
@@ -165,8 +175,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Attention of one query per sequence, q (B, Hq, D), over its cached context of seq_lens[b] keys.
 
     Caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); returns/fills (B, Hq, D).
-    partition_size: keys per split-K partition (power of two >= 16); default 512. max_seq_len
-    (host int) avoids a device sync when given.
+    partition_size: keys per split-K partition (power of two >= 16); default: sized so that
+    the grid fills the GPU's SMs (512 off-GPU). max_seq_len (host int) avoids a device sync.
     """
     kv_quant = check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     b, hq, d = q.shape
@@ -182,7 +192,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
-    partition = 512 if partition_size is None else int(partition_size)
+    partition = _default_partition(q.device, b * hkv, max_seq_len) if partition_size is None else int(partition_size)
     if partition < 16 or partition & (partition - 1):
         raise ValueError(f"partition_size: must be a power of two >= 16, got {partition_size}")
     num_splits = triton.cdiv(max(max_seq_len, 1), partition)
