@@ -162,9 +162,9 @@ def _default_partition(device: torch.device, num_programs: int, max_seq_len: int
     if device.type != "cuda":
         return 512
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, -(-2 * sms // max(num_programs, 1)))
-    splits = max(1, min(want, -(-max_seq_len // 256)))
-    return max(256, next_pow2(-(-max_seq_len // splits)))
+    want = max(1, triton.cdiv(2 * sms, max(num_programs, 1)))
+    splits = max(1, min(want, triton.cdiv(max_seq_len, 256)))
+    return max(256, next_pow2(triton.cdiv(max_seq_len, splits)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
