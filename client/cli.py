@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "tritium.client.generate_cli",  # generate (in-process or --url)
     "tritium.client.serve_cli",     # serve (real tritonserver)
     "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
+    "tritium.client.bench_cli",     # bench (engine throughput vs HF transformers)
 ]
 
 
