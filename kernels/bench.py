@@ -104,16 +104,17 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
     out.append((f"prefill B={b} L={L} causal", lambda: pa.paged_attention(qp, kc, vc, meta, D ** -0.5),
                 lambda: paged_attention_ref(qp, kc, vc, meta, D ** -0.5),
                 2 * b * L * (HQ + HKV) * D * e, 2 * b * HQ * L * L * D, "bf16"))
-    for m in ((16, 256) if quick else (1, 16, 256, 4096)):
-        for n, kk in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN)):
+    g = 128
+    for n, kk in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN)):
+        # weights made once per shape; every batch size M below reuses them
+        qw4 = torch.randint(0, 256, (n, kk // 2), device=device, dtype=torch.uint8)
+        s4, z4 = torch.rand(kk // g, n, device=device) * 0.01, torch.randn(kk // g, n, device=device) * 0.01
+        q8 = torch.randint(-127, 128, (n, kk), device=device, dtype=torch.int8)
+        s8 = torch.rand(n, device=device) * 0.01
+        f8 = (torch.randn(n, kk, device=device) * 64).to(torch.float8_e4m3fn)
+        for m in ((16, 256) if quick else (1, 16, 256, 4096)):
             xg = torch.randn(m, kk, device=device, dtype=dtype)
-            g = 128
-            qw4 = torch.randint(0, 256, (n, kk // 2), device=device, dtype=torch.uint8)
-            s4, z4 = torch.rand(kk // g, n, device=device) * 0.01, torch.randn(kk // g, n, device=device) * 0.01
-            q8 = torch.randint(-127, 128, (n, kk), device=device, dtype=torch.int8)
-            s8 = torch.rand(n, device=device) * 0.01
-            f8 = (torch.randn(n, kk, device=device) * 64).to(torch.float8_e4m3fn)
-            io = 2 * m * (n + kk) * e
+            io = m * (n + kk) * e
             flops = 2 * m * n * kk
             out.append((f"w4a16 M={m} N={n} K={kk}", lambda xg=xg, a=qw4, s=s4, z=z4: qg.w4a16_gemm(xg, a, s, z, g),
                         lambda xg=xg, a=qw4, s=s4, z=z4: gemm_ref.w4a16_gemm_ref(xg, a, s, z, g),
