@@ -1,7 +1,7 @@
 """Triton KV-cache write: scatter new K/V rows into their paged slots, quantizing on the way.
 
 Matches kv_write_ref: INT8 stores round-half-even(x / scale) saturated to [-127, 127]; FP8 E4M3
-stores x / scale saturated to +-448, rounded to nearest even by the conversion. A slot < 0 marks a
+stores x / scale saturated to +-448 and rounded to the nearest even E4M3 value. A slot < 0 marks a
 padding token and is skipped (CUDA-graph padding convention of vLLM).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape, next_pow2
+
 
 @triton.jit
 def round_to_e4m3(y):

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-FP8_E4M3_MAX = 448.0
 
 
 def is_interpreter() -> bool:
@@ -61,8 +60,6 @@ def check_device(ref: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
             raise ValueError(f"{name}: on {t.device}, expected {ref.device} like the other inputs")
 
 
-
-
 @triton.jit
 def mm(a, b, IEEE: tl.constexpr):
     """tl.dot with fp32 accumulation; IEEE keeps fp32 operands exact (no TF32) on tensor cores."""
@@ -70,3 +67,4 @@ def mm(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
