@@ -95,7 +95,8 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
         out.append((f"paged_decode B={b} ctx={ctx} kv={kvd or dtype}",
                     lambda qd=qd, kc=kc, vc=vc, ks=ks, vs=vs, m=meta: pd.paged_decode(
                         qd, kc, vc, m.block_tables, m.seq_lens, D ** -0.5, None, ks, vs, max_seq_len=m.max_seq_len),
-                    lambda qd=qd, kc=kc, vc=vc, ks=ks, vs=vs, m=meta: paged_attention_ref(qd, kc, vc, m, D ** -0.5, None, ks, vs),
+                    lambda qd=qd, kc=kc, vc=vc, ks=ks, vs=vs, m=meta: paged_attention_ref(
+                        qd, kc, vc, m, D ** -0.5, None, ks, vs),
                     2 * b * ctx * HKV * D * ce, 4 * b * HQ * ctx * D, "bf16"))
     b, L = (2, 256) if quick else (4, 2048)
     kc, vc, _, _, tables = _paged(b, L, 16, dtype, device)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape, dot_upcast, mm, next_pow2
+from .triton_common import (TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape, dot_upcast,
+                            mm, next_pow2)
 
 LOG2E = 1.4426950408889634
 
