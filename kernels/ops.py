@@ -8,7 +8,9 @@ and CPU-only installs need not have triton at all.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import os
 
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
@@ -45,7 +47,13 @@ def use_triton(t) -> bool:
             raise ValueError("TRITIUM_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 "
                              "(Triton's interpreter); or use TRITIUM_KERNELS=reference|auto")
         return True
-    return t.is_cuda
+    return t.is_cuda and _has_triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    """auto mode on a GPU without the triton package runs the torch references instead."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _fp8_kernels_ok(t) -> bool:
