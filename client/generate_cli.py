@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     from tritium.client.remote_generate import add_remote_arguments
     add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
+    from tritium.client.engine_generate import add_engine_arguments
+    add_engine_arguments(p)  # --stop/--logprobs/--n/--input-file/--stats/...: see engine_generate.py
     p.set_defaults(func=run)
 
 
@@ -39,37 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "url", None):
         from tritium.client.remote_generate import run_remote
         return run_remote(args)
-    from tritium.backend.loader import load_engine
-    from tritium.backend.simple_generate import generate_simple
     if not args.engine:
         raise ValueError("--engine ENGINE_DIR is required")
-    if args.prompt is None and args.prompt_ids is None:
-        raise ValueError("give a PROMPT or --prompt-ids")
-    if args.temperature < 0 or args.temperature != args.temperature:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    cfg, model, tok = load_engine(args.engine, args.device)
-    if args.prompt_ids is not None:
-        prompt_ids = parse_prompt_ids(args.prompt_ids)
-    else:
-        if tok is None:
-            raise ValueError(f"{args.engine}: engine has no tokenizer.json; use --prompt-ids")
-        prompt_ids = tok.encode(args.prompt).ids
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    bad = [i for i in prompt_ids if not 0 <= i < cfg.model.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} outside [0, {cfg.model.vocab_size})")
-    if args.max_tokens < 1 or len(prompt_ids) + args.max_tokens > cfg.limits.max_seq_len:
-        raise ValueError(f"--max-tokens must be in [1, {cfg.limits.max_seq_len - len(prompt_ids)}] "
-                         f"(max_seq_len {cfg.limits.max_seq_len} minus {len(prompt_ids)} prompt tokens)")
-    ids, reason = generate_simple(model, prompt_ids, args.max_tokens, args.temperature, args.top_k,
-                                  args.top_p, args.seed, cfg.model.eos_token_ids)
-    text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-    if args.json:
-        print(json.dumps({"text": text, "token_ids": ids, "prompt_token_ids": prompt_ids,
-                          "finish_reason": reason}, ensure_ascii=False))
-    else:
-        sys.stdout.write(text + "\n")
-    return 0
+    # In-process: the in-flight LLMEngine (runtime issue); see client/engine_generate.py.
+    from tritium.client.engine_generate import run_engine
+    return run_engine(args, parse_prompt_ids)

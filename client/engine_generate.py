@@ -1,0 +1,135 @@
+"""`tritium generate --engine`: the in-process path, on the in-flight LLMEngine.
+
+One prompt (text or --prompt-ids), or --input-file F.jsonl with one request per line:
+    {"prompt": "..."} or {"prompt_ids": [1, 2, 3]}, plus optional "max_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop" (string or list of strings)
+All requests run together through the engine; results print as one JSON object per request
+(per sample when --n > 1), in input order:
+    {"text", "token_ids", "prompt_token_ids", "finish_reason"} (+ "index" for n > 1, + "logprobs")
+--stats then prints one JSON object of engine stats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Tuple
+
+FILE_KEYS = {"prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("in-process engine (--engine)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop string (repeatable); it is not included in the output")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="return the sampled token's logprob plus the top N per token (raw model log-softmax)")
+    g.add_argument("--n", type=int, default=1, metavar="N", help="parallel samples per prompt (default 1)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold in [0, 1] (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (default 1)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--input-file", default=None, metavar="F.jsonl",
+                   help='one request per line: {"prompt": ...} or {"prompt_ids": [...]} plus optional '
+                        'max_tokens, temperature, top_p, top_k, seed, stop')
+    g.add_argument("--stats", action="store_true", help="after the results, print engine stats as one JSON object")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default: engine max batch)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 2048)")
+
+
+def _params(args, overrides: dict):
+    from tritium.backend.sampling_params import SamplingParams
+    stop = overrides.get("stop", args.stop)
+    return SamplingParams(
+        max_tokens=overrides.get("max_tokens", args.max_tokens),
+        temperature=overrides.get("temperature", args.temperature),
+        top_k=overrides.get("top_k", args.top_k), top_p=overrides.get("top_p", args.top_p),
+        seed=overrides.get("seed", args.seed), min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        ignore_eos=args.ignore_eos, stop=[stop] if isinstance(stop, str) else list(stop),
+        logprobs=args.logprobs, n=args.n)
+
+
+def read_input_file(path: str) -> List[Tuple[dict, dict]]:
+    """[(prompt kwargs, param overrides)] from a JSONL file; errors name the line and key."""
+    reqs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            unknown = sorted(set(obj) - FILE_KEYS)
+            if unknown:
+                raise ValueError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(FILE_KEYS))}")
+            if ("prompt" in obj) == ("prompt_ids" in obj):
+                raise ValueError(f"{where}: give exactly one of 'prompt' and 'prompt_ids'")
+            prompt = {"prompt": obj["prompt"]} if "prompt" in obj else {"prompt_token_ids": obj["prompt_ids"]}
+            reqs.append((prompt, {k: v for k, v in obj.items() if k not in ("prompt", "prompt_ids")}))
+    if not reqs:
+        raise ValueError(f"{path}: no requests")
+    return reqs
+
+
+def _result(out, comp, logprobs: bool, n: int) -> dict:
+    d = {"text": comp.text, "token_ids": comp.token_ids, "prompt_token_ids": out.prompt_token_ids,
+         "finish_reason": comp.finish_reason}
+    if n > 1:
+        d["index"] = comp.index
+    if logprobs:
+        d["logprobs"] = comp.logprobs
+    return d
+
+
+def run_engine(args: argparse.Namespace, prompt_ids_parser) -> int:
+    """The --engine path of `tritium generate`."""
+    from tritium.backend.engine import LLMEngine
+    if args.input_file is not None:
+        if args.prompt is not None or args.prompt_ids is not None:
+            raise ValueError("--input-file replaces PROMPT and --prompt-ids; give only one")
+        items = read_input_file(args.input_file)
+    elif args.prompt is not None or args.prompt_ids is not None:
+        prompt = ({"prompt_token_ids": prompt_ids_parser(args.prompt_ids)} if args.prompt_ids is not None
+                  else {"prompt": args.prompt})
+        items = [(prompt, {})]
+    else:
+        raise ValueError("give a PROMPT, --prompt-ids or --input-file")
+    engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
+    for i, (prompt, overrides) in enumerate(items):
+        try:
+            engine.add_request(str(i), params=_params(args, overrides), **prompt)
+        except ValueError as e:
+            where = f"{args.input_file}: request {i + 1}: " if args.input_file else ""
+            raise ValueError(f"{where}{e}") from None
+    stream = getattr(args, "stream", False) and len(items) == 1 and args.n == 1 and not args.json
+    final, peak = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if stream:
+                sys.stdout.write(out.outputs[0].text_delta)
+                sys.stdout.flush()
+            if out.finished:
+                final[int(out.request_id)] = out
+        peak = max(peak, engine.stats()["kv_blocks_used"])
+    as_json = args.json or args.input_file is not None
+    for i in range(len(items)):
+        out = final[i]
+        for comp in out.outputs:
+            if as_json:
+                print(json.dumps(_result(out, comp, args.logprobs is not None, args.n), ensure_ascii=False))
+            elif stream:
+                sys.stdout.write("\n")
+            else:
+                if args.n > 1:
+                    print(f"--- sample {comp.index} ({comp.finish_reason})")
+                sys.stdout.write(comp.text + "\n")
+    if args.stats:
+        stats = engine.stats()
+        stats["kv_blocks_used_peak"] = peak
+        print(json.dumps(stats, sort_keys=True))
+    return 0
