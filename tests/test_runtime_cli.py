@@ -1,0 +1,77 @@
+"""`tritium generate --engine` on the in-flight engine: JSONL input in order, stats, stops, n, errors."""
+import json
+
+import pytest
+import torch
+
+from tritium.backend.engine import LLMEngine
+from tritium.backend.sampling_params import SamplingParams
+from tritium.client.cli import main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, [json.loads(line) for line in out.out.splitlines() if line.startswith("{")], out
+
+
+def test_input_file_runs_together_in_order(tiny_engine, tmp_path, capsys):
+    eng = tiny_engine("llama")
+    lines = [{"prompt": "The quick brown fox", "max_tokens": 7},
+             {"prompt_ids": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0},
+             {"prompt": "Paged attention", "max_tokens": 5, "stop": ["zz"]}]
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rc, objs, _ = run_cli(capsys, "generate", "--engine", eng, "--input-file", str(f), "--stats",
+                          "--ignore-eos", "--num-kv-blocks", "40", "--max-num-seqs", "4")
+    assert rc == 0 and len(objs) == 4
+    results, stats = objs[:3], objs[3]
+    assert [len(r["token_ids"]) for r in results] == [7, 3, 5]
+    assert results[1]["prompt_token_ids"] == [5, 6, 7, 8]
+    for k in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "preemptions"):
+        assert isinstance(stats[k], int)
+    assert stats["kv_blocks_total"] == 40 and stats["kv_blocks_used_peak"] > 0
+    # Same tokens as each request run alone through the engine API.
+    engine = LLMEngine(eng, device="cpu", num_kv_blocks=40)
+    (alone,) = engine.generate(["The quick brown fox"], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
+    assert results[0]["token_ids"] == alone.outputs[0].token_ids
+    assert results[0]["text"] == alone.outputs[0].text
+
+
+def test_stop_logprobs_and_n(tiny_engine, capsys):
+    eng = tiny_engine("llama")
+    rc, (full,), _ = run_cli(capsys, "generate", "--engine", eng, "The quick brown fox", "--json",
+                             "--max-tokens", "20", "--ignore-eos")
+    text = full["text"]
+    start = next(i for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop = text[start:start + 2]
+    rc, (cut,), _ = run_cli(capsys, "generate", "--engine", eng, "The quick brown fox", "--json", "--max-tokens",
+                            "20", "--ignore-eos", "--stop", "never-there", "--stop", stop, "--logprobs", "2")
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+    assert len(cut["logprobs"]) == len(cut["token_ids"]) and len(cut["logprobs"][0]["top_logprobs"]) == 2
+    rc, objs, _ = run_cli(capsys, "generate", "--engine", eng, "Hello", "--json", "--n", "3", "--temperature",
+                          "1", "--seed", "1", "--max-tokens", "6")
+    assert [o["index"] for o in objs] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--top-p", "2"], "top_p"), (["--temperature", "nan"], "temperature"), (["--max-tokens", "100000"], "max_tokens"),
+    (["--n", "0"], "n"), (["--logprobs", "-3"], "logprobs")])
+def test_bad_flags_exit_2_naming_the_field(tiny_engine, capsys, argv, field):
+    rc, _, out = run_cli(capsys, "generate", "--engine", tiny_engine("llama"), "Hi", *argv)
+    assert rc == 2 and field in out.err and "Traceback" not in out.err
+
+
+def test_bad_input_file_line(tiny_engine, tmp_path, capsys):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "x", "temprature": 1}\n')
+    rc, _, out = run_cli(capsys, "generate", "--engine", tiny_engine("llama"), "--input-file", str(f))
+    assert rc == 2 and "bad.jsonl:2" in out.err and "temprature" in out.err
