@@ -241,3 +241,16 @@ def test_bad_input_raises_and_leaves_the_batch_alone(tiny_engine):
         for out in engine.step():
             final = out
     assert final.request_id == "good" and final.outputs[0].token_ids == alone(engine, prompt, 12)
+
+
+@pytest.mark.parametrize("kv_dtype,torch_dtype", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)])
+def test_quantized_kv_cache_batched_equals_alone(tiny_engine, kv_dtype, torch_dtype):
+    engine_dir = tiny_engine("llama", kv_cache_dtype=kv_dtype, calibration_samples=4)
+    engine = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64)
+    assert engine.runner.kv_caches[0][0].dtype == torch_dtype
+    reqs, arrivals = workload(seed=11, n=5)
+    outs = run_staggered(engine, reqs, arrivals)
+    for (prompt, max_tokens), out in zip(reqs, outs):
+        (solo,) = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64).generate(
+            prompt_token_ids=[prompt], params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        assert out.outputs[0].token_ids == solo.outputs[0].token_ids
