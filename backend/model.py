@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritium.backend.triton_contract import (NUM_CONTEXT_IDS, batch_size_of, error_prefix, parse_row,

@@ -66,18 +66,21 @@ def run_remote(args: argparse.Namespace) -> int:
             if not args.json:
                 sys.stdout.write("\n")
             return 0
-        result = client.generate(args.prompt, **params)
+        results = client.generate_all(args.prompt, **params)
     except TritiumClientError as e:
         raise ValueError(f"server: {e}") from None
     except OSError as e:
         raise OSError(f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
-    if args.json:
-        out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-               "num_input_tokens": result.num_input_tokens, "num_output_tokens": result.num_output_tokens}
-        if params.get("return_log_probs"):
-            out["logprobs"] = result.log_probs
-            out["cum_logprob"] = result.cum_log_prob
-        print(json.dumps(out, ensure_ascii=False))
-    else:
-        sys.stdout.write(result.text + "\n")
+    for i, result in enumerate(results):  # one per sample (--n)
+        if args.json:
+            out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                   "num_input_tokens": result.num_input_tokens, "num_output_tokens": result.num_output_tokens}
+            if len(results) > 1:
+                out["index"] = i
+            if params.get("return_log_probs"):
+                out["logprobs"] = result.log_probs
+                out["cum_logprob"] = result.cum_log_prob
+            print(json.dumps(out, ensure_ascii=False))
+        else:
+            sys.stdout.write(result.text + "\n")
     return 0

@@ -127,6 +127,14 @@ class TritiumClient:
         chunks = list(self._grpc(req) if self.protocol == "grpc" else self._http(req, stream=False))
         return join_chunks(chunks)
 
+    def generate_all(self, prompt: Optional[str] = None, **params) -> List[Completion]:
+        """Like generate(), one Completion per sample (num_return_sequences), in sample order."""
+        params["stream"] = False
+        req = build_request(prompt, **params)
+        chunks = list(self._grpc(req) if self.protocol == "grpc" else self._http(req, stream=False))
+        indices = sorted({c.sequence_index for c in chunks}) or [0]
+        return [join_chunks(chunks, i) for i in indices]
+
     def is_ready(self) -> bool:
         if self.protocol == "grpc":
             import tritonclient.grpc as grpcclient
@@ -175,7 +183,9 @@ class TritiumClient:
 
     # ---- HTTP --------------------------------------------------------------------------------
     def _http(self, req: dict, stream: bool) -> Iterator[Chunk]:
-        endpoint = "generate_stream" if stream else "generate"
+        # /generate takes exactly one response; several samples come as several responses.
+        sse = stream or int(req.get("num_return_sequences", 1) or 1) > 1
+        endpoint = "generate_stream" if sse else "generate"
         body = json.dumps(req).encode("utf-8")
         r = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/{endpoint}", data=body,
                                    headers={"Content-Type": "application/json"})
@@ -184,8 +194,11 @@ class TritiumClient:
         except urllib.error.HTTPError as e:
             raise TritiumClientError(_http_error(e.read())) from None
         with resp:
-            if not stream:
-                yield _chunk_from_json(json.loads(resp.read().decode("utf-8")))
+            if not sse:
+                d = json.loads(resp.read().decode("utf-8"))
+                if "error" in d:
+                    raise TritiumClientError(d["error"])
+                yield _chunk_from_json(d)
                 return
             for raw in resp:  # server-sent events: "data: {...}" lines
                 line = raw.decode("utf-8").strip()
@@ -210,9 +223,9 @@ def _chunk_from_json(d: dict) -> Chunk:
     return _chunk_from_arrays(get)
 
 
-def join_chunks(chunks: List[Chunk]) -> Completion:
-    """Concatenate streamed chunks of sequence 0 into one Completion."""
-    mine = [c for c in chunks if c.sequence_index == 0]
+def join_chunks(chunks: List[Chunk], sequence_index: int = 0) -> Completion:
+    """Concatenate the chunks of one sample (sequence_index) into one Completion."""
+    mine = [c for c in chunks if c.sequence_index == sequence_index]
     last = mine[-1] if mine else Chunk("", [])
     return Completion(text="".join(c.text for c in mine), token_ids=[t for c in mine for t in c.token_ids],
                       finish_reason=last.finish_reason, num_input_tokens=last.num_input_tokens,

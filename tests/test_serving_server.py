@@ -150,6 +150,22 @@ def test_echo_prompt_and_batch_rows(server, oracle):
     assert rows == {0: ref_ids, 1: oracle(PROMPTS[2], 6)[0]}
 
 
+def test_samples_seed_and_logprobs_match_inprocess(server, built):
+    """num_return_sequences, seed and return_log_probs against the in-process engine."""
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    ref = LLMEngine(built[0]).generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0.8, seed=11, n=2,
+                                                                    logprobs=0))[0]
+    for protocol in ("grpc", "http"):
+        got = client(server, protocol).generate_all(PROMPTS[0], max_tokens=8, temperature=0.8, seed=11,
+                                                    num_return_sequences=2, return_log_probs=True)
+        assert [g.token_ids for g in got] == [list(o.token_ids) for o in ref.outputs]
+        for g, o in zip(got, ref.outputs):
+            want = [e["logprob"] for e in o.logprobs]
+            assert np.allclose(g.log_probs, want, atol=1e-4)
+            assert g.cum_log_prob == pytest.approx(sum(want), abs=1e-3)
+
+
 def test_16_concurrent_streams_are_batched(server, oracle):
     before = scrape(server)
     prompts = [f"{PROMPTS[i % 3]} #{i}" for i in range(16)]
