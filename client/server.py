@@ -16,6 +16,7 @@ from the Python it finds there) and with the wheel's nvidia_pytriton.libs on LD_
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -240,11 +241,14 @@ class TritonServer:
 
 
 def load_failures(log_file: str) -> List[str]:
-    """The server log's model-load failure lines, e.g. "failed to load 'x' version 1: ...", one each."""
+    """The server log's model-load failures as one line each: "failed to load 'x' version 1: reason"."""
     out = []
+    pat = re.compile(r"failed to load '([^']+)' version (\d+): (.*)")
     with open(log_file, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if "failed to load" in line:
-                msg = line.split("failed to load", 1)[1].strip().rstrip('"')
-                out.append("failed to load" + msg.split("\\n")[0])
+            m = pat.search(line)
+            if m:
+                # Triton escapes the Python traceback into the same line after "\n"; keep the reason.
+                reason = m.group(3).split("\\n")[0].rstrip('"').strip()
+                out.append(f"failed to load '{m.group(1)}' version {m.group(2)}: {reason}")
     return out

@@ -115,3 +115,15 @@ def test_readme_main_command_serves_smollm2(smollm2_gguf, tmp_path, capsys):
         assert capsys.readouterr().out == ref.text + "\n"
     finally:
         _stop(proc, signal.SIGTERM)
+
+
+def test_serve_reports_a_failed_load_in_one_line(tmp_path):
+    from tritium.builder.repository import llm_config
+    os.makedirs(tmp_path / "repo" / "m" / "1")
+    (tmp_path / "repo" / "m" / "config.pbtxt").write_text(llm_config("m", str(tmp_path / "missing"), 4))
+    r = subprocess.run([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", str(tmp_path / "repo"),
+                        "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                        "--log-file", str(tmp_path / "log.txt")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("failed to load 'm' version 1:"))
+    assert "tritium: cannot load engine" in line and f"engine_dir {tmp_path / 'missing'} does not exist" in line
