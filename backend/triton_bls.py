@@ -36,9 +36,13 @@ class BLSModel:
             inner = pb_utils.InferenceRequest(
                 model_name=self.llm_model, inputs=list(request.inputs()),
                 requested_output_names=OUTPUT_NAMES)
-            for resp in inner.exec(decoupled=True):
+            responses = inner.exec(decoupled=True)
+            for resp in responses:
                 if request.is_cancelled():
-                    # Stop relaying; the inner stream is dropped with this iterator.
+                    # ResponseIterator.cancel() exists from python_backend 25.04 on; with Triton
+                    # 2.51 the inner request runs to its end, its responses unread.
+                    if hasattr(responses, "cancel"):
+                        responses.cancel()
                     sender.send(flags=final)
                     return
                 if resp.has_error():
