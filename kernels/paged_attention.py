@@ -66,18 +66,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 #   one padded SDPA call per group (keys past a row's length masked), K/V gathered block-wise
 #   with index_select (several times faster than advanced indexing on CPU);
 # - prefill rows compute scores with fp32 bmm per KV head (the query heads of a GQA group
-#   stacked), tiled over PREFILL_TILE queries to bound the (heads, tile, context) score buffer.
+#   stacked), tiled over PREFILL_TILE queries, each tile seeing only the keys it may attend to
+#   (causal skips the upper triangle; this also bounds the score buffer).
 #   On CPU this is ~2x faster than SDPA's flash kernel with a mask, at the same accuracy.
 DECODE_GROUP = 16
-PREFILL_TILE = 512
+PREFILL_TILE = 128
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, scale, dtype) -> torch.Tensor:
     """(n, num_blocks * block_size, Hkv, D) for n block tables, dequantized to `dtype`."""
     n = tables.shape[0]
     flat = tables[:, :num_blocks].reshape(-1).long()
-    x = torch.index_select(cache, 0, flat)
-    x = x.view(n, num_blocks * cache.shape[1], *cache.shape[2:])
+    row_bytes = cache[0].numel() * cache.element_size()
+    if cache.is_contiguous() and row_bytes % 8 == 0:
+        # Whole blocks as int64 rows: index_select then runs at memcpy speed (5x faster on CPU
+        # than selecting 4-d bf16 rows); the bytes are reinterpreted back, not converted.
+        raw = torch.index_select(cache.view(cache.shape[0], -1).view(torch.int64), 0, flat)
+        x = raw.view(cache.dtype).view(n, num_blocks * cache.shape[1], *cache.shape[2:])
+    else:
+        x = torch.index_select(cache, 0, flat).view(n, num_blocks * cache.shape[1], *cache.shape[2:])
     return dequantize_kv_ref(x, scale, dtype) if (scale is not None or x.dtype != dtype) else x
 
 
@@ -111,20 +118,23 @@ def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, wind
     grp = hq // hkv
     kt = k.permute(1, 2, 0)  # (Hkv, D, slen)
     vt = v.transpose(0, 1)   # (Hkv, slen, D)
-    kpos = torch.arange(slen)
     for t0 in range(0, qlen, PREFILL_TILE):
         t1 = min(qlen, t0 + PREFILL_TILE)
         n = t1 - t0
+        # Causal: this tile sees keys [lo, hi) only (hi = its last position + 1; lo from the window).
+        hi = slen - qlen + t1
+        lo = max(0, slen - qlen + t0 - window + 1) if window is not None else 0
         # q heads h = j * grp + g use KV head j (HF repeat_kv order): stack the group's rows.
         qt = q[start + t0:start + t1].float().view(n, hkv, grp, d).permute(1, 2, 0, 3).reshape(hkv, grp * n, d)
-        s = torch.bmm(qt, kt).mul_(scale).view(hkv, grp, n, slen)
-        qpos = torch.arange(slen - qlen + t0, slen - qlen + t1)[:, None]
-        allowed = kpos[None, :] <= qpos
+        s = torch.bmm(qt, kt[:, :, lo:hi]).mul_(scale).view(hkv, grp, n, hi - lo)
+        qpos = torch.arange(slen - qlen + t0, hi)[:, None]
+        kpos = torch.arange(lo, hi)[None, :]
+        allowed = kpos <= qpos
         if window is not None:
-            allowed &= (qpos - kpos[None, :]) < window
+            allowed &= (qpos - kpos) < window
         s.masked_fill_(~allowed, float("-inf"))
-        p = s.softmax(dim=-1).view(hkv, grp * n, slen)
-        o = torch.bmm(p, vt).view(hkv, grp, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        p = s.softmax(dim=-1).view(hkv, grp * n, hi - lo)
+        o = torch.bmm(p, vt[:, lo:hi]).view(hkv, grp, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
         out[start + t0:start + t1] = o.to(out.dtype)
 
 

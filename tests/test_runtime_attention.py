@@ -96,3 +96,19 @@ def test_bf16_within_tolerance():
         torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, 0.25, None),
                                    atol=2e-2, rtol=2e-2)
         start += qlen
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_small_tiles_and_groups(monkeypatch, window):
+    # Force several prefill tiles per sequence (causal key ranges, window lower bounds) and
+    # several decode groups.
+    import tritium.kernels.paged_attention as pa
+    monkeypatch.setattr(pa, "PREFILL_TILE", 4)
+    monkeypatch.setattr(pa, "DECODE_GROUP", 2)
+    shapes, q, qs, kv, kc, vc, meta, _, _ = make_case(9, 6, 2, 16, 4, window)
+    out = pa.paged_attention_cpu(q, kc, vc, meta, 0.25, window)
+    start = 0
+    for (qlen, _), qb, (k, v) in zip(shapes, qs, kv):
+        torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, 0.25, window),
+                                   atol=1e-5, rtol=1e-5)
+        start += qlen
