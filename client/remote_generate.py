@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 DEFAULT_MODEL = "smollm2"
 
@@ -26,61 +28,82 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
                    help="grpc (tritonclient streaming) or http (generate / generate_stream); default grpc")
 
 
-def request_params(args: argparse.Namespace) -> dict:
-    """Map the CLI's sampling flags onto the tensor contract's input names."""
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    for flag, name in (("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("n", "num_return_sequences")):
-        v = getattr(args, flag, None)
+def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -> dict:
+    """Map the CLI's sampling flags (and an --input-file line's overrides) onto the tensor contract."""
+    o = overrides or {}
+    params = {"max_tokens": o.get("max_tokens", args.max_tokens),
+              "temperature": float(o.get("temperature", args.temperature))}
+    for key, name in (("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("min_p", "min_p"),
+                      ("repetition_penalty", "repetition_penalty"), ("n", "num_return_sequences")):
+        v = o.get(key, getattr(args, key, None))
         if v is not None:
-            params[name] = v
-    stops = getattr(args, "stop", None)
+            params[name] = float(v) if name in ("top_p", "min_p", "repetition_penalty") else v
+    stops = o.get("stop", getattr(args, "stop", None))
     if stops:
-        params["stop_words"] = list(stops)
+        params["stop_words"] = [stops] if isinstance(stops, str) else list(stops)
     if getattr(args, "logprobs", None) is not None:
-        params["return_log_probs"] = True
-    prompt_ids = getattr(args, "prompt_ids", None)
-    if prompt_ids:
-        from tritium.client.generate_cli import parse_prompt_ids
-        params["input_ids"] = parse_prompt_ids(prompt_ids)
+        params["return_log_probs"] = True  # the sampled token's logprob (the contract has no top-N)
+    if getattr(args, "ignore_eos", False):
+        params["sampling_parameters"] = json.dumps({"ignore_eos": True})
     return params
 
 
+def _result(c, n: int, logprobs: bool) -> dict:
+    d = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+         "num_input_tokens": c.num_input_tokens, "num_output_tokens": c.num_output_tokens}
+    if n > 1:
+        d["index"] = c.index
+    if logprobs:
+        d["logprobs"] = c.log_probs
+        d["cum_logprob"] = c.cum_log_prob
+    return d
+
+
 def run_remote(args: argparse.Namespace) -> int:
-    """Send one request; print text (streamed live with --stream) or JSON lines with --json."""
+    """Send the request(s); print text (streamed live with --stream) or JSON lines (--json, --input-file)."""
+    from tritium.client.generate_cli import parse_prompt_ids
     from tritium.client.triton_client import TritiumClient, TritiumClientError
-    if args.prompt is None and not getattr(args, "prompt_ids", None):
-        raise ValueError("give a PROMPT or --prompt-ids")
+    if getattr(args, "stats", False):
+        raise ValueError("--stats reports an in-process engine; for a server read its /metrics endpoint")
+    if getattr(args, "input_file", None):
+        if args.prompt is not None or getattr(args, "prompt_ids", None):
+            raise ValueError("--input-file replaces PROMPT and --prompt-ids; give only one")
+        from tritium.client.engine_generate import read_input_file
+        items = [((p.get("prompt"), p.get("prompt_token_ids")), o) for p, o in read_input_file(args.input_file)]
+    elif args.prompt is not None or getattr(args, "prompt_ids", None):
+        ids = parse_prompt_ids(args.prompt_ids) if getattr(args, "prompt_ids", None) else None
+        items = [((None if ids else args.prompt, ids), {})]
+    else:
+        raise ValueError("give a PROMPT, --prompt-ids or --input-file")
     client = TritiumClient(args.url, protocol=args.protocol, model=args.model)
-    params = request_params(args)
+    n = getattr(args, "n", 1) or 1
+    want_lp = getattr(args, "logprobs", None) is not None
     try:
-        if args.stream:
-            chunks = []
-            for c in client.stream(args.prompt, **params):
-                chunks.append(c)
-                if args.json:
-                    print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                                      "index": c.sequence_index}, ensure_ascii=False), flush=True)
-                else:
-                    sys.stdout.write(c.text)
-                    sys.stdout.flush()
-            if not args.json:
-                sys.stdout.write("\n")
+        if args.stream and len(items) == 1 and not args.json:
+            (prompt, ids), o = items[0]
+            for c in client.stream(prompt, input_ids=ids, **request_params(args, o)):
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
             return 0
-        results = client.generate_all(args.prompt, **params)
+        # All requests go out together, so the server batches them in flight; results in input order.
+        results = [None] * len(items)
+        with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
+            futures = [pool.submit(client.generate_all, prompt, input_ids=ids, **request_params(args, o))
+                       for (prompt, ids), o in items]
+            for i, f in enumerate(futures):
+                results[i] = f.result()
     except TritiumClientError as e:
         raise ValueError(f"server: {e}") from None
     except OSError as e:
         raise OSError(f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
-    for i, result in enumerate(results):  # one per sample (--n)
-        if args.json:
-            out = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-                   "num_input_tokens": result.num_input_tokens, "num_output_tokens": result.num_output_tokens}
-            if len(results) > 1:
-                out["index"] = i
-            if params.get("return_log_probs"):
-                out["logprobs"] = result.log_probs
-                out["cum_logprob"] = result.cum_log_prob
-            print(json.dumps(out, ensure_ascii=False))
-        else:
-            sys.stdout.write(result.text + "\n")
+    as_json = args.json or getattr(args, "input_file", None) is not None
+    for comps in results:
+        for c in comps:
+            if as_json:
+                print(json.dumps(_result(c, n, want_lp), ensure_ascii=False))
+            else:
+                if n > 1:
+                    print(f"--- sample {c.index} ({c.finish_reason})")
+                sys.stdout.write(c.text + "\n")
     return 0

@@ -51,6 +51,7 @@ class Chunk:
 
 @dataclass
 class Completion:
+    """One sample's whole answer."""
     text: str
     token_ids: List[int]
     finish_reason: Optional[str]
@@ -58,6 +59,7 @@ class Completion:
     num_output_tokens: Optional[int] = None
     log_probs: List[float] = field(default_factory=list)
     cum_log_prob: Optional[float] = None
+    index: int = 0
 
 
 def build_request(prompt: Optional[str] = None, **params) -> dict:
@@ -230,4 +232,5 @@ def join_chunks(chunks: List[Chunk], sequence_index: int = 0) -> Completion:
     return Completion(text="".join(c.text for c in mine), token_ids=[t for c in mine for t in c.token_ids],
                       finish_reason=last.finish_reason, num_input_tokens=last.num_input_tokens,
                       num_output_tokens=last.num_output_tokens,
-                      log_probs=[x for c in mine for x in c.log_probs], cum_log_prob=last.cum_log_prob)
+                      log_probs=[x for c in mine for x in c.log_probs], cum_log_prob=last.cum_log_prob,
+                      index=sequence_index)

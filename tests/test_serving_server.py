@@ -357,6 +357,19 @@ def test_generate_cli_url(server, oracle, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+
+def test_generate_cli_url_input_file(server, oracle, tmp_path, capsys):
+    """--input-file: all lines go out together; results come back in input order."""
+    from tritium.client.cli import main
+    lines = [{"prompt": p, "max_tokens": 5 + i} for i, p in enumerate(PROMPTS)]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--url", server.http_url, "--protocol", "http", "--model", NAME,
+                 "--input-file", str(tmp_path / "in.jsonl")]) == 0
+    got = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [g["token_ids"] for g in got] == [oracle(x["prompt"], x["max_tokens"])[0] for x in lines]
+
+
 def test_http_error_names_field(server):
     body = json.dumps({"text_input": "hi", "max_tokens": 0}).encode()
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/{NAME}/generate", data=body)
