@@ -67,7 +67,7 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in self.model_config.get("parameters", {}).items()}
         if not params.get("engine_dir", "").strip():
             raise pb_utils.TritonModelException(f"tritium: model '{name}' needs parameter engine_dir")
-        model_dir = os.path.join(args["model_repository"])
+        model_dir = args["model_repository"]  # the model folder (repository/NAME)
         engine_dir = resolve_path(params["engine_dir"], model_dir)
         try:
             kwargs = _engine_kwargs(params)
