@@ -94,11 +94,15 @@ class Sampler:
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        x = logits.clone()
-        apply_bans(x, seqs)
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-               for p in params):
-            apply_penalties(x, seqs)
+        x = logits
+        need_bans = any(p.min_tokens or r.request.bad_words_ids for p, r in zip(params, seqs))
+        need_penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                             for p in params)
+        if need_bans or need_penalties:
+            x = logits.clone()  # the caller's logits stay raw (logprobs, other rows of an n > 1 fork)
+            apply_bans(x, seqs)
+            if need_penalties:
+                apply_penalties(x, seqs)
         greedy = [p.temperature == 0.0 for p in params]
         tokens = x.argmax(dim=-1)
         if not all(greedy):

@@ -88,23 +88,35 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, s
     return dequantize_kv_ref(x, scale, dtype) if (scale is not None or x.dtype != dtype) else x
 
 
-def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, block_tables, scale, window, k_scale, v_scale):
-    bs = k_cache.shape[1]
+def _decode_plan(meta, rows, seq_lens, bs: int, window):
+    """Groups of decode rows by context length, with their gather indices and masks. The same for
+    every layer of a step, so it is built once and kept on the step's metadata object."""
+    plan = getattr(meta, "_cpu_decode_plan", None)
+    if plan is not None:
+        return plan
     order = sorted(range(len(rows)), key=lambda i: seq_lens[i])
+    plan = []
     for g in range(0, len(order), DECODE_GROUP):
         idx = order[g:g + DECODE_GROUP]
         lens = torch.tensor([seq_lens[i] for i in idx])
         nblk = -(-int(lens.max()) // bs)
-        tables = block_tables[[rows[i][0] for i in idx]]
-        k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype).transpose(1, 2)  # (n, Hkv, L, D)
-        v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype).transpose(1, 2)
+        tables = meta.block_tables[[rows[i][0] for i in idx]]
         kpos = torch.arange(nblk * bs)[None, :]
         allowed = kpos < lens[:, None]
         if window is not None:
             allowed &= kpos >= (lens[:, None] - window)
         tok = torch.tensor([rows[i][1] for i in idx])
+        plan.append((tok, tables, nblk, allowed[:, None, None, :]))
+    meta._cpu_decode_plan = plan
+    return plan
+
+
+def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, k_scale, v_scale):
+    for tok, tables, nblk, mask in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
+        k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype).transpose(1, 2)  # (n, Hkv, L, D)
+        v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype).transpose(1, 2)
         qb = q[tok].unsqueeze(2)  # (n, Hq, 1, D)
-        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=allowed[:, None, None, :], scale=scale,
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                             enable_gqa=k.shape[1] != q.shape[1])
         out[tok] = ob.squeeze(2)
 
@@ -155,6 +167,6 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                          sliding_window, k_scale, v_scale)
         start += qlen
     if decode_rows:
-        _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta.block_tables, scale,
+        _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta, scale,
                      sliding_window, k_scale, v_scale)
     return out
