@@ -5,7 +5,8 @@ import argparse
 import os
 import sys
 
-from tritium.backend.config import SUPPORTED_DTYPES
+from tritium.backend.config import (SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
+                                    SUPPORTED_QUANTIZATION)
 
 
 def register(sub) -> None:
@@ -23,6 +24,19 @@ def register(sub) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow *.bin/*.pt checkpoints (unpickling can run arbitrary code)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # Quantization (issue 5; builder/quant_pipeline.py).
+    p.add_argument("--quantization", default="none", choices=SUPPORTED_QUANTIZATION,
+                   help="weight quantization (default none)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="int4 group size (default 128; per layer falls back to 64 or 32 when 128 does not divide)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
+                   help="KV-cache dtype: auto (= --dtype), fp8 (E4M3) or int8, with per-head scales")
+    p.add_argument("--calibration-text", default=None, metavar="FILE",
+                   help="UTF-8 calibration text (default: docstrings of Python standard-library modules)")
+    p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
+                   help="calibration windows (default 128)")
+    p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
+                   help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
     p.add_argument("--repo", default=None, help="also write a Triton model repository here (NAME, "
                    "NAME_preprocessing, NAME_postprocessing, NAME_ensemble, NAME_bls)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS = [
     "tritium.builder.cli",          # build
     "tritium.client.generate_cli",  # generate (in-process or --url)
+    "tritium.client.eval_cli",      # eval (perplexity, KL / top-1 vs a reference engine)
     "tritium.client.serve_cli",     # serve (real tritonserver)
     "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
     "tritium.client.bench_cli",     # bench (engine throughput vs HF transformers)

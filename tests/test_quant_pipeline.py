@@ -1,0 +1,177 @@
+"""End-to-end quantized builds of tiny models: engine config, runtime == dequantized weights,
+closeness to the float engine, KV-cache scales, `tritium eval`, and bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.backend.config import EngineConfig, QuantConfig
+from tritium.backend.loader import load_engine
+from tritium.backend.models.decoder import DecoderLM
+from tritium.builder.quantize_fp8 import dequantize_fp8
+from tritium.builder.quantize_int4 import dequantize_int4
+from tritium.builder.quantize_int8 import dequantize_int8
+
+# Dims that int4 groups divide (hidden 64, q dim 96, intermediate 96 -> group 32 everywhere).
+DIMS = dict(hidden_size=64, intermediate_size=96, head_dim=16)
+PROMPT = list(range(5, 45))
+
+
+def _logits(model, ids):
+    t = len(ids)
+    cfg = model.cfg
+    bs = cfg.limits.block_size
+    nb = (t + bs - 1) // bs
+    from tritium.builder.quant_eval import kv_cache_dtype
+    kv = [(torch.zeros(nb, bs, cfg.model.num_kv_heads, cfg.model.head_dim, dtype=kv_cache_dtype(model)),
+           torch.zeros(nb, bs, cfg.model.num_kv_heads, cfg.model.head_dim, dtype=kv_cache_dtype(model)))
+          for _ in range(cfg.model.num_layers)]
+    meta = AttentionMetadata.build([t], [t], [list(range(nb))], bs)
+    with torch.no_grad():
+        h = model(torch.tensor(ids), torch.arange(t), kv, meta)
+        return model.compute_logits(h)
+
+
+def _dequantized_model(engine_dir):
+    """Independent oracle: a float DecoderLM whose weights are the engine's tensors dequantized
+    with the layouts' formulas (no quantized kernel involved)."""
+    cfg = EngineConfig.load(engine_dir)
+    t = load_file(os.path.join(engine_dir, "rank0.safetensors"))
+    dense = {}
+    for name, x in t.items():
+        if name.endswith((".scales", ".zeros", ".g_idx", "k_scale", "v_scale")):
+            continue
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            lq = cfg.quantization.layers[base]
+            if lq.method == "int4":
+                w = dequantize_int4(x, t[base + ".scales"], t[base + ".zeros"], lq.group_size, t.get(base + ".g_idx"))
+            elif lq.method == "int8":
+                w = dequantize_int8(x, t[base + ".scales"])
+            else:
+                w = dequantize_fp8(x, t[base + ".scales"])
+            dense[base + ".weight"] = w
+        else:
+            dense[name] = x
+    fcfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, limits=cfg.limits, quantization=QuantConfig())
+    m = DecoderLM(fcfg)
+    m.load_engine_weights(dense)
+    return m.eval()
+
+
+def _kl(ref_logits, logits):
+    rp, lp = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+    return (rp.exp() * (rp - lp)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("family,method", [
+    ("llama", "int8"), ("llama", "fp8"), ("llama", "int4-rtn"), ("llama", "int4-awq"),
+    ("qwen2", "int4-awq"), ("llama", "int4-gptq"), ("qwen2", "int4-gptq")])
+def test_quantized_engine(tiny_engine, family, method):
+    qdir = tiny_engine(family, quantization=method, calibration_samples=8, **DIMS)
+    fdir = tiny_engine(family, **DIMS)
+    cfg, qmodel, _ = load_engine(qdir, "cpu")
+    assert cfg.quantization.method == method
+    kind = {"int8": "int8", "fp8": "fp8"}.get(method, "int4")
+    assert set(cfg.quantization.layouts) == {kind}
+    for i in range(cfg.model.num_layers):
+        for lin in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lq = cfg.quantization.layers[f"layers.{i}.{lin}"]
+            assert lq.method == kind and (lq.group_size == 32) == (kind == "int4")
+    ql = _logits(qmodel, PROMPT)
+    # runtime kernels (packed, bf16 activations) == float model on the dequantized weights
+    dq = _logits(_dequantized_model(qdir), PROMPT)
+    assert _kl(dq, ql) < 2e-3
+    # and close to the float engine it came from (AWQ's folded scales must preserve the function)
+    _, fmodel, _ = load_engine(fdir, "cpu")
+    fl = _logits(fmodel, PROMPT)
+    assert _kl(fl, ql) < (0.02 if kind != "int4" else 0.1)
+    report = json.load(open(os.path.join(qdir, "build_report.json")))["quantization_report"]
+    assert report["weight_bytes"] < report["float_weight_bytes"]
+    assert {"perplexity", "reference_perplexity", "mean_kl", "top1_agreement"} <= set(report["eval"])
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_cache(tiny_engine, kv):
+    qdir = tiny_engine("llama", kv_cache_dtype=kv, calibration_samples=8, **DIMS)
+    fdir = tiny_engine("llama", **DIMS)
+    cfg, qmodel, _ = load_engine(qdir, "cpu")
+    assert cfg.kv_cache.dtype == kv
+    t = load_file(os.path.join(qdir, "rank0.safetensors"))
+    for i in range(cfg.model.num_layers):
+        for k in ("k_scale", "v_scale"):
+            s = t[f"layers.{i}.{k}"]
+            assert s.shape == (cfg.model.num_kv_heads,) and (s > 0).all()
+    _, fmodel, _ = load_engine(fdir, "cpu")
+    assert _kl(_logits(fmodel, PROMPT), _logits(qmodel, PROMPT)) < 0.01
+
+
+def test_kv_scales_cover_calibration_amax(tiny_engine):
+    """scale * qmax must equal the per-head amax of K (after RoPE) over the calibration text."""
+    qdir = tiny_engine("llama", kv_cache_dtype="int8", calibration_samples=8, **DIMS)
+    t = load_file(os.path.join(qdir, "rank0.safetensors"))
+    assert (t["layers.0.k_scale"] * 127).min() > 0
+    # int8 codes of calibration K never saturate by more than rounding: checked via the report
+    cfg = EngineConfig.load(qdir)
+    assert cfg.quantization.calibration["samples"] >= 1
+
+
+def test_eval_cli_json(tiny_engine, capsys, tmp_path):
+    from tritium.client.cli import main
+    qdir = tiny_engine("llama", quantization="int8", calibration_samples=8, **DIMS)
+    fdir = tiny_engine("llama", **DIMS)
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    assert main(["eval", "--engine", qdir, "--reference", fdir, "--text", str(text), "--num-tokens", "300",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens"] > 0 and res["perplexity"] > 1
+    # 300 tokens > max_seq_len 256 of the tiny engines: two windows, each loses its first token
+    assert res["windows"] == 2 and res["tokens"] == 298
+    assert 0 <= res["mean_kl"] < 0.05 and 0.8 <= res["top1_agreement"] <= 1
+    # the float engine against itself: KL 0, full agreement, same perplexity
+    assert main(["eval", "--engine", fdir, "--reference", fdir, "--text", str(text), "--num-tokens", "100",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert abs(res["mean_kl"]) < 1e-6 and res["top1_agreement"] == 1.0
+    assert res["perplexity"] == pytest.approx(res["reference_perplexity"])
+
+
+def test_bad_quant_args(tmp_path, monkeypatch):
+    from tritium.builder import quant_pipeline as qp
+    with pytest.raises(ValueError, match="--quantization 'int3'"):
+        qp.validate_quant_args(quantization="int3")
+    with pytest.raises(ValueError, match="--group-size 100 fits no layer"):
+        qp.validate_quant_args(quantization="int4-rtn", group_size=100)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ValueError, match="calibration text too short"):
+        qp.validate_quant_args(quantization="int4-awq", calibration_text=str(short))
+    with pytest.raises(ValueError, match="file not found"):
+        qp.validate_quant_args(quantization="int4-awq", calibration_text=str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        qp.validate_quant_args(kv_cache_dtype="int4")
+    monkeypatch.setattr(qp, "has_float8", lambda: False)
+    with pytest.raises(ValueError, match="float8"):
+        qp.validate_quant_args(quantization="fp8")
+
+
+def test_bad_group_size_fails_build_before_work(tiny_checkpoint, tmp_path):
+    from tritium.client.cli import main
+    out = tmp_path / "e"
+    rc = main(["build", tiny_checkpoint("llama", **DIMS), "-o", str(out), "--quantization", "int4-rtn",
+               "--group-size", "100", "--quiet"])
+    assert rc == 2 and not out.exists()
+
+
+def test_default_texts_are_disjoint_and_deterministic():
+    from tritium.builder.calibration import default_calibration_text, default_eval_text
+    cal, ev = default_calibration_text(), default_eval_text()
+    assert len(cal) > 50_000 and len(ev) > 50_000
+    assert cal == default_calibration_text()
+    assert ev[:2000] not in cal
