@@ -29,9 +29,10 @@ def test_w4a16_kernel_reads_builder_int4(case):
     qweight, scales, zeros = quantize_int4(w, group)
     got = w4a16_gemm(x, qweight, scales, zeros, group)
     assert_close(got, x @ dequantize_int4(qweight, scales, zeros, group).t(), torch.float32, f"seed={seed}")
-    # and it approximates the float layer within the 4-bit grid's error
-    err = (got - x @ w.t()).abs().max().item()
-    assert err < 0.1 * (x @ w.t()).abs().max().item() + 0.05, f"seed={seed} err={err}"
+    # and it approximates the float layer: RTN on 16 levels leaves ~10% relative weight error
+    want = x @ w.t()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.2, f"seed={seed} relative error {rel}"
 
 
 def test_w4a16_kernel_reads_builder_int4_act_order():
@@ -66,6 +67,6 @@ def test_fp8_w8a8_kernel_reads_builder_fp8():
     qf, sf = quantize_fp8(w)
     got = fp8_gemm(x, qf, sf)
     want = x @ w.t()
-    # two E4M3 roundings (weight and activation, 2^-4 relative each) over a K-long sum
-    err = (got - want).abs().max().item()
-    assert err < 0.08 * want.abs().max().item(), f"seed={seed} err={err}"
+    # two E4M3 roundings (weight and activation, <= 2^-4 relative each, ~3.6% rms)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.1, f"seed={seed} relative error {rel}"
