@@ -333,6 +333,9 @@ def test_metrics_families_are_sane(server):
         assert count > 0
         assert metric(text, h + "_sum", **lab) >= 0
         assert metric(text, h + "_bucket", le="+Inf", **lab) == count
+    # each request's first token comes no later than its last one
+    assert metric(text, "tritium_time_to_first_token_seconds_sum", **lab) <= metric(
+        text, "tritium_request_latency_seconds_sum", **lab) + 1e-6
     assert metric(text, "tritium_prompt_tokens_total", **lab) > 0
     assert metric(text, "tritium_generation_tokens_total", **lab) >= metric(
         text, "tritium_request_latency_seconds_count", **lab)
