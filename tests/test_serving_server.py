@@ -325,6 +325,9 @@ def test_load_failures_give_one_line_reason(server, built):
 
 
 def test_metrics_families_are_sane(server):
+    for protocol in ("grpc", "http"):  # some traffic, so the test also stands alone
+        list(client(server, protocol).stream(PROMPTS[0], max_tokens=4, temperature=0.0))
+    time.sleep(0.3)  # gauges refresh every 100 ms
     text = scrape(server)
     lab = dict(model=NAME, version="1")
     for h in ("tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
