@@ -1,0 +1,73 @@
+"""AsyncLLMEngine: concurrent streams from threads equal the sync engine; a dropped stream aborts
+and frees its blocks; bad input raises in the caller's thread; shutdown ends the loop."""
+import threading
+
+import pytest
+import torch
+
+from tritium.backend.async_engine import AsyncLLMEngine
+from tritium.backend.engine import LLMEngine
+from tritium.backend.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_concurrent_streams_match_sync(tiny_engine):
+    eng = tiny_engine("llama")
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sync = LLMEngine(eng, device="cpu", num_kv_blocks=64).generate(prompt_token_ids=prompts, params=params)
+    aengine = AsyncLLMEngine(eng, device="cpu", num_kv_blocks=64)
+    got, counts = {}, {}
+
+    def consume(i):
+        n = 0
+        for out in aengine.generate(f"r{i}", prompt_token_ids=prompts[i], params=params):
+            n += 1
+            last = out
+        got[i], counts[i] = last, n
+
+    try:
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert aengine.stats()["kv_blocks_used"] == 0
+    finally:
+        aengine.shutdown()
+    for i, out in enumerate(sync):
+        assert got[i].finished and got[i].outputs[0].token_ids == out.outputs[0].token_ids
+        assert counts[i] == 12  # one streamed output per generated token
+
+
+def test_dropped_stream_aborts_and_frees_blocks(tiny_engine):
+    aengine = AsyncLLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64)
+    try:
+        stream = aengine.generate("long", prompt_token_ids=list(range(3, 60)),
+                                  params=SamplingParams(max_tokens=150, ignore_eos=True))
+        first = next(stream)
+        assert not first.finished
+        stream.close()  # the consumer goes away mid-generation
+        for _ in range(200):
+            st = aengine.stats()
+            if st["kv_blocks_used"] == 0 and st["num_running"] == 0:
+                break
+            threading.Event().wait(0.01)
+        assert st["kv_blocks_used"] == 0 and st["num_running"] == 0 and st["num_waiting"] == 0
+        # The engine keeps serving.
+        outs = list(aengine.generate("next", prompt_token_ids=[7, 8, 9], params=SamplingParams(max_tokens=3)))
+        assert outs[-1].finished
+        with pytest.raises(ValueError, match="top_p"):
+            aengine.generate("bad", prompt_token_ids=[7], params=SamplingParams(top_p=0))
+    finally:
+        aengine.shutdown()
+    assert not aengine._thread.is_alive()
+    with pytest.raises(RuntimeError):
+        aengine.generate("late", prompt_token_ids=[1])
