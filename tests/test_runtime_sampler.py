@@ -29,7 +29,7 @@ def softmax(x):
 
 def empirical(params, logits=LOGITS):
     torch.manual_seed(1234)
-    seqs = seqs_for(params, count=N_SAMPLES)
+    seqs = seqs_for(params) * N_SAMPLES  # unseeded: every row draws independent noise
     toks, _ = Sampler()(torch.tensor(logits, dtype=torch.float32).repeat(N_SAMPLES, 1), seqs)
     return np.bincount(toks, minlength=len(logits)) / N_SAMPLES
 
@@ -93,9 +93,9 @@ def test_min_p(min_p):
 def test_mixed_rows_each_follow_their_own_params():
     torch.manual_seed(5)
     per = 8000
-    a = seqs_for(SamplingParams(temperature=1.0, top_k=2), count=per)
-    b = seqs_for(SamplingParams(temperature=0.0), count=per)
-    c = seqs_for(SamplingParams(temperature=1.0, top_p=0.5), count=per)
+    a = seqs_for(SamplingParams(temperature=1.0, top_k=2)) * per
+    b = seqs_for(SamplingParams(temperature=0.0)) * per
+    c = seqs_for(SamplingParams(temperature=1.0, top_p=0.5)) * per
     mixed = [s for trio in zip(a, b, c) for s in trio]
     toks, _ = Sampler()(torch.tensor(LOGITS, dtype=torch.float32).repeat(len(mixed), 1), mixed)
     toks = np.array(toks)
