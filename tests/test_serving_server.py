@@ -211,16 +211,17 @@ def _wait_for(cond, timeout=30.0):
     return False
 
 
-def test_cancelled_stream_frees_kv_blocks(server, oracle):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cancelled_stream_frees_kv_blocks(server, oracle, protocol):
     assert _wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
     gen_before = metric(scrape(server), "tritium_generation_tokens_total", model=NAME)
-    stream = client(server).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
+    stream = client(server, protocol).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
     try:
         for _ in range(3):
             next(stream)
         assert _wait_for(lambda: _kv_used(server) > 0, 5), "the running request holds no KV blocks"
     finally:
-        stream.close()  # closes the gRPC stream with cancel_requests=True
+        stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection closes
     assert _wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
     text = scrape(server)
     assert metric(text, "tritium_requests", model=NAME, state="running") == 0
