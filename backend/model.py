@@ -19,8 +19,8 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from tritium.backend.triton_contract import (NUM_CONTEXT_IDS, batch_size_of, error_prefix, parse_row,
-                                             resolve_path, response_arrays, token_logprobs)
+from tritium.backend.triton_contract import NUM_CONTEXT_IDS, resolve_path, response_arrays, token_logprobs
+from tritium.backend.triton_request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_metrics import TritiumMetrics
 
 _ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")

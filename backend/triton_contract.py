@@ -1,9 +1,9 @@
-"""The Triton tensor contract of the `tritium` backend, and request parsing against it.
+"""The Triton tensor contract of the `tritium` backend: input and output tensors, response arrays.
 
 Follows tensorrtllm_backend's ensemble names (text_input, max_tokens, stream, ..., text_output,
 output_ids, ...) so its existing clients work unchanged, and also accepts vllm_backend's
-`sampling_parameters` JSON string. Pure numpy: no triton_python_backend_utils import, so the
-parsing is unit-tested without a server.
+`sampling_parameters` JSON string (parsed in triton_request.py). Pure numpy: no
+triton_python_backend_utils import, so it is unit-tested without a server.
 
 Every input carries a batch dimension (max_batch_size > 0). A request with batch B > 1 is
 served row by row: each row becomes its own engine request, and each response names its row
@@ -11,10 +11,8 @@ in `batch_index` (and its sample in `sequence_index` when num_return_sequences >
 """
 from __future__ import annotations
 
-import json
-import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -74,232 +72,6 @@ OUTPUTS = (
 # 4 tokens) plus 3 more to find the character boundary before it (see decode_delta).
 NUM_CONTEXT_IDS = 8
 
-DEFAULT_MAX_TOKENS = 16
-
-# vllm_backend's `sampling_parameters` keys we honour, mapped to SamplingParams fields.
-_JSON_KEYS = {
-    "max_tokens": ("max_tokens", int), "temperature": ("temperature", float), "top_k": ("top_k", int),
-    "top_p": ("top_p", float), "min_p": ("min_p", float), "seed": ("seed", int),
-    "repetition_penalty": ("repetition_penalty", float), "presence_penalty": ("presence_penalty", float),
-    "frequency_penalty": ("frequency_penalty", float), "min_tokens": ("min_tokens", int),
-    "n": ("n", int), "stop": ("stop", list), "stop_token_ids": ("stop_token_ids", list),
-    "bad_words": ("bad_words", list), "ignore_eos": ("ignore_eos", bool), "logprobs": ("logprobs", int),
-}
-# Scalar tensors -> (SamplingParams field, python type).
-_TENSOR_PARAMS = {
-    "max_tokens": ("max_tokens", int), "temperature": ("temperature", float), "top_k": ("top_k", int),
-    "top_p": ("top_p", float), "min_p": ("min_p", float), "seed": ("seed", int),
-    "repetition_penalty": ("repetition_penalty", float), "presence_penalty": ("presence_penalty", float),
-    "frequency_penalty": ("frequency_penalty", float), "min_tokens": ("min_tokens", int),
-    "num_return_sequences": ("n", int),
-}
-
-
-@dataclass
-class ParsedRequest:
-    """One batch row, ready for the engine."""
-    prompt: Optional[str]                 # text prompt, or None when prompt_token_ids is given
-    prompt_token_ids: Optional[List[int]]
-    params: Dict[str, object] = field(default_factory=dict)  # SamplingParams keyword arguments
-    stream: bool = False
-    exclude_input_in_output: bool = True
-    return_log_probs: bool = False
-
-
-def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
-    """Largest leading dimension among the inputs (inputs with batch 1 broadcast)."""
-    sizes = [a.shape[0] for a in arrays.values() if a.ndim >= 1]
-    return max(sizes) if sizes else 1
-
-
-def _row(arrays: Dict[str, np.ndarray], name: str, row: int, batch: int) -> Optional[np.ndarray]:
-    a = arrays.get(name)
-    if a is None:
-        return None
-    if a.ndim == 0:
-        a = a.reshape(1, 1)
-    if a.shape[0] not in (1, batch):
-        raise ValueError(f"{name} has batch dimension {a.shape[0]}, but the request batch is {batch}; "
-                         f"give 1 or {batch} rows")
-    return a[row if a.shape[0] > 1 else 0]
-
-
-def _scalar(name: str, a: np.ndarray, kind: type):
-    flat = np.asarray(a).reshape(-1)
-    if flat.size != 1:
-        raise ValueError(f"{name} must hold exactly one value per batch row, got {flat.size}")
-    v = flat[0]
-    if kind is bool:
-        if flat.dtype != np.bool_:
-            raise ValueError(f"{name} must be TYPE_BOOL, got {flat.dtype}")
-        return bool(v)
-    if kind is int:
-        if flat.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be an integer tensor, got {flat.dtype}")
-        return int(v)
-    if flat.dtype.kind != "f":
-        raise ValueError(f"{name} must be a float tensor (TYPE_FP32), got {flat.dtype}")
-    return float(v)
-
-
-def _text(name: str, v) -> str:
-    if isinstance(v, (bytes, np.bytes_)):
-        try:
-            return bytes(v).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{name} must be UTF-8 text") from None
-    if isinstance(v, str):
-        return v
-    raise ValueError(f"{name} must be TYPE_STRING (bytes), got {type(v).__name__}")
-
-
-def _convert_json(key: str, kind: type, v):
-    """vllm_backend sends numbers as strings ("0.7"); accept both, reject anything else by name."""
-    where = f"sampling_parameters.{key}"
-    if kind is list:
-        if key == "stop" and isinstance(v, str):
-            return [v]
-        if not isinstance(v, list):
-            raise ValueError(f"{where} must be a list, got {v!r}")
-        return v
-    if kind is bool:
-        if isinstance(v, bool):
-            return v
-        if isinstance(v, str) and v.lower() in ("true", "false"):
-            return v.lower() == "true"
-        raise ValueError(f"{where} must be true or false, got {v!r}")
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{where} must be a number, got {v!r}")
-    try:
-        if kind is int:
-            f = float(v)
-            if not f.is_integer():
-                raise ValueError
-            return int(f)
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {v!r}") from None
-
-
-def parse_sampling_parameters(text: str) -> Dict[str, object]:
-    """vllm_backend's `sampling_parameters` JSON -> SamplingParams kwargs; unknown keys are errors."""
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"sampling_parameters must be a JSON object ({e.msg} at char {e.pos})") from None
-    if not isinstance(d, dict):
-        raise ValueError("sampling_parameters must be a JSON object")
-    out: Dict[str, object] = {}
-    for key, v in d.items():
-        if key not in _JSON_KEYS:
-            raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(sorted(_JSON_KEYS))}")
-        fname, kind = _JSON_KEYS[key]
-        out[fname] = _convert_json(key, kind, v)
-    return out
-
-
-def _check_finite(name: str, v: float) -> None:
-    if math.isnan(v) or math.isinf(v):
-        raise ValueError(f"{name} must be a finite number, got {v}")
-
-
-def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: Optional[int] = None) -> ParsedRequest:
-    """Turn one batch row of a request's input arrays into a ParsedRequest.
-
-    Raises ValueError naming the offending input. Ranges that depend on the prompt length
-    (max_tokens vs max_seq_len) are checked later by SamplingParams.validate.
-    """
-    known = {s.name for s in INPUTS}
-    for name in arrays:
-        if name not in known:
-            raise ValueError(f"unknown input {name!r}; allowed: {', '.join(sorted(known))}")
-    params: Dict[str, object] = {}
-    sp = _row(arrays, "sampling_parameters", row, batch)
-    if sp is not None:
-        params.update(parse_sampling_parameters(_text("sampling_parameters", np.asarray(sp).reshape(-1)[0])))
-    for tname, (fname, kind) in _TENSOR_PARAMS.items():
-        a = _row(arrays, tname, row, batch)
-        if a is None:
-            continue
-        v = _scalar(tname, a, kind)
-        if kind is float:
-            _check_finite(tname, v)
-        params[fname] = v
-    params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-    # Name the Triton input in errors that SamplingParams would report under another name.
-    if isinstance(params.get("max_tokens"), int) and params["max_tokens"] < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params['max_tokens']}")
-    if "n" in params and not (isinstance(params["n"], int) and params["n"] >= 1):
-        raise ValueError(f"num_return_sequences must be >= 1, got {params['n']}")
-    for fname in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty"):
-        if isinstance(params.get(fname), float):
-            _check_finite(fname, params[fname])
-
-    for tname, fname in (("stop_words", "stop"), ("bad_words", "bad_words")):
-        a = _row(arrays, tname, row, batch)
-        if a is None:
-            continue
-        words = [_text(tname, w) for w in np.asarray(a).reshape(-1)]
-        words = [w for w in words if w]  # empty strings are padding in tensorrtllm_backend clients
-        params[fname] = list(params.get(fname, [])) + words
-
-    stop_ids = list(params.get("stop_token_ids", []))
-    for tname in ("end_id", "pad_id"):
-        a = _row(arrays, tname, row, batch)
-        if a is None:
-            continue
-        v = _scalar(tname, a, int)
-        if v < 0 or (vocab_size is not None and v >= vocab_size):
-            raise ValueError(f"{tname} must be a token id in [0, {vocab_size}), got {v}")
-        if tname == "end_id":
-            stop_ids.append(v)
-    if stop_ids:
-        params["stop_token_ids"] = stop_ids
-
-    flags = {}
-    for tname in ("stream", "exclude_input_in_output", "return_log_probs"):
-        a = _row(arrays, tname, row, batch)
-        flags[tname] = None if a is None else _scalar(tname, a, bool)
-    return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
-    if return_log_probs and params.get("logprobs") is None:
-        params["logprobs"] = 0
-
-    prompt, prompt_ids = None, None
-    t = _row(arrays, "text_input", row, batch)
-    ids = _row(arrays, "input_ids", row, batch)
-    if t is not None:
-        flat = np.asarray(t).reshape(-1)
-        if flat.size != 1:
-            raise ValueError(f"text_input must hold exactly one string per batch row, got {flat.size}")
-        prompt = _text("text_input", flat[0])
-        if not prompt:
-            raise ValueError("text_input must not be empty")
-    elif ids is not None:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be an integer tensor, got {ids.dtype}")
-        lens = _row(arrays, "input_lengths", row, batch)
-        if lens is not None:
-            n = _scalar("input_lengths", lens, int)
-            if not 0 <= n <= ids.size:
-                raise ValueError(f"input_lengths must be in [0, {ids.size}], got {n}")
-            ids = ids[:n]
-        prompt_ids = [int(i) for i in ids]
-        if not prompt_ids:
-            raise ValueError("input_ids must not be empty")
-        bad = [i for i in prompt_ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
-        if bad:
-            raise ValueError(f"input_ids entry {bad[0]} is outside [0, {vocab_size})")
-    else:
-        raise ValueError("text_input is required (or input_ids)")
-
-    return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params,
-        stream=bool(flags["stream"]),
-        exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
-        return_log_probs=return_log_probs)
-
 
 def token_logprobs(logprobs, token_ids: List[int]) -> List[float]:
     """Logprob of each sampled token from CompletionOutput.logprobs.
@@ -341,9 +113,3 @@ def resolve_path(value: str, model_dir: str) -> str:
     """A path parameter of config.pbtxt -> absolute path (`~`, $VARS, relative to the model folder)."""
     path = os.path.expanduser(os.path.expandvars(value.strip()))
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(model_dir, path))
-
-
-def error_prefix(batch: int, row: int) -> str:
-    """Prefix naming the row in an error for a batch > 1 request."""
-    return f"batch row {row}: " if batch > 1 else ""
-

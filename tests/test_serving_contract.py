@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from tritium.backend.triton_contract import (INPUTS, OUTPUTS, batch_size_of, parse_row, parse_sampling_parameters,
-                                             token_logprobs)
+from tritium.backend.triton_contract import INPUTS, OUTPUTS, token_logprobs
+from tritium.backend.triton_request import batch_size_of, parse_row, parse_sampling_parameters
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
