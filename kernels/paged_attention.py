@@ -91,9 +91,10 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, s
 def _decode_plan(meta, rows, seq_lens, bs: int, window):
     """Groups of decode rows by context length, with their gather indices and masks. The same for
     every layer of a step, so it is built once and kept on the step's metadata object."""
-    plan = getattr(meta, "_cpu_decode_plan", None)
-    if plan is not None:
-        return plan
+    # keyed by window: layers of one step may differ in sliding window (per-layer windows)
+    plans = meta.__dict__.setdefault("_cpu_decode_plans", {})
+    if window in plans:
+        return plans[window]
     order = sorted(range(len(rows)), key=lambda i: seq_lens[i])
     plan = []
     for g in range(0, len(order), DECODE_GROUP):
@@ -107,7 +108,7 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
             allowed &= kpos >= (lens[:, None] - window)
         tok = torch.tensor([rows[i][1] for i in idx])
         plan.append((tok, tables, nblk, allowed[:, None, None, :]))
-    meta._cpu_decode_plan = plan
+    plans[window] = plan
     return plan
 
 
