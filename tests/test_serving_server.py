@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -18,6 +17,8 @@ import urllib.request
 
 import numpy as np
 import pytest
+
+from serving_utils import metric, raw_grpc, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -81,25 +82,6 @@ def oracle(built):
 def client(server, protocol="grpc", model=NAME):
     from tritium.client.triton_client import TritiumClient
     return TritiumClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol, model=model)
-
-
-def scrape(server) -> str:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
-        return r.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include `labels`."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        lab = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
-        if all(lab.get(k) == v for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    assert found, f"{name}{labels} not in /metrics"
-    return total
 
 
 # ---- correctness against in-process greedy --------------------------------------------------------
@@ -202,27 +184,18 @@ def _kv_used(server) -> float:
     return metric(scrape(server), "tritium_kv_cache_blocks", model=NAME, state="used")
 
 
-def _wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cancelled_stream_frees_kv_blocks(server, oracle, protocol):
-    assert _wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
+    assert wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
     gen_before = metric(scrape(server), "tritium_generation_tokens_total", model=NAME)
     stream = client(server, protocol).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
     try:
         for _ in range(3):
             next(stream)
-        assert _wait_for(lambda: _kv_used(server) > 0, 5), "the running request holds no KV blocks"
+        assert wait_for(lambda: _kv_used(server) > 0, 5), "the running request holds no KV blocks"
     finally:
         stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection closes
-    assert _wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
+    assert wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
     text = scrape(server)
     assert metric(text, "tritium_requests", model=NAME, state="running") == 0
     assert metric(text, "tritium_generation_tokens_total", model=NAME) - gen_before < 200, "it was not cancelled"
@@ -243,44 +216,6 @@ BAD_REQUESTS = [
 ]
 
 
-def _raw_grpc(server, model, fields):
-    """Send raw tensors (any dtype) over gRPC; returns (outputs list, error message or None)."""
-    import tritonclient.grpc as grpcclient
-    results = queue.Queue()
-    cl = grpcclient.InferenceServerClient(server.grpc_url)
-    cl.start_stream(callback=lambda result, error: results.put((result, error)))
-    inputs = []
-    for name, v in fields.items():
-        if v is None:
-            continue
-        if isinstance(v, str):
-            arr = np.array([[v.encode()]], dtype=np.object_)
-        elif isinstance(v, np.ndarray):
-            arr = v
-        else:
-            arr = np.array([[v]], dtype=np.float32 if isinstance(v, float) else np.int32)
-        dt = {np.object_: "BYTES", np.float32: "FP32", np.int32: "INT32"}[arr.dtype.type]
-        inp = grpcclient.InferInput(name, list(arr.shape), dt)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    cl.async_stream_infer(model, inputs, enable_empty_final_response=True)
-    outs, err = [], None
-    try:
-        while True:
-            r, e = results.get(timeout=60)
-            if e is not None:
-                err = str(e)
-                break
-            if r.get_response().outputs:
-                outs.append(r)
-            if r.get_response().parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        cl.stop_stream()
-        cl.close()
-    return outs, err
-
-
 @pytest.mark.parametrize("model", [NAME, f"{NAME}_ensemble"])
 def test_bad_requests_name_the_field_and_spare_others(server, oracle, model):
     ref_ids, _, _ = oracle(PROMPTS[2], 40)
@@ -289,7 +224,7 @@ def test_bad_requests_name_the_field_and_spare_others(server, oracle, model):
     for label, change, field in BAD_REQUESTS:
         fields = {"text_input": PROMPTS[0], "max_tokens": 4}
         fields.update(change)
-        outs, err = _raw_grpc(server, model, fields)
+        outs, err = raw_grpc(server, model, fields)
         assert err is not None and field in err, f"{label}: error {err!r} does not name {field}"
         assert not outs, label
     got += [t for ch in inflight for t in ch.token_ids]

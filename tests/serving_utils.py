@@ -1,0 +1,75 @@
+"""Helpers for the serving tests: /metrics scraping, polling, raw gRPC requests."""
+from __future__ import annotations
+
+import queue
+import re
+import time
+import urllib.request
+
+import numpy as np
+
+
+def scrape(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+        if all(lab.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name}{labels} not in /metrics"
+    return total
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def raw_grpc(server, model, fields):
+    """Send raw tensors (any dtype) over gRPC; returns (outputs list, error message or None)."""
+    import tritonclient.grpc as grpcclient
+    results = queue.Queue()
+    cl = grpcclient.InferenceServerClient(server.grpc_url)
+    cl.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = []
+    for name, v in fields.items():
+        if v is None:
+            continue
+        if isinstance(v, str):
+            arr = np.array([[v.encode()]], dtype=np.object_)
+        elif isinstance(v, np.ndarray):
+            arr = v
+        else:
+            arr = np.array([[v]], dtype=np.float32 if isinstance(v, float) else np.int32)
+        dt = {np.object_: "BYTES", np.float32: "FP32", np.int32: "INT32"}[arr.dtype.type]
+        inp = grpcclient.InferInput(name, list(arr.shape), dt)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    cl.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    outs, err = [], None
+    try:
+        while True:
+            r, e = results.get(timeout=60)
+            if e is not None:
+                err = str(e)
+                break
+            if r.get_response().outputs:
+                outs.append(r)
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        cl.stop_stream()
+        cl.close()
+    return outs, err
