@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -47,6 +48,8 @@ def default_repository() -> str:
         tmp = engine + ".partial"
         build_engine(BuildOptions(source=smollm2_gguf_path(), output=tmp, dtype=DEFAULT_DTYPE,
                                   quantization=DEFAULT_QUANTIZATION, progress=True))
+        if os.path.isdir(engine):  # an incomplete engine (no engine.json) from an older run
+            shutil.rmtree(engine)
         os.replace(tmp, engine)  # a killed build never leaves a half engine behind
     repo = os.path.join(cache_dir(), "repos", DEFAULT_NAME)
     write_repository(repo, DEFAULT_NAME, engine)
