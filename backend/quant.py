@@ -68,7 +68,9 @@ class Int8Linear(_QuantLinearBase):
 
     def _pack(self):
         # bf16 always: torch's fp32 int8 path is much slower for M > 1 (see Int4Linear._pack).
-        return self.qweight.contiguous(), self.scales.to(torch.bfloat16)
+        # clone: a fresh, 64-byte-aligned copy. Tensors from safetensors' load_file can sit at
+        # any 8-byte offset of the file, and the packed kernel's vector loads crash on those.
+        return self.qweight.clone(memory_format=torch.contiguous_format), self.scales.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

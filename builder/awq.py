@@ -47,6 +47,38 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
     return best[1], best[2], losses
 
 
+def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 20,
+                    min_ratio: float = 0.5, keep_rows: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's weight clipping search: per (output row, group), shrink the group's [min, max]
+    about its centre to the ratio minimising that group's output error mean_t (x_g . (w_g - q_g))^2
+    on calibration inputs x (n_tokens, K) (the inputs the scaled weight w (N, K) will see).
+    Rows < keep_rows keep min/max (the paper's code does not clip q/k, whose errors the
+    softmax amplifies). Returns (scale, zero), each (N, K // group_size)."""
+    n, k = w.shape
+    ng = k // group_size
+    wg = w.float().reshape(n, ng, group_size)
+    xg = x.float().reshape(-1, ng, group_size)
+    wmin, wmax = wg.amin(-1), wg.amax(-1)
+    centre, half = (wmax + wmin) / 2, (wmax - wmin) / 2
+    best_err = torch.full_like(wmin, float("inf"))
+    best_s, best_z = torch.empty_like(wmin), torch.empty_like(wmin)
+    for i in range(grid):
+        r = 1.0 - (1.0 - min_ratio) * i / max(grid - 1, 1)
+        scale = (2 * r * half / 15.0).clamp_min(1e-10)
+        zero = centre - r * half + 8.0 * scale
+        q = int4_codes(wg, scale[..., None], zero[..., None])
+        d = (q - 8.0) * scale[..., None] + zero[..., None] - wg
+        err = torch.einsum("tgk,ngk->tng", xg, d).pow_(2).mean(0)
+        if i == 0:
+            ref_s, ref_z = scale.clone(), zero.clone()
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, scale, best_s)
+        best_z = torch.where(better, zero, best_z)
+    best_s[:keep_rows], best_z[:keep_rows] = ref_s[:keep_rows], ref_z[:keep_rows]
+    return best_s, best_z
+
+
 def pooled_head_stat(x_mean_abs: torch.Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int) -> torch.Tensor:
     """For o_proj under GQA: average the per-channel statistic over the query heads that share a

@@ -25,7 +25,7 @@ EVAL_MODULES = (
     "dataclasses", "enum", "optparse", "mailbox", "imaplib", "smtplib", "ftplib", "pprint",
     "random", "contextlib",
 )
-CALIBRATION_SEQ_LEN = 256     # tokens per calibration sample
+CALIBRATION_SEQ_LEN = 128     # tokens per calibration sample
 MIN_CALIBRATION_CHARS = 2000  # below this a text cannot give meaningful statistics
 MIN_CALIBRATION_TOKENS = 512
 

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .quantize_int4 import int4_codes, int4_params, pack_int4
+from .quantize_int4 import int4_codes, int4_params, int4_params_mse, pack_int4
 
 
 class HessianAccumulator:
@@ -33,12 +33,13 @@ class HessianAccumulator:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
-                  block_size: int = 128, damp_percent: float = 0.01
+                  block_size: int = 128, damp_percent: float = 0.01, mse: bool = True
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """GPTQ-quantize a float weight (N, K) given its input Hessian (K, K).
 
     Returns (qweight uint8 (N, K//2), scales (K//G, N), zeros (K//G, N), g_idx int32 (K,) or None),
-    in the engine's int4 layout (see quantize_int4.py).
+    in the engine's int4 layout (see quantize_int4.py). mse=True picks each group's (scale, zero)
+    by a clipping grid search (the reference code's `mse` option) instead of min/max.
     """
     W = w.float().clone()
     n, k = W.shape
@@ -70,7 +71,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
             col = i1 + i
             if col % group_size == 0:
                 g = col // group_size
-                scales[g], zeros[g] = int4_params(W1[:, i:i + group_size])
+                scales[g], zeros[g] = (int4_params_mse if mse else int4_params)(W1[:, i:i + group_size])
                 s, z = scales[g], zeros[g]
             wcol = W1[:, i]
             q = int4_codes(wcol, s, z)

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .awq import awq_search_scale, pooled_head_stat
+from .awq import awq_clip_params, awq_search_scale, pooled_head_stat
 from .gptq import gptq_quantize
 from .quantize_fp8 import dequantize_fp8, quantize_fp8
 from .quantize_int4 import dequantize_int4, quantize_int4
@@ -36,6 +36,9 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
     g_idx = None
     if method == "int4-gptq":
         q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size, act_order=lq.act_order)
+    elif method == "int4-awq":
+        params = awq_clip_params(w, stats["x_scaled"], lq.group_size, keep_rows=stats.get("keep_rows", 0))
+        q, s, z = quantize_int4(w, lq.group_size, params)
     else:
         q, s, z = quantize_int4(w, lq.group_size)
     out = {"qweight": q, "scales": s, "zeros": z}
@@ -63,12 +66,16 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
         s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
                                        lq.group_size)
         alphas[lin] = alpha
+        st["x_scaled"] = st["x"] / s  # what the folded layer sees; AWQ's clip search uses it
         return s
 
     def fold_norm(norm_name, s):
         t = new[pre + norm_name]
         new[pre + norm_name] = (t.float() / s).to(t.dtype)
 
+    for lin in LINEARS:
+        stats[lin]["x_scaled"] = stats[lin]["x"]
+    stats["qkv_proj"]["keep_rows"] = nq + nkv  # q and k rows are not clipped
     s = search("qkv_proj")
     if s is not None:
         W["qkv_proj"] = W["qkv_proj"] * s

@@ -58,22 +58,48 @@ def int4_params(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return scale, wmin + 8.0 * scale
 
 
+def int4_params_mse(w: torch.Tensor, grid: int = 20, min_ratio: float = 0.5, norm: float = 2.4
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) per row of w (..., G) chosen by shrinking the [min, max] range about its
+    centre and keeping, per row, the ratio with the smallest sum |w - dequant(q)|^norm (the
+    grid search of the GPTQ reference code's `mse` option). Ratio 1 is plain min/max."""
+    w = w.float()
+    wmin, wmax = w.amin(dim=-1), w.amax(dim=-1)
+    centre, half = (wmax + wmin) / 2, (wmax - wmin) / 2
+    best_err = torch.full_like(wmin, float("inf"))
+    best_s, best_z = torch.empty_like(wmin), torch.empty_like(wmin)
+    for i in range(grid):
+        r = 1.0 - (1.0 - min_ratio) * i / max(grid - 1, 1)
+        lo, hi = centre - r * half, centre + r * half
+        scale = ((hi - lo) / 15.0).clamp_min(1e-10)
+        zero = lo + 8.0 * scale
+        q = int4_codes(w, scale[..., None], zero[..., None])
+        err = ((q - 8.0) * scale[..., None] + zero[..., None] - w).abs_().pow_(norm).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, scale, best_s)
+        best_z = torch.where(better, zero, best_z)
+    return best_s, best_z
+
+
 def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Nearest 4-bit code of w given broadcastable (scale, zero): q = clamp(round((w - zero)/scale) + 8)."""
     return (torch.round((w.float() - zero) / scale) + 8).clamp_(0, 15)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int
+def quantize_int4(w: torch.Tensor, group_size: int,
+                  params: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest group-wise asymmetric INT4 of a float weight (N, K).
 
+    params: optional (scale, zero), each (N, K//G), e.g. from a clipping search; default min/max.
     Returns (qweight uint8 (N, K//2), scales float32 (K//G, N), zeros float32 (K//G, N)).
     """
     n, k = w.shape
     if k % group_size or k % 2:
         raise ValueError(f"group_size {group_size} must divide in_features {k} (and K must be even)")
     wg = w.float().reshape(n, k // group_size, group_size)
-    scale, zero = int4_params(wg)                                   # (N, K//G)
+    scale, zero = int4_params(wg) if params is None else params     # (N, K//G)
     q = int4_codes(wg, scale[..., None], zero[..., None]).reshape(n, k)
     return pack_int4(q), scale.t().contiguous(), zero.t().contiguous()
 

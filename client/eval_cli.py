@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-DEFAULT_NUM_TOKENS = 4096
+DEFAULT_NUM_TOKENS = 2048
 
 
 def register(sub) -> None:

@@ -17,9 +17,27 @@ from tritium.builder.quantize_fp8 import dequantize_fp8
 from tritium.builder.quantize_int4 import dequantize_int4
 from tritium.builder.quantize_int8 import dequantize_int8
 
-# Dims that int4 groups divide (hidden 64, q dim 96, intermediate 96 -> group 32 everywhere).
-DIMS = dict(hidden_size=64, intermediate_size=96, head_dim=16)
+# Dims that int4 groups divide: hidden, q dim (heads x head_dim) and intermediate all 96 -> group 32.
+DIMS = dict(hidden_size=96, intermediate_size=96)
 PROMPT = list(range(5, 45))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_checkpoint, tmp_path_factory):
+    """Factory: tiny_engine(family, **build_kwargs) -> engine dir of a tiny checkpoint with DIMS
+    (float32; cached per arguments)."""
+    from tritium.builder.build import BuildOptions, build_engine
+    cache = {}
+
+    def make(family="llama", **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp(f"qengine-{family}") / "engine")
+            build_engine(BuildOptions(source=tiny_checkpoint(family, **DIMS), output=out, dtype="float32",
+                                      progress=False, **kw))
+            cache[key] = out
+        return cache[key]
+    return make
 
 
 def _logits(model, ids):
@@ -73,8 +91,8 @@ def _kl(ref_logits, logits):
     ("llama", "int8"), ("llama", "fp8"), ("llama", "int4-rtn"), ("llama", "int4-awq"),
     ("qwen2", "int4-awq"), ("llama", "int4-gptq"), ("qwen2", "int4-gptq")])
 def test_quantized_engine(tiny_engine, family, method):
-    qdir = tiny_engine(family, quantization=method, calibration_samples=8, **DIMS)
-    fdir = tiny_engine(family, **DIMS)
+    qdir = tiny_engine(family, quantization=method, calibration_samples=8)
+    fdir = tiny_engine(family)
     cfg, qmodel, _ = load_engine(qdir, "cpu")
     assert cfg.quantization.method == method
     kind = {"int8": "int8", "fp8": "fp8"}.get(method, "int4")
@@ -90,7 +108,8 @@ def test_quantized_engine(tiny_engine, family, method):
     # and close to the float engine it came from (AWQ's folded scales must preserve the function)
     _, fmodel, _ = load_engine(fdir, "cpu")
     fl = _logits(fmodel, PROMPT)
-    assert _kl(fl, ql) < (0.02 if kind != "int4" else 0.1)
+    # (E4M3 keeps 3 mantissa bits: ~3% weight error on this random model, so a looser bound)
+    assert _kl(fl, ql) < {"int8": 0.01, "fp8": 0.06, "int4": 0.25}[kind]
     report = json.load(open(os.path.join(qdir, "build_report.json")))["quantization_report"]
     assert report["weight_bytes"] < report["float_weight_bytes"]
     assert {"perplexity", "reference_perplexity", "mean_kl", "top1_agreement"} <= set(report["eval"])
@@ -98,8 +117,8 @@ def test_quantized_engine(tiny_engine, family, method):
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_quantized_kv_cache(tiny_engine, kv):
-    qdir = tiny_engine("llama", kv_cache_dtype=kv, calibration_samples=8, **DIMS)
-    fdir = tiny_engine("llama", **DIMS)
+    qdir = tiny_engine("llama", kv_cache_dtype=kv, calibration_samples=8)
+    fdir = tiny_engine("llama")
     cfg, qmodel, _ = load_engine(qdir, "cpu")
     assert cfg.kv_cache.dtype == kv
     t = load_file(os.path.join(qdir, "rank0.safetensors"))
@@ -113,7 +132,7 @@ def test_quantized_kv_cache(tiny_engine, kv):
 
 def test_kv_scales_cover_calibration_amax(tiny_engine):
     """scale * qmax must equal the per-head amax of K (after RoPE) over the calibration text."""
-    qdir = tiny_engine("llama", kv_cache_dtype="int8", calibration_samples=8, **DIMS)
+    qdir = tiny_engine("llama", kv_cache_dtype="int8", calibration_samples=8)
     t = load_file(os.path.join(qdir, "rank0.safetensors"))
     assert (t["layers.0.k_scale"] * 127).min() > 0
     # int8 codes of calibration K never saturate by more than rounding: checked via the report
@@ -123,8 +142,8 @@ def test_kv_scales_cover_calibration_amax(tiny_engine):
 
 def test_eval_cli_json(tiny_engine, capsys, tmp_path):
     from tritium.client.cli import main
-    qdir = tiny_engine("llama", quantization="int8", calibration_samples=8, **DIMS)
-    fdir = tiny_engine("llama", **DIMS)
+    qdir = tiny_engine("llama", quantization="int8", calibration_samples=8)
+    fdir = tiny_engine("llama")
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
     assert main(["eval", "--engine", qdir, "--reference", fdir, "--text", str(text), "--num-tokens", "300",
