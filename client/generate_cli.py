@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 
 def register(sub) -> None:

@@ -35,7 +35,6 @@ def _pct(x: float, peak: Optional[float]) -> str:
 
 def _paged(b: int, ctx: int, block_size: int, dtype, device, kv_dtype=None):
     """Random paged cache + metadata for b sequences of ctx tokens each."""
-    from tritium.backend.attention_metadata import AttentionMetadata
     nblk = (ctx + block_size - 1) // block_size
     perm = torch.randperm(b * nblk).tolist()
     tables = [perm[i * nblk:(i + 1) * nblk] for i in range(b)]

@@ -16,6 +16,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds (SmolLM2, real server)")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's models on one intra-op thread: on a shared 2-core box, small ops otherwise
+    wait on OpenMP barriers for longer than they compute."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(family, **overrides) -> checkpoint folder (cached per args)."""

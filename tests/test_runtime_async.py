@@ -3,19 +3,14 @@ and frees its blocks; bad input raises in the caller's thread; shutdown ends the
 import threading
 
 import pytest
-import torch
 
 from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: intra-op threads only add barrier waits (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_concurrent_streams_match_sync(tiny_engine):

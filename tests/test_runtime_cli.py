@@ -2,19 +2,14 @@
 import json
 
 import pytest
-import torch
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.client.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: intra-op threads only add barrier waits (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_cli(capsys, *argv):

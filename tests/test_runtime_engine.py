@@ -11,13 +11,8 @@ from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.simple_generate import generate_simple
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: intra-op threads only add barrier waits (ruinous on a shared 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: intra-op threads only add barrier waits (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def alone(engine, prompt, max_tokens):

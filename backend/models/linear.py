@@ -39,7 +39,7 @@ def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
     method = getattr(layer_quant, "method", "none") if layer_quant is not None else "none"
     if method not in LINEAR_REGISTRY:
         # Quantized layers live in tritium.backend.quant; importing it registers them.
-        from .. import quant  # noqa: F401
+        from .. import quant  # noqa: F401  (import registers the quantized classes)
     if method not in LINEAR_REGISTRY:
         raise ValueError(f"linear quantization method {method!r} not supported; "
                          f"supported: {', '.join(sorted(LINEAR_REGISTRY))}")
