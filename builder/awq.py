@@ -47,7 +47,7 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
     return best[1], best[2], losses
 
 
-def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 20,
+def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 10,
                     min_ratio: float = 0.5, keep_rows: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """AWQ's weight clipping search: per (output row, group), shrink the group's [min, max]
     about its centre to the ratio minimising that group's output error mean_t (x_g . (w_g - q_g))^2
@@ -68,7 +68,8 @@ def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int
         zero = centre - r * half + 8.0 * scale
         q = int4_codes(wg, scale[..., None], zero[..., None])
         d = (q - 8.0) * scale[..., None] + zero[..., None] - wg
-        err = torch.einsum("tgk,ngk->tng", xg, d).pow_(2).mean(0)
+        # per group g: (t, G) @ (G, n) -> squared output error, mean over tokens -> (N, ng)
+        err = torch.bmm(xg.transpose(0, 1), d.permute(1, 2, 0)).pow_(2).mean(1).t()
         if i == 0:
             ref_s, ref_z = scale.clone(), zero.clone()
         better = err < best_err

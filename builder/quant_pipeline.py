@@ -32,7 +32,7 @@ from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES, choose_group_size
 from .quantize_int8 import INT8_LAYOUT
 
 DEFAULT_GROUP_SIZE = 128
-DEFAULT_CALIBRATION_SAMPLES = 128
+DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 2048
 KV_QMAX = {"int8": 127.0, "fp8": 448.0}
 CALIBRATED = ("int4-awq", "int4-gptq")

@@ -128,7 +128,8 @@ def test_quantized_kv_cache(tiny_engine, kv):
             s = t[f"layers.{i}.{k}"]
             assert s.shape == (cfg.model.num_kv_heads,) and (s > 0).all()
     _, fmodel, _ = load_engine(fdir, "cpu")
-    assert _kl(_logits(fmodel, PROMPT), _logits(qmodel, PROMPT)) < 0.01
+    # per-head scales from calibration amax: E4M3's 3 mantissa bits cost more than int8's 7
+    assert _kl(_logits(fmodel, PROMPT), _logits(qmodel, PROMPT)) < {"int8": 0.01, "fp8": 0.04}[kv]
 
 
 def test_kv_scales_cover_calibration_amax(tiny_engine):
