@@ -39,7 +39,7 @@ CALIBRATED = ("int4-awq", "int4-gptq")
 
 _DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", calibration_text=None,
                  calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
-                 source=None, act_order=False, eval_tokens=DEFAULT_EVAL_TOKENS)
+                 source=None, act_order=True, eval_tokens=DEFAULT_EVAL_TOKENS)
 
 
 def _options(opts=None, **kw) -> SimpleNamespace:
