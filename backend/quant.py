@@ -3,7 +3,7 @@
 Buffers are named as the engine stores them (see QuantConfig.layouts and builder/quantize_*.py):
     int8: qweight int8 (N, K), scales float32 (N,)
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,)
-    int4: qweight uint8 (N, K//2), scales/zeros float32 (K//G, N), optional g_idx int32 (K,)
+    int4: qweight uint8 (N, K//2), scales/zeros (K//G, N) stored float16, held float32, optional g_idx int32 (K,)
     bias (engine dtype, optional) for all.
 On CPU the layers convert their weights once (lazily, on the first call after a load or a device
 move) into the layout of torch's packed kernels and never dequantize the whole weight per step,

@@ -44,7 +44,7 @@ class BuildOptions:
     group_size: Optional[int] = None
     kv_cache_dtype: str = "auto"
     calibration_text: Optional[str] = None
-    calibration_samples: int = 128
+    calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
     progress: bool = True
 

@@ -44,6 +44,9 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         q, s, z = quantize_int4(w, lq.group_size, params)
     else:
         q, s, z = quantize_int4(w, lq.group_size)
+    # Stored as float16 (half the bytes of float32; 11-bit mantissa, far finer than a 4-bit step).
+    # The returned dequantized weight uses the stored values, so later layers calibrate on them.
+    s, z = s.half(), z.half()
     out = {"qweight": q, "scales": s, "zeros": z}
     if g_idx is not None:
         out["g_idx"] = g_idx

@@ -2,8 +2,8 @@
 
 Layout (the engine's `int4` layout; the Triton W4A16 kernel and torch's CPU kernel read it):
     qweight  uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high nibble = odd k
-    scales   float32 (K // G, N)
-    zeros    float32 (K // G, N)
+    scales   float16 (K // G, N)  (float32 from quantize_int4; the builder stores float16 and the
+    zeros    float16 (K // G, N)   runtime upcasts to float32 at load)
     g_idx    int32   (K,)         optional (GPTQ act-order): group of input channel k
     w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
 An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
-               "scales float32 (K//G, N); zeros float32 (K//G, N); optional g_idx int32 (K,); "
+               "scales float16 (K//G, N); zeros float16 (K//G, N) (upcast to float32 at load); optional g_idx int32 (K,); "
                "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
 
 # Group sizes torch's packed CPU kernel and the Triton kernel both accept.
