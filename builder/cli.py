@@ -34,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="UTF-8 calibration text (default: docstrings of Python standard-library modules)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
-                   help="calibration windows (default 128)")
+                   help="calibration windows of 128 tokens (default 64)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
     p.add_argument("--repo", default=None, help="also write a Triton model repository here (NAME, "
