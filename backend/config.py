@@ -67,7 +67,12 @@ class LayerQuant:
     """How one linear layer is stored; see QuantConfig.layouts for the packing."""
     method: str  # "none" | "int8" | "fp8" | "int4"
     group_size: Optional[int] = None
-    act_order: bool = False
+    act_order: bool = False  # int4: a g_idx tensor is stored (GPTQ act-order with dynamic groups)
+    # Why this group size, e.g. "source Q4_1 blocks of 32" or "128 does not divide 576 -> 64".
+    group_reason: Optional[str] = None
+    # GPTQ only (provenance; the runtime ignores it): columns were processed in act-order with
+    # group params fixed per original column block, so no g_idx is needed.
+    static_groups: bool = False
 
 
 @dataclass(frozen=True)

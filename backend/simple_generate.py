@@ -13,7 +13,7 @@ from .models.decoder import DecoderLM
 def alloc_kv_caches(model: DecoderLM, num_blocks: int, device=None) -> list:
     """One float (k_cache, v_cache) pair per layer: (num_blocks, block_size, Hkv, D)."""
     m, lim = model.cfg.model, model.cfg.limits
-    dev = device or model.embed_tokens_weight.device
+    dev = device or model.norm_weight.device
     shape = (num_blocks, lim.block_size, m.num_kv_heads, m.head_dim)
     return [(torch.zeros(shape, dtype=model.dtype, device=dev), torch.zeros(shape, dtype=model.dtype, device=dev))
             for _ in range(m.num_layers)]
@@ -26,7 +26,7 @@ def prompt_logits(model: DecoderLM, prompt_ids: Sequence[int]) -> torch.Tensor:
     n = len(prompt_ids)
     num_blocks = (n + bs - 1) // bs
     kv = alloc_kv_caches(model, num_blocks)
-    dev = model.embed_tokens_weight.device
+    dev = model.norm_weight.device
     meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], bs, dev)
     hidden = model(torch.tensor(list(prompt_ids), device=dev), torch.arange(n, device=dev), kv, meta)
     return model.compute_logits(hidden)
@@ -61,7 +61,7 @@ def generate_simple(model: DecoderLM, prompt_ids: List[int], max_tokens: int, te
     num_blocks = (total + bs - 1) // bs
     kv = alloc_kv_caches(model, num_blocks)
     table = list(range(num_blocks))
-    dev = model.embed_tokens_weight.device
+    dev = model.norm_weight.device
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed if seed is not None else torch.seed())
     out: List[int] = []

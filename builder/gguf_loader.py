@@ -7,7 +7,7 @@ match Hugging Face's rotate_half layout.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -130,6 +130,16 @@ class GGUFCheckpoint:
         elif self.arch in PERMUTED_QK and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, m.num_kv_heads)
         return w
+
+    def block_quant(self, name: str) -> Optional[Tuple[str, int]]:
+        """(GGUF type name, block size along the input dim) of HF tensor `name` when the file
+        stores it block-quantized (Q4_0, Q4_1, Q8_0: blocks of 32); None for float or absent.
+        ggml blocks run along ne0, the contiguous dim, which is a linear's input (K) dim."""
+        t = self.tensors.get(self._hf_to_gguf.get(name))
+        if t is None:
+            return None
+        block, _ = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
+        return (t.tensor_type.name, int(block)) if block > 1 else None
 
     def source_files(self) -> List[str]:
         return [self.path]

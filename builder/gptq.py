@@ -6,6 +6,9 @@ column at a time and spread each column's rounding error over the columns not ye
 weighted by the Cholesky factor of H^-1 (the Optimal Brain Surgeon update). Updates are applied
 lazily in blocks of 128 columns; H is dampened by 1% of its mean diagonal. With act-order
 (desc_act) columns go in order of decreasing H diagonal and g_idx records each column's group.
+With static groups (the "static_groups" option of GPTQ implementations) every group's
+(scale, zero) is fixed up front from the original weight's column block k // G, so act-order
+changes only the processing order, groups stay contiguous and no g_idx is needed.
 """
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ from typing import Optional, Tuple
 import torch
 
 from .quantize_int4 import int4_codes, int4_params, int4_params_mse, pack_int4
+
+# On a layer whose source is already on a block grid (source_grid.py), GPTQ with act-order runs
+# with static groups (True) or in plain column order (False); see the README's measured table.
+GPTQ_STATIC_ON_SOURCE_GRID = True
 
 
 class HessianAccumulator:
@@ -33,13 +40,16 @@ class HessianAccumulator:
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
-                  block_size: int = 128, damp_percent: float = 0.01, mse: bool = True
+                  block_size: int = 128, damp_percent: float = 0.01, mse: bool = True,
+                  static_groups: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """GPTQ-quantize a float weight (N, K) given its input Hessian (K, K).
 
     Returns (qweight uint8 (N, K//2), scales (K//G, N), zeros (K//G, N), g_idx int32 (K,) or None),
     in the engine's int4 layout (see quantize_int4.py). mse=True picks each group's (scale, zero)
     by a clipping grid search (the reference code's `mse` option) instead of min/max.
+    static_groups=True: group params come from the original columns k // G (before any error
+    feedback) and, with act_order, g_idx is None because the groups are the contiguous ones.
     """
     W = w.float().clone()
     n, k = W.shape
@@ -49,6 +59,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0  # inputs that are always zero: any weight is exact
+    params = int4_params_mse if mse else int4_params
+    scales = torch.empty(k // group_size, n)
+    zeros = torch.empty(k // group_size, n)
+    if static_groups:
+        for g in range(k // group_size):
+            scales[g], zeros[g] = params(W[:, g * group_size:(g + 1) * group_size])
     perm = None
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
@@ -60,8 +76,6 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     # Blocks are whole groups, so a group's (scale, zero) is set from its error-updated weights.
     block = max(group_size, (block_size // group_size) * group_size)
     Q = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.empty(k // group_size, n)
-    zeros = torch.empty(k // group_size, n)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         W1 = W[:, i1:i2].clone()
@@ -69,9 +83,12 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:
+            if static_groups:
+                g = int(perm[col] if perm is not None else col) // group_size
+                s, z = scales[g], zeros[g]
+            elif col % group_size == 0:
                 g = col // group_size
-                scales[g], zeros[g] = (int4_params_mse if mse else int4_params)(W1[:, i:i + group_size])
+                scales[g], zeros[g] = params(W1[:, i:i + group_size])
                 s, z = scales[g], zeros[g]
             wcol = W1[:, i]
             q = int4_codes(wcol, s, z)
@@ -86,5 +103,6 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     if act_order:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
-        g_idx = (torch.arange(k) // group_size)[inv].to(torch.int32)
+        if not static_groups:
+            g_idx = (torch.arange(k) // group_size)[inv].to(torch.int32)
     return pack_int4(Q), scales.contiguous(), zeros.contiguous(), g_idx

@@ -31,7 +31,7 @@ def window_log_probs(model, token_ids: Sequence[int]) -> torch.Tensor:
     bs = model.cfg.limits.block_size
     num_blocks = (t + bs - 1) // bs
     m = model.cfg.model
-    device = model.embed_tokens_weight.device
+    device = model.norm_weight.device
     cdtype = kv_cache_dtype(model)
     kv = [(torch.zeros(num_blocks, bs, m.num_kv_heads, m.head_dim, dtype=cdtype, device=device),
            torch.zeros(num_blocks, bs, m.num_kv_heads, m.head_dim, dtype=cdtype, device=device))

@@ -38,7 +38,9 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         return {"qweight": q, "scales": s}, dequantize_fp8(q, s)
     g_idx = None
     if method == "int4-gptq":
-        q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size, act_order=lq.act_order)
+        q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size,
+                                       act_order=lq.act_order or lq.static_groups,
+                                       static_groups=lq.static_groups)
     elif method == "int4-awq" and AWQ_CLIP:
         params = awq_clip_params(w, stats["x_scaled"], lq.group_size, keep_rows=stats.get("keep_rows", 0))
         q, s, z = quantize_int4(w, lq.group_size, params)
@@ -133,8 +135,11 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
         for suffix, t in tensors.items():
             new[f"{name}.{suffix}"] = t
         mod._buffers["weight"] = deq.to(dtype)
-        entry = {"method": lq.method, "group_size": lq.group_size,
+        entry = {"method": lq.method, "group_size": lq.group_size, "group_reason": lq.group_reason,
                  "rel_weight_error": float((deq - W[lin]).norm() / W[lin].norm().clamp_min(1e-12))}
+        if method == "int4-gptq":
+            entry["gptq_order"] = ("act-order, static groups" if lq.static_groups else
+                                   "act-order, g_idx" if lq.act_order else "column order")
         if lin in alphas:
             entry["awq_alpha"] = alphas[lin]
         if stats and "H" in stats.get(lin, {}):
@@ -146,4 +151,23 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
         layer._buffers[norm.replace(".weight", "_weight")] = new[pre + norm]
     if pre + "qkv_proj.bias" in new:
         layer.qkv_proj._buffers["bias"] = new[pre + "qkv_proj.bias"]
+    return report
+
+
+def quantize_embeddings(new: dict, plan: dict) -> dict:
+    """int4 builds: store the embedding (and an untied lm_head) as per-row symmetric int8
+    (quantize_int8's per-output-channel layout, one scale per vocabulary entry), which the
+    runtime gathers rows from for the lookup and feeds to the int8 GEMM for the logits.
+    Replaces `{name}.weight` in `new` by qweight/scales; returns report entries."""
+    report = {}
+    for name in ("embed_tokens", "lm_head"):
+        lq = plan.get(name)
+        if lq is None or lq.method != "int8" or name + ".weight" not in new:
+            continue
+        w = new.pop(name + ".weight").float()
+        q, s = quantize_int8(w)
+        new[name + ".qweight"], new[name + ".scales"] = q, s
+        deq = dequantize_int8(q, s)
+        report[name] = {"method": "int8", "rel_weight_error":
+                        float((deq - w).norm() / w.norm().clamp_min(1e-12))}
     return report

@@ -26,10 +26,12 @@ from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZ
 
 from . import calibration as calib
 from .quant_eval import encode_text, evaluate
-from .quant_layers import LINEARS, linear_in_features, quantize_layer
+from .quant_layers import LINEARS, linear_in_features, quantize_embeddings, quantize_layer
 from .quantize_fp8 import FP8_LAYOUT, has_float8
-from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES, choose_group_size
+from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES
 from .quantize_int8 import INT8_LAYOUT
+from .gptq import GPTQ_STATIC_ON_SOURCE_GRID
+from .source_grid import linear_source_blocks, plan_group_size
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CALIBRATION_SAMPLES = 64
@@ -39,7 +41,7 @@ CALIBRATED = ("int4-awq", "int4-gptq")
 
 _DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", calibration_text=None,
                  calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
-                 source=None, act_order=True, eval_tokens=DEFAULT_EVAL_TOKENS)
+                 source=None, act_order=True, eval_tokens=DEFAULT_EVAL_TOKENS, group_size_explicit=None)
 
 
 def _options(opts=None, **kw) -> SimpleNamespace:
@@ -47,6 +49,8 @@ def _options(opts=None, **kw) -> SimpleNamespace:
     if opts is not None:
         d.update({k: getattr(opts, k) for k in _DEFAULTS if hasattr(opts, k)})
     d.update({k: v for k, v in kw.items() if v is not None})
+    if d["group_size_explicit"] is None:  # remembered across re-parsing of an options object
+        d["group_size_explicit"] = d["group_size"] is not None
     if d["group_size"] is None:
         d["group_size"] = DEFAULT_GROUP_SIZE
     if d["calibration_samples"] is None:
@@ -93,9 +97,15 @@ def _read_text(path: str, flag: str) -> str:
 
 
 def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
-    """Per-linear LayerQuant for every linear in the model (method 'none' when excluded)."""
+    """Per-linear LayerQuant for every linear in the model (method 'none' when excluded).
+
+    int4 group sizes: explicit --group-size, else the GGUF source's own block size where the
+    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. int4
+    builds also store the embedding (and an untied lm_head) as per-row int8."""
     kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
     plan = {}
+    blocks = linear_source_blocks(o.source, cfg.model.num_layers) if (
+        kind == "int4" and not o.group_size_explicit) else {}
     for i in range(cfg.model.num_layers):
         for lin in LINEARS:
             name = f"layers.{i}.{lin}"
@@ -106,12 +116,21 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
                 plan[name] = LayerQuant(kind)
                 continue
             k = linear_in_features(cfg.model, lin)
-            g = choose_group_size(k, o.group_size)
+            g, reason = plan_group_size(k, o.group_size, o.group_size_explicit, blocks.get(name))
             if g is None:
                 raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
                                  f"not a multiple of {o.group_size}, 64 or 32")
-            plan[name] = LayerQuant("int4", group_size=g,
-                                    act_order=bool(o.act_order and o.quantization == "int4-gptq"))
+            act_order = bool(o.act_order and o.quantization == "int4-gptq")
+            on_grid = name in blocks and g == blocks[name][1]
+            # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
+            # static groups (act-order column order, params fixed per original block, no g_idx)
+            # or plain column order, whichever gptq.GPTQ_STATIC_ON_SOURCE_GRID says measured better.
+            plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
+                                    group_reason=reason,
+                                    static_groups=act_order and on_grid and GPTQ_STATIC_ON_SOURCE_GRID)
+    if kind == "int4":
+        for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
+            plan[name] = LayerQuant("none" if _excluded(name, o.exclude_modules) else "int8")
     return plan
 
 
@@ -189,6 +208,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                 qmax = KV_QMAX[o.kv_cache_dtype]
                 for key in ("k", "v"):
                     kv_scales[f"layers.{i}.{key}_scale"] = (kv_stats[key] / qmax).clamp_min(1e-8).float()
+    layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
     used = {lq.method for lq in plan.values()}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tritium.backend.attention_metadata import AttentionMetadata
-from tritium.backend.config import EngineConfig, QuantConfig
+from tritium.backend.config import EngineConfig, LayerQuant, QuantConfig
 from tritium.backend.loader import load_engine
 from tritium.backend.models.decoder import DecoderLM
 from tritium.builder.quantize_fp8 import dequantize_fp8
@@ -96,7 +96,10 @@ def test_quantized_engine(tiny_engine, family, method):
     cfg, qmodel, _ = load_engine(qdir, "cpu")
     assert cfg.quantization.method == method
     kind = {"int8": "int8", "fp8": "fp8"}.get(method, "int4")
-    assert set(cfg.quantization.layouts) == {kind}
+    # int4 builds also store the tied embedding as per-row int8
+    assert set(cfg.quantization.layouts) == ({kind, "int8"} if kind == "int4" else {kind})
+    assert cfg.quantization.layers.get("embed_tokens", LayerQuant("none")).method == (
+        "int8" if kind == "int4" else "none")
     for i in range(cfg.model.num_layers):
         for lin in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             lq = cfg.quantization.layers[f"layers.{i}.{lin}"]

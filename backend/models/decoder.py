@@ -81,7 +81,18 @@ class DecoderLM(nn.Module):
         m = cfg.model
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        self.register_buffer("embed_tokens_weight", torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
+        # int4 builds store the embedding as per-row int8 (LayerQuant "int8" under "embed_tokens"):
+        # an Int8Linear (vocab, hidden) whose rows are gathered for the lookup and which, when
+        # tied, is also the logits GEMM. Otherwise a float buffer.
+        eq = cfg.quantization.layers.get("embed_tokens")
+        self.embed_tokens = None
+        if eq is not None and eq.method != "none":
+            if eq.method != "int8":
+                raise ValueError(f"quantization.layers.embed_tokens.method {eq.method!r} not supported; "
+                                 f"allowed: none, int8")
+            self.embed_tokens = make_linear(m.hidden_size, m.vocab_size, False, self.dtype, eq)
+        self.register_buffer("embed_tokens_weight", None if self.embed_tokens is not None else
+                             torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
         self.lm_head = None if m.tie_word_embeddings else make_linear(
@@ -133,16 +144,25 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
-        hidden = self.embed_tokens_weight[input_ids]
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""
+        if self.embed_tokens is None:
+            return self.embed_tokens_weight[input_ids]
+        e = self.embed_tokens
+        return (e.qweight[input_ids].float() * e.scales[input_ids, None].float()).to(self.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.embed_tokens is not None:
+            logits = self.embed_tokens(hidden)  # packed int8 GEMM (CPU) / linear_w8a16 (CUDA)
+        elif self.lm_head is None:
             logits = torch.nn.functional.linear(hidden, self.embed_tokens_weight)
         else:
             logits = self.lm_head(hidden)
