@@ -141,6 +141,10 @@ def load_source_tokenizer(source: Optional[str]):
         return Tokenizer.from_file(os.path.join(source, "tokenizer.json"))
     if source and os.path.isfile(source) and source.lower().endswith(".gguf"):
         import tempfile
+
+        import gguf
+        if "tokenizer.ggml.tokens" not in gguf.GGUFReader(source).fields:
+            return None  # a GGUF without a vocabulary: token ids only, no eval / calibration
         from .tokenizer_export import export_gguf_tokenizer
         with tempfile.TemporaryDirectory() as d:
             export_gguf_tokenizer(source, d)
