@@ -68,6 +68,8 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"kv_cache.dtype {cfg.kv_cache.dtype!r} needs layers.N.k_scale/v_scale "
                                  f"in the engine weights; missing for layers {missing[:4]}")
+        if device.type == "cpu" and hasattr(model, "pack_for_cpu"):
+            model.pack_for_cpu()  # oneDNN pre-packed bf16 weights (no-op for other dtypes)
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(m.num_layers)]

@@ -20,7 +20,7 @@ from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 from ..attention_metadata import AttentionMetadata
 from ..config import EngineConfig
-from .linear import make_linear
+from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,6 +95,7 @@ class DecoderLM(nn.Module):
                              torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
+        self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
             m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
         r = m.rope
@@ -158,10 +159,23 @@ class DecoderLM(nn.Module):
         e = self.embed_tokens
         return (e.qweight[input_ids].float() * e.scales[input_ids, None].float()).to(self.dtype)
 
+    def pack_for_cpu(self) -> int:
+        """Inference on CPU: pre-pack every float linear for oneDNN (see linear.pack_for_cpu),
+        and the tied bf16 LM head as a packed copy (the lookup still gathers rows of the plain
+        embedding, so that copy is the one extra vocab x hidden matrix this costs). Idempotent;
+        returns how many weights are packed."""
+        n = sum(bool(mod.pack_for_cpu()) for mod in self.modules() if isinstance(mod, DenseLinear))
+        if self.lm_head is None and self.embed_tokens is None and self.packed_head is None \
+                and cpu_packing_supported(self.embed_tokens_weight):
+            self.packed_head = pack_for_cpu(self.embed_tokens_weight)
+        return n + (self.packed_head is not None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""
         if self.lm_head is None and self.embed_tokens is not None:
             logits = self.embed_tokens(hidden)  # packed int8 GEMM (CPU) / linear_w8a16 (CUDA)
+        elif self.lm_head is None and self.packed_head is not None:
+            logits = packed_linear(hidden, self.packed_head, None)
         elif self.lm_head is None:
             logits = torch.nn.functional.linear(hidden, self.embed_tokens_weight)
         else:
