@@ -28,7 +28,9 @@ def register(sub) -> None:
     p.add_argument("--quantization", default="none", choices=SUPPORTED_QUANTIZATION,
                    help="weight quantization (default none)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="int4 group size (default 128; per layer falls back to 64 or 32 when 128 does not divide)")
+                   help="int4 group size for every layer (default: a GGUF linear stored block-quantized, e.g. "
+                        "Q4_1, uses its block size 32; otherwise 128, per layer falling back to 64 or 32 "
+                        "when 128 does not divide)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV-cache dtype: auto (= --dtype), fp8 (E4M3) or int8, with per-head scales")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
