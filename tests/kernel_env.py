@@ -35,8 +35,11 @@ FP8_STEP = 0.125
 
 
 def new_rng() -> tuple[random.Random, int]:
-    """A fresh, unseeded draw per run; the seed is returned so failures can be reproduced."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh, unseeded draw per run; the seed is returned so failures can be reproduced.
+
+    `TRITIUM_TEST_SEED=<seed>` replays a reported failure."""
+    fixed = os.environ.get("TRITIUM_TEST_SEED")
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     return random.Random(seed), seed
 

@@ -77,6 +77,34 @@ def greedy(model: DecoderLM, prompts, chunks, kv: str):
     return [s["tokens"][s["prompt"]:] for s in seqs], all_logits
 
 
+# Logit tolerance per KV storage. With a float cache both paths do the same fp32 maths. With a
+# quantized cache, a K/V value that lands within ~1e-6 of a rounding boundary (round-half for
+# INT8, the E4M3 grid for FP8) can round one step apart after the ~1e-7 upstream differences;
+# one step is |scale| (<= 5/127) for INT8 and 1/16 of the value for FP8, which moves the logits
+# by up to ~1e-2 (measured over seeds 0-149: INT8 max 1.8e-2, FP8 max 1.7e-3; CI once drew a
+# seed with an INT8 flip, 1.3e-2). A wrong scale, layout or dequantisation moves them by O(1).
+LOGIT_ATOL = {"auto": 1e-4, "int8": 5e-2, "fp8": 5e-2}
+
+
+def compare_greedy(got, ref, kv: str, msg: str) -> None:
+    """Logits agree within LOGIT_ATOL[kv] at every step; greedy tokens agree, except that a
+    quantized cache may flip a token whose top-2 reference margin is inside the tolerance (after
+    which the runs diverge and the comparison stops)."""
+    (got_tokens, got_logits), (ref_tokens, ref_logits) = got, ref
+    atol = LOGIT_ATOL[kv]
+    assert all(len(t) == NUM_NEW_TOKENS for t in ref_tokens), msg
+    for step, (g, r) in enumerate(zip(got_logits, ref_logits)):
+        torch.testing.assert_close(g, r, rtol=0, atol=atol, msg=f"step {step} {msg}")
+        flipped = g.argmax(-1) != r.argmax(-1)
+        if flipped.any():
+            assert kv != "auto", f"greedy token differs at step {step} with a float cache {msg}"
+            top2 = r.topk(2, dim=-1).values
+            margin = (top2[:, 0] - top2[:, 1])[flipped]
+            assert (margin <= 2 * atol).all(), f"token flip at step {step} with margin {margin} {msg}"
+            return
+    assert got_tokens == ref_tokens, msg
+
+
 @pytest.mark.parametrize("kv", ["auto", "int8", "fp8"])
 def test_tiny_model_greedy_kernel_e2e(kv, monkeypatch):
     rng, seed = new_rng()
@@ -85,14 +113,10 @@ def test_tiny_model_greedy_kernel_e2e(kv, monkeypatch):
     prompts = [[rng.randrange(96) for _ in range(n)] for n in lens]
     chunks = [lens[0], rng.randint(1, lens[1] - 1), lens[2]]  # the second prompt is chunked
     monkeypatch.setenv("TRITIUM_KERNELS", "reference")
-    ref_tokens, ref_logits = greedy(model, prompts, chunks, kv)
+    ref = greedy(model, prompts, chunks, kv)
     monkeypatch.setenv("TRITIUM_KERNELS", "triton")
-    got_tokens, got_logits = greedy(model, prompts, chunks, kv)
-    msg = f"seed={seed} kv={kv} prompts={lens} chunks={chunks}"
-    assert all(len(t) == NUM_NEW_TOKENS for t in ref_tokens), msg
-    assert got_tokens == ref_tokens, msg
-    for g, r in zip(got_logits, ref_logits):
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=msg)
+    got = greedy(model, prompts, chunks, kv)
+    compare_greedy(got, ref, kv, f"seed={seed} kv={kv} prompts={lens} chunks={chunks}")
 
 
 def test_triton_mode_actually_runs_the_kernels(monkeypatch):
