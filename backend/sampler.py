@@ -104,7 +104,9 @@ class Sampler:
             if need_penalties:
                 apply_penalties(x, seqs)
         greedy = [p.temperature == 0.0 for p in params]
-        tokens = x.argmax(dim=-1)
+        # max(dim).indices: the first maximal index, like argmax, but ~3x faster on CPU (measured
+        # 1.0 vs 3.0 ms for 40 x 49152 float32 rows, one thread).
+        tokens = x.max(dim=-1).indices
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             xs = x[rows] / torch.tensor([params[i].temperature for i in rows])[:, None]
@@ -121,7 +123,7 @@ class Sampler:
                 gen = seqs[i].generator
                 if gen is not None:
                     noise[j] = torch.empty(vocab).exponential_(generator=gen)
-            sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
+            sampled = (probs / noise.clamp_min(1e-20)).max(dim=-1).indices
             tokens[rows] = sampled
         token_list = tokens.tolist()
         entries: List[Optional[dict]] = [None] * n
