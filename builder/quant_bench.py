@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     models = [load_engine(e, "cpu")[1] for e in args.engines]
+    for mdl in models:
+        mdl.pack_for_cpu()  # as the engine's ModelRunner does: oneDNN pre-packed bf16 float linears
     for mdl in models:  # warm-up (packing, allocator)
         decode_tokens_per_second(mdl, 4)
     rates = [[] for _ in models]
