@@ -12,6 +12,7 @@ import torch
 
 from .awq import awq_clip_params, awq_search_scale, pooled_head_stat
 from .gptq import gptq_quantize
+from .gptq_fp8 import gptq_fp8_quantize
 from .quantize_fp8 import dequantize_fp8, quantize_fp8
 from .quantize_int4 import dequantize_int4, quantize_int4
 from .quantize_int8 import dequantize_int8, quantize_int8
@@ -34,7 +35,12 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}, dequantize_int8(q, s)
     if lq.method == "fp8":
-        q, s = quantize_fp8(w)
+        # GPTQ error feedback on the E4M3 grid when calibration Hessians exist (the pipeline's
+        # default when the source has a tokenizer), else round-to-nearest.
+        if stats and "H" in stats:
+            q, s = gptq_fp8_quantize(w, stats["H"].hessian())
+        else:
+            q, s = quantize_fp8(w)
         return {"qweight": q, "scales": s}, dequantize_fp8(q, s)
     g_idx = None
     if method == "int4-gptq":

@@ -5,9 +5,10 @@
 
 `opts` is the builder's BuildOptions (or any object / keywords with the same fields:
 quantization, group_size, kv_cache_dtype, calibration_text, calibration_samples,
-exclude_modules, progress, source). Data-free methods (int8, fp8, int4-rtn) quantize each
-linear directly; AWQ, GPTQ and a quantized KV cache run the float model layer by layer over
-calibration text (inputs of layer i come from the already-quantized layers < i).
+exclude_modules, progress, source). Data-free methods (int8, int4-rtn) quantize each linear
+directly; AWQ, GPTQ, fp8 (GPTQ error feedback on the E4M3 grid) and a quantized KV cache run the
+float model layer by layer over calibration text (inputs of layer i come from the
+already-quantized layers < i).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZ
                                     KVCacheConfig, LayerQuant, QuantConfig)
 
 from . import calibration as calib
+from .kv_scales import KV_SCALE_METHODS, kv_head_scales
 from .quant_eval import encode_text, evaluate
 from .quant_layers import LINEARS, linear_in_features, quantize_embeddings, quantize_layer
 from .quantize_fp8 import FP8_LAYOUT, has_float8
@@ -36,8 +38,8 @@ from .source_grid import linear_source_blocks, plan_group_size
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 2048
-KV_QMAX = {"int8": 127.0, "fp8": 448.0}
 CALIBRATED = ("int4-awq", "int4-gptq")
+HESSIAN_METHODS = ("int4-gptq", "fp8")  # calibrated methods that collect GPTQ Hessians
 
 _DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", calibration_text=None,
                  calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
@@ -172,8 +174,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}
     plan = _plan(cfg, o) if o.quantization != "none" else {}
-    needs_calib = o.quantization in CALIBRATED or o.kv_cache_dtype != "auto"
     tokenizer = tokenizer or load_source_tokenizer(o.source)
+    # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding.
+    calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None)
+    needs_calib = calibrated or o.kv_cache_dtype != "auto"
     cal_text = _read_text(o.calibration_text, "--calibration-text") if o.calibration_text else None
     cal_src = o.calibration_text or "python-stdlib-docstrings:" + ",".join(calib.CALIBRATION_MODULES)
     calibration_info: dict = {}
@@ -194,24 +198,23 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                   disable=not o.progress):
         layer = model.layers[i]
         stats = None
-        if needs_calib and o.quantization in CALIBRATED:
+        if calibrated:
             stats = _collect_layer_inputs(runner, i, o.quantization)
         rep = quantize_layer(cfg, i, layer, new, plan, o.quantization, stats)
         layer_reports.update(rep)
         if needs_calib and (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto"):
             kv_stats: dict = {}
-            pos_ref = [None]
             handle = None
             if o.kv_cache_dtype != "auto":
-                hook = calib.kv_amax_hook(layer, model.cos_sin_cache, kv_stats, pos_ref)
+                hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i)
                 handle = layer.qkv_proj.register_forward_hook(hook)
             # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
-            runner.run_layer(i, on_chunk=lambda p: pos_ref.__setitem__(0, p), advance=True)
+            runner.run_layer(i, advance=True)
             if handle is not None:
                 handle.remove()
-                qmax = KV_QMAX[o.kv_cache_dtype]
                 for key in ("k", "v"):
-                    kv_scales[f"layers.{i}.{key}_scale"] = (kv_stats[key] / qmax).clamp_min(1e-8).float()
+                    kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(torch.cat(kv_stats[key]),
+                                                                          o.kv_cache_dtype)
     layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
@@ -227,6 +230,11 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
               "weight_bytes": _nbytes(new), "float_weight_bytes": _nbytes(tensors),
               "layers": layer_reports}
     report["weight_bytes_ratio"] = report["weight_bytes"] / report["float_weight_bytes"]
+    if o.quantization == "fp8":
+        report["fp8_rounding"] = ("GPTQ error feedback on the E4M3 grid (act-order)" if calibrated
+                                  else "round to nearest (no tokenizer for calibration)")
+    if o.kv_cache_dtype != "auto":
+        report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report
@@ -246,7 +254,7 @@ def _collect_layer_inputs(runner, i: int, method: str) -> dict:
 
     def on_input(name, x):
         s = stats[name]
-        if method == "int4-gptq":
+        if method in HESSIAN_METHODS:
             s.setdefault("H", HessianAccumulator(x.shape[1])).add(x)
         else:
             s["abs_sum"] = s.get("abs_sum", 0) + x.abs().sum(0)

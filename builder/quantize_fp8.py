@@ -20,13 +20,23 @@ def has_float8() -> bool:
     return hasattr(torch, "float8_e4m3fn")
 
 
+def fp8_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel scales (N,) float32 that map each row's amax of w (N, K) onto 448."""
+    return (w.float().abs().amax(dim=1) / FP8_E4M3_MAX).clamp_min(1e-12)
+
+
+def round_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E4M3 value (round half to even, saturating at +-448), as float32."""
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
 def quantize_fp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float weight (N, K) -> (qweight float8_e4m3fn (N, K), scales float32 (N,))."""
+    """Float weight (N, K) -> (qweight float8_e4m3fn (N, K), scales float32 (N,)), by rounding
+    each w / scale to the nearest E4M3 value."""
     if not has_float8():
         raise ValueError("quantization 'fp8' needs a torch build with float8_e4m3fn")
-    wf = w.float()
-    scales = (wf.abs().amax(dim=1) / FP8_E4M3_MAX).clamp_min(1e-12)
-    q = (wf / scales[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    scales = fp8_scales(w)
+    q = (w.float() / scales[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scales
 
 

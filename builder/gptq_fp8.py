@@ -1,0 +1,80 @@
+"""GPTQ error feedback on the FP8 (E4M3) grid, per-output-channel scales.
+
+GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", 2022) quantizes a weight one input column at a time and spreads each column's
+rounding error over the columns not yet quantized, weighted by the Cholesky factor of H^-1
+(H = 2 X X^T / n over calibration inputs), so that ||W X - Q X|| rather than ||W - Q|| is what
+the rounding minimises. Nothing in the update depends on the grid being uniform: here each
+column is rounded to E4M3 (3 mantissa bits) times the row's scale, fixed up front. With
+mse_scale (the default) each row's scale is searched over amax / 448 x 2^(j/16), j = -4..15
+(slight clipping up to almost an octave of headroom) for the least H-diagonal-weighted rounding
+error of the row: how the E4M3 grid lines up with a row's values matters when the weights sit on
+a coarser grid themselves (SmolLM2's come from a 4-bit GGUF). Without it the row's amax maps
+onto 448. Columns go in order of decreasing H diagonal (the paper's act-order); with one scale
+per row the order needs no g_idx, so the stored layout is quantize_fp8's unchanged.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .quantize_fp8 import FP8_E4M3_MAX, fp8_scales, round_fp8
+
+SCALE_STEPS = tuple(2.0 ** (j / 16) for j in range(-4, 16))  # multiples of amax / 448 searched
+
+
+def fp8_mse_scales(w: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """Per-row scales (N,) of w (N, K) minimising sum_k importance[k] * (w - fp8(w / s) * s)^2
+    over s = amax / 448 * SCALE_STEPS (importance: e.g. the Hessian diagonal, E[x_k^2])."""
+    base = fp8_scales(w)
+    best_err, best = None, base.clone()
+    for step in SCALE_STEPS:
+        s = base * step
+        err = ((round_fp8(w / s[:, None]) * s[:, None] - w) ** 2 * importance).sum(dim=1)
+        if best_err is None:
+            best_err, best = err, s
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, s, best)
+    return best
+
+
+def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, block_size: int = 128,
+                      damp_percent: float = 0.01, mse_scale: bool = True
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ-quantize a float weight (N, K) to E4M3 given its input Hessian (K, K).
+
+    Returns (qweight float8_e4m3fn (N, K), scales float32 (N,)), the layout of quantize_fp8."""
+    W = w.float().clone()
+    n, k = W.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, weight needs ({k}, {k})")
+    H = hessian.float().clone()
+    scales = fp8_mse_scales(W, torch.diag(H)) if mse_scale else fp8_scales(W)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0  # inputs that are always zero: any weight is exact
+    perm = torch.argsort(torch.diag(H), descending=True)
+    W, H = W[:, perm], H[perm][:, perm]
+    H.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
+    # Upper Cholesky factor of H^-1: row i holds the OBS update weights for column i onwards.
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.empty(n, k)  # quantized codes (E4M3 values, exactly representable in float32)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q = round_fp8(W1[:, i] / scales)
+            Q[:, i1 + i] = q
+            err = (W1[:, i] - q * scales) / Hinv1[i, i]
+            W1[:, i:].sub_(torch.outer(err, Hinv1[i, i:]))
+            Err1[:, i] = err
+        # Lazy batch update of all later columns (the paper's block trick).
+        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
+    Q = Q[:, torch.argsort(perm)]
+    assert Q.abs().max() <= FP8_E4M3_MAX
+    return Q.to(torch.float8_e4m3fn), scales

@@ -1,0 +1,55 @@
+"""Per-KV-head scales of a quantized KV cache, chosen from calibration K (after RoPE) and V.
+
+The runtime writes x / scale[head] rounded to the cache dtype and multiplies by the scale when
+attention reads it back (kernels/kv_write.py); the scale is the only free parameter.
+
+- FP8 (E4M3) keeps 3 mantissa bits at every magnitude, so the relative rounding error does not
+  depend on the scale; what the scale decides is only where values saturate (448) and where
+  they turn subnormal (below 2^-6). Scale = FP8_HEADROOM * amax / 448 leaves room for values
+  beyond the calibration amax (on SmolLM2, evaluation K/V reached up to 1.34x it) at the cost
+  of one binade of subnormals, a range where values are too small to matter.
+- INT8 is a uniform grid: clipping the few largest values buys a finer step for all others.
+  The clip is searched per head to minimise the mean squared error of the stored values
+  (the MSE-optimal clipping of e.g. Banner et al., "Post training 4-bit quantization of
+  convolutional networks for rapid-deployment", 2019), over ratios of the amax.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+INT8_MAX = 127.0
+FP8_HEADROOM = 2.0
+INT8_CLIP_RATIOS = tuple(0.30 + 0.02 * i for i in range(36))  # 0.30 .. 1.00 of the amax
+MAX_SEARCH_ROWS = 4096  # rows of a head's samples scored per clip ratio (strided subsample)
+MIN_SCALE = 1e-8        # a head that is all zeros still gets a finite, positive scale
+
+KV_SCALE_METHODS = {"fp8": f"amax * {FP8_HEADROOM} / 448 per KV head",
+                    "int8": "MSE-optimal clip per KV head (search over 0.30..1.00 x amax) / 127"}
+
+
+def kv_head_scales(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """Scales (H,) float32 for calibration samples x (T, H, D) of K (after RoPE) or V.
+
+    kv_cache_dtype: 'fp8' or 'int8'. Raises ValueError for another dtype."""
+    if kv_cache_dtype not in KV_SCALE_METHODS:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: allowed {', '.join(KV_SCALE_METHODS)}")
+    x = x.float()
+    amax = x.abs().amax(dim=(0, 2))
+    if kv_cache_dtype == "fp8":
+        return (amax * FP8_HEADROOM / FP8_E4M3_MAX).clamp_min(MIN_SCALE)
+    rows = x[:: max(1, x.shape[0] // MAX_SEARCH_ROWS)]
+    return torch.stack([_int8_mse_scale(rows[:, h], amax[h]) for h in range(x.shape[1])]).clamp_min(MIN_SCALE)
+
+
+def int8_error(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Sum of squared errors of x stored as round(x / scale) clamped to [-127, 127]."""
+    return ((x / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale - x).pow(2).sum()
+
+
+def _int8_mse_scale(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    if amax == 0:
+        return torch.tensor(MIN_SCALE)
+    cands = [amax * r / INT8_MAX for r in INT8_CLIP_RATIOS]
+    errs = torch.stack([int8_error(x, s) for s in cands])
+    return cands[int(torch.argmin(errs))].float()
