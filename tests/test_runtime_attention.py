@@ -99,10 +99,12 @@ def test_bf16_within_tolerance():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_small_tiles_and_groups(monkeypatch, window):
-    # Force several prefill tiles per sequence (causal key ranges, window lower bounds) and
-    # several decode groups.
+@pytest.mark.parametrize("sdpa_mask_max", [0, 1 << 24])
+def test_small_tiles_and_groups(monkeypatch, window, sdpa_mask_max):
+    # Force several decode groups, and either the tiled prefill (several tiles per sequence:
+    # causal key ranges, window lower bounds) or SDPA for every prefill row.
     import tritium.kernels.paged_attention as pa
+    monkeypatch.setattr(pa, "SDPA_MASK_MAX", sdpa_mask_max)
     monkeypatch.setattr(pa, "PREFILL_TILE", 4)
     monkeypatch.setattr(pa, "DECODE_GROUP", 2)
     shapes, q, qs, kv, kc, vc, meta, _, _ = make_case(9, 6, 2, 16, 4, window)
