@@ -52,6 +52,10 @@ class DecoderLayer(nn.Module):
         # Per-KV-head scales of a quantized KV cache; None for a float cache.
         self.k_scale: Optional[torch.Tensor] = None
         self.v_scale: Optional[torch.Tensor] = None
+        # Quantized KV: a per-KV-head vector (Hkv, D) subtracted from K (after RoPE) before it is
+        # stored. q.(k - c) = q.k - q.c shifts all of one query's scores by the same amount, which
+        # softmax ignores, so attention is unchanged while the stored K loses its constant part.
+        self.k_offset: Optional[torch.Tensor] = None
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
                 cos_sin_cache):
@@ -64,7 +68,8 @@ class DecoderLayer(nn.Module):
         v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        ops.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
+        ops.kv_write(k_store, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
                                    self.k_scale, self.v_scale)
         hidden = self.o_proj(attn.reshape(t, nq))
@@ -122,7 +127,7 @@ class DecoderLM(nn.Module):
         seen = set()
         for name, t in tensors.items():
             attr = self.engine_name_to_attr(name)
-            if attr.endswith("k_scale") or attr.endswith("v_scale"):
+            if attr.endswith(("k_scale", "v_scale", "k_offset")):
                 layer = self.layers[int(attr.split(".")[1])]
                 setattr(layer, attr.split(".")[-1], t.float())
                 continue
