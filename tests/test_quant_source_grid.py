@@ -194,3 +194,16 @@ def test_exclude_keeps_float_embedding(hf_int4):
     cfg, model, _ = load_engine(edir, "cpu")
     assert cfg.quantization.layers["embed_tokens"].method == "none"
     assert torch.equal(model.embed(torch.tensor([3, 4])), t["embed_tokens.weight"][[3, 4]])
+
+
+def test_older_engine_config_without_new_fields_loads(hf_int4):
+    """Engines written before group_reason / static_groups / the int8 embedding still load."""
+    from tritium.backend.config import EngineConfig
+    d = json.load(open(os.path.join(hf_int4("llama"), "engine.json")))
+    for lq in d["quantization"]["layers"].values():
+        lq.pop("group_reason"), lq.pop("static_groups")
+    del d["quantization"]["layers"]["embed_tokens"]
+    cfg = EngineConfig.from_dict(d)
+    assert cfg.quantization.layers["layers.0.qkv_proj"].group_reason is None
+    from tritium.backend.models.decoder import DecoderLM
+    assert DecoderLM(cfg).embed_tokens is None  # float embedding buffer, as before
