@@ -99,8 +99,9 @@ class KVCacheConfig:
     dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
     # Per-layer, per-KV-head scales are stored in the weights file as
     # layers.{i}.k_scale / layers.{i}.v_scale (float32, shape (num_kv_heads,)) when quantized,
-    # and optionally layers.{i}.k_offset (float32, (num_kv_heads, head_dim)): subtracted from K
-    # (after RoPE) before it is stored, which leaves attention unchanged (softmax shift).
+    # and optionally layers.{i}.k_offset / v_offset (float32, (num_kv_heads, head_dim)),
+    # subtracted from K (after RoPE) / V before they are stored; attention is unchanged (softmax
+    # ignores a per-query shift of the scores; v_offset is added back to the attention output).
 
 
 @dataclass(frozen=True)

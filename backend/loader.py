@@ -46,7 +46,7 @@ def load_engine(engine_dir: str, device: Optional[str] = None) -> Tuple[EngineCo
         raise EngineFormatError(f"{wpath}: {e}") from None
     model = model.to(dev).eval()
     for layer in model.layers:
-        for attr in ("k_scale", "v_scale", "k_offset"):
+        for attr in ("k_scale", "v_scale", "k_offset", "v_offset"):
             if getattr(layer, attr) is not None:
                 setattr(layer, attr, getattr(layer, attr).to(dev))
     # Quantized linears convert their stored layout to the device's kernel layout here

@@ -138,7 +138,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
             cfg.save(tmp)
             report = {
                 "parameters": int(sum(t.numel() for n, t in tensors.items()
-                                      if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset")))),
+                                      if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset", "v_offset")))),
                 "bytes": component_bytes(tensors),
                 "float_bytes": float_bytes,
                 "build_seconds": round(time.time() - t0, 3),

@@ -24,21 +24,23 @@ INT8_CLIP_RATIOS = tuple(0.30 + 0.02 * i for i in range(36))  # 0.30 .. 1.00 of 
 MAX_SEARCH_ROWS = 4096  # rows of a head's samples scored per clip ratio (strided subsample)
 MIN_SCALE = 1e-8        # a head that is all zeros still gets a finite, positive scale
 
-K_OFFSET_METHOD = "per-KV-head mean of calibration K after RoPE, subtracted before K is stored"
+KV_OFFSET_METHOD = ("per-KV-head means of calibration K (after RoPE) and V, subtracted before they are "
+                    "stored; V's is added back to the attention output")
 KV_SCALE_METHODS = {"fp8": f"amax * {FP8_HEADROOM} / 448 per KV head",
                     "int8": "MSE-optimal clip per KV head (search over 0.30..1.00 x amax) / 127"}
 
 
-def k_head_offsets(k: torch.Tensor) -> torch.Tensor:
-    """Per-KV-head mean (H, D) float32 of calibration K samples (T, H, D), after RoPE.
+def kv_head_offsets(x: torch.Tensor) -> torch.Tensor:
+    """Per-KV-head mean (H, D) float32 of calibration K (after RoPE) or V samples (T, H, D).
 
-    The runtime stores K - offset (backend/models/decoder.py). Every score of one query then
-    moves by the same q.offset, which softmax ignores, so attention is exact in real arithmetic;
-    what changes is what the cache has to represent. On SmolLM2 a few low-frequency RoPE channels
+    The runtime stores K - k_offset and V - v_offset (backend/models/decoder.py). Every score of
+    one query then moves by the same q.k_offset, which softmax ignores, and the attention output
+    gets v_offset back (the weights sum to 1), so attention is exact in real arithmetic; what
+    changes is what the cache has to represent. On SmolLM2 a few low-frequency RoPE channels
     of K carry a large constant part (layer 10: mean -12.9, std 1.9), and E4M3's 3-bit mantissa
     spent on that constant swamps their variation: measured by simulation, fp8 K error (mean KL)
     halves with the offset removed."""
-    return k.float().mean(dim=0)
+    return x.float().mean(dim=0)
 
 
 def kv_head_scales(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:

@@ -26,7 +26,7 @@ from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZ
                                     KVCacheConfig, LayerQuant, QuantConfig)
 
 from . import calibration as calib
-from .kv_scales import K_OFFSET_METHOD, KV_SCALE_METHODS, k_head_offsets, kv_head_scales
+from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_head_scales
 from .quant_eval import encode_text, evaluate
 from .quant_layers import LINEARS, linear_in_features, quantize_embeddings, quantize_layer
 from .quantize_fp8 import FP8_LAYOUT, has_float8
@@ -213,10 +213,13 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
             if handle is not None:
                 handle.remove()
                 k_all = torch.cat(kv_stats["k"])
-                offset = k_head_offsets(k_all)
+                offset = kv_head_offsets(k_all)
                 kv_scales[f"layers.{i}.k_offset"] = offset
                 kv_scales[f"layers.{i}.k_scale"] = kv_head_scales(k_all - offset, o.kv_cache_dtype)
-                kv_scales[f"layers.{i}.v_scale"] = kv_head_scales(torch.cat(kv_stats["v"]), o.kv_cache_dtype)
+                v_all = torch.cat(kv_stats["v"])
+                v_off = kv_head_offsets(v_all)
+                kv_scales[f"layers.{i}.v_offset"] = v_off
+                kv_scales[f"layers.{i}.v_scale"] = kv_head_scales(v_all - v_off, o.kv_cache_dtype)
     layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
@@ -237,7 +240,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                                   else "round to nearest (no tokenizer for calibration)")
     if o.kv_cache_dtype != "auto":
         report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
-        report["kv_k_offset"] = K_OFFSET_METHOD
+        report["kv_offsets"] = KV_OFFSET_METHOD
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report

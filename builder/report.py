@@ -14,7 +14,7 @@ def component_of(name: str) -> str:
         return "lm_head"
     if "norm" in name:
         return "norms"
-    if "qkv_proj" in name or "o_proj" in name or name.endswith(("k_scale", "v_scale", "k_offset")):
+    if "qkv_proj" in name or "o_proj" in name or name.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
         return "attention"
     if "gate_up_proj" in name or "down_proj" in name:
         return "mlp"

@@ -1,12 +1,13 @@
-"""The K offset of a quantized KV cache (layers.{i}.k_offset, subtracted from K before it is
-stored): attention is unchanged in real arithmetic (softmax ignores a per-query shift of all
-scores), and with FP8 storage it removes the error a large constant part of K causes."""
+"""The K/V offsets of a quantized KV cache (layers.{i}.k_offset / v_offset, subtracted before K
+and V are stored, v_offset added back to the attention output): attention is unchanged in real
+arithmetic (softmax ignores a per-query shift of all scores; the weights sum to 1), and with
+FP8 storage the K offset removes the error a large constant part of K causes."""
 import torch
 
 from tritium.backend.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
 from tritium.backend.simple_generate import alloc_kv_caches
-from tritium.builder.kv_scales import k_head_offsets, kv_head_scales
+from tritium.builder.kv_scales import kv_head_offsets, kv_head_scales
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.paged_attention import paged_attention_ref
 
@@ -28,24 +29,26 @@ def chunked_then_decode_logits(model, ids, first_chunk):
     return torch.cat(out), kv
 
 
-def test_k_offset_leaves_float_attention_unchanged(tiny_engine):
+def test_kv_offsets_leave_float_attention_unchanged(tiny_engine):
     engine_dir = tiny_engine("qwen2")
     _, model, _ = load_engine(engine_dir, "cpu")
     ids = [3, 17, 42, 7, 99, 5, 12, 64, 33, 8, 21]
     ref, ref_kv = chunked_then_decode_logits(model, ids, 6)
     torch.manual_seed(0)
     m = model.cfg.model
-    offsets = [torch.randn(m.num_kv_heads, m.head_dim) * 3.0 for _ in model.layers]
-    for layer, off in zip(model.layers, offsets):
-        layer.k_offset = off
+    offsets = [(torch.randn(m.num_kv_heads, m.head_dim) * 3.0, torch.randn(m.num_kv_heads, m.head_dim))
+               for _ in model.layers]
+    for layer, (k_off, v_off) in zip(model.layers, offsets):
+        layer.k_offset, layer.v_offset = k_off, v_off
     got, got_kv = chunked_then_decode_logits(model, ids, 6)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    # and it is really applied: every stored K (prefill and decode rows) moved by the offset
+    # and they are really applied: every stored K and V (prefill and decode rows) moved
     n = len(ids)
-    for (k_ref, _), (k_got, _), off in zip(ref_kv, got_kv, offsets):
-        flat_ref = k_ref.reshape(-1, m.num_kv_heads, m.head_dim)[:n]
-        flat_got = k_got.reshape(-1, m.num_kv_heads, m.head_dim)[:n]
-        torch.testing.assert_close(flat_ref - flat_got, off.expand(n, -1, -1), rtol=1e-5, atol=1e-5)
+    for ref_pair, got_pair, offs in zip(ref_kv, got_kv, offsets):
+        for c_ref, c_got, off in zip(ref_pair, got_pair, offs):
+            flat_ref = c_ref.reshape(-1, m.num_kv_heads, m.head_dim)[:n]
+            flat_got = c_got.reshape(-1, m.num_kv_heads, m.head_dim)[:n]
+            torch.testing.assert_close(flat_ref - flat_got, off.expand(n, -1, -1), rtol=1e-5, atol=1e-5)
 
 
 def test_k_offset_removes_fp8_error_of_a_constant_k_part():
@@ -68,7 +71,7 @@ def test_k_offset_removes_fp8_error_of_a_constant_k_part():
     v_scale = kv_head_scales(v, "fp8")
     vq = quantize_kv_ref(v, v_scale, torch.float8_e4m3fn)
     errs = {}
-    for name, off in (("none", torch.zeros(hkv, d)), ("offset", k_head_offsets(k))):
+    for name, off in (("none", torch.zeros(hkv, d)), ("offset", kv_head_offsets(k))):
         ks = kv_head_scales(k - off, "fp8")
         kq = quantize_kv_ref(k - off, ks, torch.float8_e4m3fn)
         # the offset version must also be exact when nothing is rounded

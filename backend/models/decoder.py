@@ -56,6 +56,9 @@ class DecoderLayer(nn.Module):
         # stored. q.(k - c) = q.k - q.c shifts all of one query's scores by the same amount, which
         # softmax ignores, so attention is unchanged while the stored K loses its constant part.
         self.k_offset: Optional[torch.Tensor] = None
+        # Likewise v_offset (Hkv, D) is subtracted from V before it is stored and added back to
+        # the attention output: sum_j p_j (v_j - c) + c = sum_j p_j v_j, as the p_j sum to 1.
+        self.v_offset: Optional[torch.Tensor] = None
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
                 cos_sin_cache):
@@ -69,9 +72,14 @@ class DecoderLayer(nn.Module):
         q, k = ops.rotary(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
         k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
-        ops.kv_write(k_store, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
+        ops.kv_write(k_store, v_store, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
                                    self.k_scale, self.v_scale)
+        if self.v_offset is not None:
+            # query head h reads KV head h // (num_heads / num_kv_heads) (HF repeat_kv order)
+            rep = self.num_heads // self.num_kv_heads
+            attn = attn + self.v_offset.to(attn.dtype).repeat_interleave(rep, dim=0)
         hidden = self.o_proj(attn.reshape(t, nq))
         x, residual = ops.rms_norm(hidden, self.post_attn_norm_weight, self.eps, residual)
         hidden = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -127,7 +135,7 @@ class DecoderLM(nn.Module):
         seen = set()
         for name, t in tensors.items():
             attr = self.engine_name_to_attr(name)
-            if attr.endswith(("k_scale", "v_scale", "k_offset")):
+            if attr.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
                 layer = self.layers[int(attr.split(".")[1])]
                 setattr(layer, attr.split(".")[-1], t.float())
                 continue
