@@ -41,6 +41,21 @@ class HessianAccumulator:
         return self.sum * (2.0 / max(self.count, 1))
 
 
+def zero_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> None:
+    """In place: an input that is always zero (H_kk = 0) gets H_kk = 1 and weight 0; any weight
+    is exact for it, and H stays invertible."""
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp_percent: float) -> torch.Tensor:
+    """Dampens H in place (damp_percent of its mean diagonal added to the diagonal) and returns
+    the upper Cholesky factor of H^-1: row i holds the OBS update weights for column i onwards."""
+    H.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
                   block_size: int = 128, damp_percent: float = 0.01, mse: bool = True,
                   static_groups: bool = False
@@ -58,9 +73,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     if k % group_size:
         raise ValueError(f"group_size {group_size} must divide in_features {k}")
     H = hessian.float().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0  # inputs that are always zero: any weight is exact
+    zero_dead_inputs(W, H)
     params = int4_params_mse if mse else int4_params
     scales = torch.empty(k // group_size, n)
     zeros = torch.empty(k // group_size, n)
@@ -71,9 +84,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
-    H.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
-    # Upper Cholesky factor of H^-1: row i holds the OBS update weights for column i onwards.
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Hinv = inverse_hessian_factor(H, damp_percent)
 
     # Blocks are whole groups, so a group's (scale, zero) is set from its error-updated weights.
     block = max(group_size, (block_size // group_size) * group_size)

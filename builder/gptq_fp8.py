@@ -19,6 +19,7 @@ from typing import Tuple
 
 import torch
 
+from .gptq import inverse_hessian_factor, zero_dead_inputs
 from .quantize_fp8 import FP8_E4M3_MAX, fp8_scales, round_fp8
 
 SCALE_STEPS = tuple(2.0 ** (j / 16) for j in range(-4, 16))  # multiples of amax / 448 searched
@@ -53,14 +54,10 @@ def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, block_size: int = 
         raise ValueError(f"hessian: shape {tuple(hessian.shape)}, weight needs ({k}, {k})")
     H = hessian.float().clone()
     scales = fp8_mse_scales(W, torch.diag(H)) if mse_scale else fp8_scales(W)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0  # inputs that are always zero: any weight is exact
+    zero_dead_inputs(W, H)
     perm = torch.argsort(torch.diag(H), descending=True)
     W, H = W[:, perm], H[perm][:, perm]
-    H.diagonal().add_(damp_percent * torch.mean(torch.diag(H)))
-    # Upper Cholesky factor of H^-1: row i holds the OBS update weights for column i onwards.
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Hinv = inverse_hessian_factor(H, damp_percent)
     Q = torch.empty(n, k)  # quantized codes (E4M3 values, exactly representable in float32)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)

@@ -65,6 +65,32 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def smollm2_layer0_qkv(smollm2_gguf):
+    """SmolLM2 layer 0's fused qkv weight (N, K) with its real inputs, RMSNorm(embeddings):
+    (w, hessian from 4096 calibration-text tokens, 2048 evaluation-text inputs to measure on)."""
+    import torch
+
+    from tritium.builder.calibration import default_calibration_text, default_eval_text
+    from tritium.builder.gguf_loader import GGUFCheckpoint
+    from tritium.builder.gptq import HessianAccumulator
+    from tritium.builder.quant_pipeline import load_source_tokenizer
+    from tritium.kernels.rms_norm import rms_norm_ref
+    ck = GGUFCheckpoint(smollm2_gguf)
+    tok = load_source_tokenizer(smollm2_gguf)
+    emb = ck.get("model.embed_tokens.weight").float()
+    norm_w = ck.get("model.layers.0.input_layernorm.weight").float()
+    w = torch.cat([ck.get(f"model.layers.0.self_attn.{p}_proj.weight").float() for p in "qkv"])
+    eps = ck.model_config.rms_norm_eps
+
+    def inputs(text, n):
+        ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids[:n])
+        return rms_norm_ref(emb[ids], norm_w, eps)[0]
+    acc = HessianAccumulator(w.shape[1])
+    acc.add(inputs(default_calibration_text(), 4096))
+    return w, acc.hessian(), inputs(default_eval_text(), 2048)
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_gguf, tmp_path_factory):
     """Factory: smollm2_engine(dtype) -> engine dir built from SmolLM2's GGUF (cached)."""
     from tritium.builder.build import BuildOptions, build_engine

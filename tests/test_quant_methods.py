@@ -35,27 +35,11 @@ def test_gptq_beats_rtn_on_synthetic_correlated_inputs():
 
 
 @pytest.mark.slow
-def test_gptq_beats_rtn_on_real_smollm2_layer(smollm2_gguf):
+def test_gptq_beats_rtn_on_real_smollm2_layer(smollm2_layer0_qkv):
     """Layer 0's qkv_proj of SmolLM2 with its real inputs: RMSNorm(embeddings of text) * weight."""
-    from tritium.builder.calibration import default_calibration_text, default_eval_text
-    from tritium.builder.gguf_loader import GGUFCheckpoint
-    from tritium.builder.quant_pipeline import load_source_tokenizer
-    from tritium.kernels.rms_norm import rms_norm_ref
-    ck = GGUFCheckpoint(smollm2_gguf)
-    tok = load_source_tokenizer(smollm2_gguf)
-    emb = ck.get("model.embed_tokens.weight").float()
-    norm_w = ck.get("model.layers.0.input_layernorm.weight").float()
-    w = torch.cat([ck.get(f"model.layers.0.self_attn.{p}_proj.weight").float() for p in "qkv"])
-    eps = ck.model_config.rms_norm_eps
-
-    def inputs(text, n):
-        ids = torch.tensor(tok.encode(text, add_special_tokens=False).ids[:n])
-        return rms_norm_ref(emb[ids], norm_w, eps)[0]
-    x_cal, x_test = inputs(default_calibration_text(), 4096), inputs(default_eval_text(), 2048)
-    acc = HessianAccumulator(w.shape[1])
-    acc.add(x_cal)
+    w, hessian, x_test = smollm2_layer0_qkv
     rtn = dequantize_int4(*quantize_int4(w, 64), 64)
-    qw, s, z, g_idx = gptq_quantize(w, acc.hessian(), 64)
+    qw, s, z, g_idx = gptq_quantize(w, hessian, 64)
     gptq = dequantize_int4(qw, s, z, 64, g_idx)
     assert _output_error(w, gptq, x_test) < 0.95 * _output_error(w, rtn, x_test)
 
