@@ -212,14 +212,11 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
             runner.run_layer(i, advance=True)
             if handle is not None:
                 handle.remove()
-                k_all = torch.cat(kv_stats["k"])
-                offset = kv_head_offsets(k_all)
-                kv_scales[f"layers.{i}.k_offset"] = offset
-                kv_scales[f"layers.{i}.k_scale"] = kv_head_scales(k_all - offset, o.kv_cache_dtype)
-                v_all = torch.cat(kv_stats["v"])
-                v_off = kv_head_offsets(v_all)
-                kv_scales[f"layers.{i}.v_offset"] = v_off
-                kv_scales[f"layers.{i}.v_scale"] = kv_head_scales(v_all - v_off, o.kv_cache_dtype)
+                for key in ("k", "v"):
+                    x = torch.cat(kv_stats[key])
+                    offset = kv_head_offsets(x)
+                    kv_scales[f"layers.{i}.{key}_offset"] = offset
+                    kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x - offset, o.kv_cache_dtype)
     layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}

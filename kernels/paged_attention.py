@@ -96,7 +96,7 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, s
             if buf is None or buf.numel() < need:
                 buf = workspace[key] = torch.empty(need, dtype=torch.int64, device=cache.device)
             out = buf[:need].view(flat.numel(), src.shape[1])
-        raw = torch.index_select(src, 0, flat, out=out) if out is not None else torch.index_select(src, 0, flat)
+        raw = torch.index_select(src, 0, flat, out=out)
         x = raw.view(cache.dtype).view(n, num_blocks * cache.shape[1], *cache.shape[2:])
     else:
         x = torch.index_select(cache, 0, flat).view(n, num_blocks * cache.shape[1], *cache.shape[2:])
