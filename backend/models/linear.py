@@ -27,8 +27,8 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     """The weight (N, K) reordered once into oneDNN's blocked layout (an opaque mkldnn tensor).
 
     F.linear on a plain bf16 weight lets oneDNN reorder the weight on every call; for decode,
-    where a step is a few rows times every weight, that reorder costs about as much as the
-    matmul itself (measured 25% less CPU time for a SmolLM2 decode workload, see README)."""
+    where a step is a few rows times every weight, that reorder is a large part of the call
+    (SmolLM2's 49152 x 576 LM head, one row, one thread: 17.6 ms plain vs 11.3 ms pre-packed)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
