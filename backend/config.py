@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 
 
 class EngineFormatError(ValueError):
@@ -97,6 +98,11 @@ def _quant_config_from_dict(q: dict) -> QuantConfig:
 @dataclass(frozen=True)
 class KVCacheConfig:
     dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
+    # "hadamard": K (after RoPE and k_offset) and V are stored multiplied by the normalized
+    # Hadamard matrix of order head_dim, the query is rotated alike and the attention output
+    # rotated back (backend/models/kv_rotation.py). Exact in real arithmetic; it spreads the
+    # few large channels over all of them before the cache rounds them.
+    rotation: str = "none"
     # Per-layer, per-KV-head scales are stored in the weights file as
     # layers.{i}.k_scale / layers.{i}.v_scale (float32, shape (num_kv_heads,)) when quantized,
     # and optionally layers.{i}.k_offset / v_offset (float32, (num_kv_heads, head_dim)),
@@ -176,6 +182,11 @@ class EngineConfig:
                 f"quantization.method {self.quantization.method!r} not in {SUPPORTED_QUANTIZATION}")
         if self.kv_cache.dtype not in SUPPORTED_KV_CACHE_DTYPES:
             raise EngineFormatError(f"kv_cache.dtype {self.kv_cache.dtype!r} not in {SUPPORTED_KV_CACHE_DTYPES}")
+        if self.kv_cache.rotation not in SUPPORTED_KV_ROTATIONS:
+            raise EngineFormatError(f"kv_cache.rotation {self.kv_cache.rotation!r} not in {SUPPORTED_KV_ROTATIONS}")
+        hd = self.model.head_dim
+        if self.kv_cache.rotation == "hadamard" and (hd <= 0 or hd & (hd - 1)):
+            raise EngineFormatError(f"kv_cache.rotation 'hadamard' needs model.head_dim a power of two, got {hd}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(m, name) <= 0:

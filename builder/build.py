@@ -43,6 +43,7 @@ class BuildOptions:
     quantization: str = "none"
     group_size: Optional[int] = None
     kv_cache_dtype: str = "auto"
+    kv_rotation: str = "auto"  # auto: hadamard for a quantized cache when head_dim is a power of two
     calibration_text: Optional[str] = None
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None

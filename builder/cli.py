@@ -6,7 +6,7 @@ import os
 import sys
 
 from tritium.backend.config import (SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
-                                    SUPPORTED_QUANTIZATION)
+                                    SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 
 
 def register(sub) -> None:
@@ -33,6 +33,10 @@ def register(sub) -> None:
                         "when 128 does not divide)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV-cache dtype: auto (= --dtype), fp8 (E4M3) or int8, with per-head scales")
+    p.add_argument("--kv-rotation", default="auto", choices=("auto",) + SUPPORTED_KV_ROTATIONS,
+                   help="quantized KV cache only: store K and V Hadamard-rotated over head_dim, exact in real "
+                        "arithmetic, spreading outlier channels before rounding (default auto: hadamard when "
+                        "--kv-cache-dtype is fp8/int8 and head_dim is a power of two, else none)")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
                    help="UTF-8 calibration text (default: docstrings of Python standard-library modules)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
@@ -47,7 +51,7 @@ def register(sub) -> None:
 
 def options_from_args(args: argparse.Namespace):
     from .build import BuildOptions
-    extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "calibration_text",
+    extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
                                            "calibration_samples", "exclude_modules") if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,

