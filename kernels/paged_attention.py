@@ -9,7 +9,7 @@ to keys j with j <= p_i and, with a sliding window W, p_i - j < W.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,20 +70,29 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # - beyond that (very long contexts), scores come from fp32 bmm per KV head (the query heads of
 #   a GQA group stacked), tiled over PREFILL_TILE queries, each tile seeing only the keys it may
 #   attend to, which bounds the score buffer.
-DECODE_GROUP = 16
+DECODE_GROUP = 32  # most decode rows per SDPA call
+# What one more decode group costs, in gathered-and-attended key tokens: a group's calls (two
+# gathers, SDPA, the q/out indexing) cost about as much as this many padded tokens (on SmolLM2
+# shapes, 2 threads: ~80 us per group vs ~0.1 us per token of K+V). Groups are chosen to
+# minimise groups * overhead + sum(rows * padded length); fixed groups of 16 padded 28% on the
+# bench workload.
+DECODE_GROUP_OVERHEAD_TOKENS = 1024
 PREFILL_TILE = 128
 SDPA_MASK_MAX = 1 << 24  # 16 MB of bool mask
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, scale, dtype,
-                   workspace: Optional[dict] = None, key: str = "") -> torch.Tensor:
+                   workspace: Optional[dict] = None, key: str = "",
+                   flat: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(n, num_blocks * block_size, Hkv, D) for n block tables, dequantized to `dtype`.
 
     With a `workspace` dict, the gathered bytes go into a buffer kept there under `key` and reused
     by the next call (the caller must be done with the previous result): writing into memory
-    that is already mapped is 2-3x faster on CPU than into a fresh multi-MB allocation."""
+    that is already mapped is 2-3x faster on CPU than into a fresh multi-MB allocation.
+    `flat` may pass tables[:, :num_blocks] flattened to int64 when the caller already has it."""
     n = tables.shape[0]
-    flat = tables[:, :num_blocks].reshape(-1).long()
+    if flat is None:
+        flat = tables[:, :num_blocks].reshape(-1).long()
     row_bytes = cache[0].numel() * cache.element_size()
     if cache.is_contiguous() and row_bytes % 8 == 0:
         # Whole blocks as int64 rows: index_select then runs at memcpy speed (5x faster on CPU
@@ -103,6 +112,26 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, s
     return dequantize_kv_ref(x, scale, dtype) if (scale is not None or x.dtype != dtype) else x
 
 
+def partition_sorted(lengths: List[int], overhead: float, max_group: int) -> List[Tuple[int, int]]:
+    """Split rows, sorted by padded length, into contiguous groups [a, b) of at most max_group
+    rows minimising sum over groups of (overhead + rows * the group's longest length), by
+    dynamic programming over the split points (O(n * max_group))."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        top = lengths[j - 1]  # sorted: the last row of a group is its longest
+        for i in range(max(0, j - max_group), j):
+            c = best[i] + overhead + (j - i) * top
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append((cut[j], j))
+        j = cut[j]
+    return groups[::-1]
+
+
 def _decode_plan(meta, rows, seq_lens, bs: int, window):
     """Groups of decode rows by context length, with their gather indices and masks. The same for
     every layer of a step, so it is built once and kept on the step's metadata object."""
@@ -111,9 +140,10 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
     if window in plans:
         return plans[window]
     order = sorted(range(len(rows)), key=lambda i: seq_lens[i])
+    padded = [-(-seq_lens[i] // bs) * bs for i in order]
     plan = []
-    for g in range(0, len(order), DECODE_GROUP):
-        idx = order[g:g + DECODE_GROUP]
+    for g0, g1 in partition_sorted(padded, DECODE_GROUP_OVERHEAD_TOKENS, DECODE_GROUP):
+        idx = order[g0:g1]
         lens = torch.tensor([seq_lens[i] for i in idx])
         nblk = -(-int(lens.max()) // bs)
         tables = meta.block_tables[[rows[i][0] for i in idx]]
@@ -122,7 +152,8 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
         if window is not None:
             allowed &= kpos >= (lens[:, None] - window)
         tok = torch.tensor([rows[i][1] for i in idx])
-        plan.append((tok, tables, nblk, allowed[:, None, None, :]))
+        flat = tables[:, :nblk].reshape(-1).long()
+        plan.append((tok, tables, nblk, allowed[:, None, None, :], flat))
     plans[window] = plan
     return plan
 
@@ -131,13 +162,16 @@ def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, 
     # One workspace per step (kept on the step's metadata, like the plans): every layer and group
     # of the step reuses its two gather buffers; engines in other threads have their own.
     ws = meta.__dict__.setdefault("_cpu_gather_workspace", {})
-    for tok, tables, nblk, mask in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
-        k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype, ws, "k").transpose(1, 2)  # (n, Hkv, L, D)
-        v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype, ws, "v").transpose(1, 2)
-        qb = q[tok].unsqueeze(2)  # (n, Hq, 1, D)
-        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                            enable_gqa=k.shape[1] != q.shape[1])
-        out[tok] = ob.squeeze(2)
+    for tok, tables, nblk, mask, flat in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
+        k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype, ws, "k", flat).transpose(1, 2)  # (n, Hkv, L, D)
+        v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype, ws, "v", flat).transpose(1, 2)
+        # The query heads sharing a KV head are that head's query rows (HF repeat_kv order:
+        # head h uses KV head h // grp), so K/V are read once for all of them; the mask
+        # broadcasts over the rows.
+        hkv = k.shape[1]
+        qb = q[tok].view(-1, hkv, q.shape[1] // hkv, q.shape[2])  # (n, Hkv, grp, D)
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[tok] = ob.reshape(-1, q.shape[1], q.shape[2])
 
 
 def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, window, k_scale, v_scale):

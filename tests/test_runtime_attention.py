@@ -114,3 +114,29 @@ def test_small_tiles_and_groups(monkeypatch, window, sdpa_mask_max):
         torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, 0.25, window),
                                    atol=1e-5, rtol=1e-5)
         start += qlen
+
+
+def test_decode_grouping_is_the_cheapest_contiguous_partition():
+    """partition_sorted against brute force over every way to cut sorted rows into groups."""
+    import itertools
+
+    from tritium.kernels.paged_attention import partition_sorted
+    rng = random.Random(7)
+    for _ in range(30):
+        n = rng.randint(1, 8)
+        lens = sorted(rng.choice([16, 32, 48, 256, 512, 800]) for _ in range(n))
+        overhead, max_group = rng.choice([0, 64, 768]), rng.randint(1, 4)
+
+        def cost(groups):
+            return sum(overhead + (b - a) * lens[b - 1] for a, b in groups)
+
+        best = None
+        for cuts in itertools.product([False, True], repeat=n - 1):
+            bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+            groups = list(zip(bounds, bounds[1:]))
+            if all(b - a <= max_group for a, b in groups):
+                best = cost(groups) if best is None else min(best, cost(groups))
+        got = partition_sorted(lens, overhead, max_group)
+        assert [a for a, _ in got] == [0] + [b for _, b in got][:-1] and got[-1][1] == n  # a partition
+        assert all(b - a <= max_group for a, b in got)
+        assert cost(got) == best
