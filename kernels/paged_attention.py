@@ -153,7 +153,7 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
             allowed &= kpos >= (lens[:, None] - window)
         tok = torch.tensor([rows[i][1] for i in idx])
         flat = tables[:, :nblk].reshape(-1).long()
-        plan.append((tok, tables, nblk, allowed[:, None, None, :], flat))
+        plan.append((tok, tables, nblk, {"bool": allowed[:, None, None, :]}, flat))
     plans[window] = plan
     return plan
 
@@ -162,7 +162,13 @@ def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, 
     # One workspace per step (kept on the step's metadata, like the plans): every layer and group
     # of the step reuses its two gather buffers; engines in other threads have their own.
     ws = meta.__dict__.setdefault("_cpu_gather_workspace", {})
-    for tok, tables, nblk, mask, flat in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
+    for tok, tables, nblk, masks, flat in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
+        # SDPA turns a bool mask into an additive one on every call; build it once per step.
+        mask = masks.get(q.dtype)
+        if mask is None:
+            allowed = masks["bool"]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=allowed.device)
+            mask = masks[q.dtype] = mask.masked_fill_(~allowed, float("-inf"))
         k = _gather_blocks(k_cache, tables, nblk, k_scale, q.dtype, ws, "k", flat).transpose(1, 2)  # (n, Hkv, L, D)
         v = _gather_blocks(v_cache, tables, nblk, v_scale, q.dtype, ws, "v", flat).transpose(1, 2)
         # The query heads sharing a KV head are that head's query rows (HF repeat_kv order:
