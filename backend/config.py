@@ -74,6 +74,10 @@ class LayerQuant:
     # GPTQ only (provenance; the runtime ignores it): columns were processed in act-order with
     # group params fixed per original column block, so no g_idx is needed.
     static_groups: bool = False
+    # embed_tokens only: the stored int8 rows are W * s (AWQ's scales on the tied LM head, whose
+    # 1 / s is folded into norm.weight); the lookup divides by s (engine tensor
+    # embed_tokens.input_scale, float32 (hidden,)).
+    input_scale: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ function is unchanged and only the rounding is redistributed.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -23,13 +23,25 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((q - 8.0) * scale[..., None] + zero[..., None]).reshape(n, k)
 
 
+def fake_quantize_int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize (N, K) on quantize_int8's grid (symmetric, one scale per row)."""
+    s = (w.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-10)
+    return torch.round(w.float() / s).clamp_(-127, 127) * s
+
+
 def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor,
-                     group_size: int, n_grid: int = 20) -> Tuple[torch.Tensor, float, List[float]]:
+                     group_size: Optional[int], n_grid: int = 20,
+                     fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                     ) -> Tuple[torch.Tensor, float, List[float]]:
     """Grid-search alpha in s = mean|x|^alpha for linears sharing input x (n_tokens, K).
 
     weights: float (N_i, K) matrices; x_mean_abs: (K,) per-channel mean |x| over calibration.
+    fake_quant: the grid searched on (default: int4 groups of group_size).
     Returns (s (K,), best alpha, loss per grid point); alpha = 0 (s = 1) is plain RTN.
     """
+    if fake_quant is None:
+        def fake_quant(w):
+            return fake_quantize_int4(w, group_size)
     W = torch.cat([w.float() for w in weights], dim=0)
     x = x.float()
     ref = x @ W.t()
@@ -39,7 +51,7 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
         alpha = r / n_grid
         s = stat.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (as the paper's code does)
-        wq = fake_quantize_int4(W * s, group_size) / s
+        wq = fake_quant(W * s) / s
         loss = (x @ wq.t() - ref).pow(2).mean().item()
         losses.append(loss)
         if loss < best[0]:

@@ -19,7 +19,7 @@ from typing import Tuple
 
 import torch
 
-from .gptq import inverse_hessian_factor, zero_dead_inputs
+from .gptq_rows import gptq_rows
 from .quantize_fp8 import FP8_E4M3_MAX, fp8_scales, round_fp8
 
 SCALE_STEPS = tuple(2.0 ** (j / 16) for j in range(-4, 16))  # multiples of amax / 448 searched
@@ -48,30 +48,10 @@ def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, block_size: int = 
     """GPTQ-quantize a float weight (N, K) to E4M3 given its input Hessian (K, K).
 
     Returns (qweight float8_e4m3fn (N, K), scales float32 (N,)), the layout of quantize_fp8."""
-    W = w.float().clone()
-    n, k = W.shape
-    if hessian.shape != (k, k):
-        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, weight needs ({k}, {k})")
-    H = hessian.float().clone()
-    scales = fp8_mse_scales(W, torch.diag(H)) if mse_scale else fp8_scales(W)
-    zero_dead_inputs(W, H)
-    perm = torch.argsort(torch.diag(H), descending=True)
-    W, H = W[:, perm], H[perm][:, perm]
-    Hinv = inverse_hessian_factor(H, damp_percent)
-    Q = torch.empty(n, k)  # quantized codes (E4M3 values, exactly representable in float32)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q = round_fp8(W1[:, i] / scales)
-            Q[:, i1 + i] = q
-            err = (W1[:, i] - q * scales) / Hinv1[i, i]
-            W1[:, i:].sub_(torch.outer(err, Hinv1[i, i:]))
-            Err1[:, i] = err
-        # Lazy batch update of all later columns (the paper's block trick).
-        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
-    Q = Q[:, torch.argsort(perm)]
+    w = w.float()
+    if hessian.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"hessian: shape {tuple(hessian.shape)}, weight needs ({w.shape[1]}, {w.shape[1]})")
+    scales = fp8_mse_scales(w, torch.diag(hessian.float())) if mse_scale else fp8_scales(w)
+    Q = gptq_rows(w, hessian, scales, round_fp8, block_size, damp_percent)
     assert Q.abs().max() <= FP8_E4M3_MAX
     return Q.to(torch.float8_e4m3fn), scales

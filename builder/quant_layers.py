@@ -158,22 +158,3 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
     if pre + "qkv_proj.bias" in new:
         layer.qkv_proj._buffers["bias"] = new[pre + "qkv_proj.bias"]
     return report
-
-
-def quantize_embeddings(new: dict, plan: dict) -> dict:
-    """int4 builds: store the embedding (and an untied lm_head) as per-row symmetric int8
-    (quantize_int8's per-output-channel layout, one scale per vocabulary entry), which the
-    runtime gathers rows from for the lookup and feeds to the int8 GEMM for the logits.
-    Replaces `{name}.weight` in `new` by qweight/scales; returns report entries."""
-    report = {}
-    for name in ("embed_tokens", "lm_head"):
-        lq = plan.get(name)
-        if lq is None or lq.method != "int8" or name + ".weight" not in new:
-            continue
-        w = new.pop(name + ".weight").float()
-        q, s = quantize_int8(w)
-        new[name + ".qweight"], new[name + ".scales"] = q, s
-        deq = dequantize_int8(q, s)
-        report[name] = {"method": "int8", "rel_weight_error":
-                        float((deq - w).norm() / w.norm().clamp_min(1e-12))}
-    return report

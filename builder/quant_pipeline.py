@@ -32,7 +32,8 @@ KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 from . import calibration as calib
 from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_head_scales
 from .quant_eval import encode_text, evaluate
-from .quant_layers import LINEARS, linear_in_features, quantize_embeddings, quantize_layer
+from .quant_head import collect_head_stats, head_name, quantize_embeddings
+from .quant_layers import LINEARS, linear_in_features, quantize_layer
 from .quantize_fp8 import FP8_LAYOUT, has_float8
 from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES
 from .quantize_int8 import INT8_LAYOUT
@@ -216,6 +217,9 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         calibration_info = {**calib.text_provenance(text, cal_src), "samples": len(samples),
                             "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
         runner = calib.LayerwiseRunner(model, samples)
+    # int4-awq / int4-gptq quantize the int8 LM head with their own method: it needs the final
+    # hidden states of the quantized model, so the last layer is run forward too.
+    head_calibrated = o.quantization in CALIBRATED and head_name(plan, cfg.model.tie_word_embeddings) is not None
     for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
                   disable=not o.progress):
         layer = model.layers[i]
@@ -224,7 +228,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
             stats = _collect_layer_inputs(runner, i, o.quantization)
         rep = quantize_layer(cfg, i, layer, new, plan, o.quantization, stats)
         layer_reports.update(rep)
-        if needs_calib and (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto"):
+        if needs_calib and (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
             kv_stats: dict = {}
             handle = None
             if o.kv_cache_dtype != "auto":
@@ -242,7 +246,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                     if kv_rotation == "hadamard":
                         x = rotate(x)  # the scales fit what the cache stores
                     kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
-    layer_reports.update(quantize_embeddings(new, plan))  # int4 builds: per-row int8 embedding
+    # int4 builds: per-row int8 embedding / LM head, the head rounded by the build's method
+    head_stats = collect_head_stats(runner, o.quantization) if head_calibrated else None
+    layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
+                                             head_stats))
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
     used = {lq.method for lq in plan.values()}

@@ -74,8 +74,14 @@ def _dequantized_model(engine_dir):
             else:
                 w = dequantize_fp8(x, t[base + ".scales"])
             dense[base + ".weight"] = w
-        else:
+        elif name != "embed_tokens.input_scale":
             dense[name] = x
+    if "embed_tokens.input_scale" in t:
+        # AWQ on the tied head: rows hold W * s and norm.weight / s; the same function as the
+        # tied float model with rows / s and the norm unscaled
+        s = t["embed_tokens.input_scale"]
+        dense["embed_tokens.weight"] = dense["embed_tokens.weight"] / s
+        dense["norm.weight"] = (dense["norm.weight"].float() * s).to(dense["norm.weight"].dtype)
     fcfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, limits=cfg.limits, quantization=QuantConfig())
     m = DecoderLM(fcfg)
     m.load_engine_weights(dense)
@@ -117,6 +123,10 @@ def test_quantized_engine(tiny_engine, family, method):
     report = json.load(open(os.path.join(qdir, "build_report.json")))["quantization_report"]
     assert report["weight_bytes"] < report["float_weight_bytes"]
     assert {"perplexity", "reference_perplexity", "mean_kl", "top1_agreement"} <= set(report["eval"])
+    if kind == "int4":  # the int8 LM head is rounded by the build's own method
+        head = report["layers"]["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
+        assert head["head"]
+        assert {"int4-rtn": "round to nearest", "int4-gptq": "GPTQ", "int4-awq": "AWQ"}[method] in head["rounding"]
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

@@ -113,6 +113,9 @@ class DecoderLM(nn.Module):
             self.embed_tokens = make_linear(m.hidden_size, m.vocab_size, False, self.dtype, eq)
         self.register_buffer("embed_tokens_weight", None if self.embed_tokens is not None else
                              torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
+        # AWQ-scaled tied head: the lookup divides the int8 rows by these (LayerQuant.input_scale).
+        self.register_buffer("embed_input_scale", torch.empty(m.hidden_size, dtype=torch.float32)
+                             if eq is not None and eq.input_scale else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
@@ -133,6 +136,8 @@ class DecoderLM(nn.Module):
                 return name[: -len(suffix)] + suffix.replace(".weight", "_weight")
         if name in ("embed_tokens.weight", "norm.weight"):
             return name.replace(".weight", "_weight")
+        if name == "embed_tokens.input_scale":
+            return "embed_input_scale"
         return name
 
     def load_engine_weights(self, tensors: dict) -> None:
@@ -177,7 +182,10 @@ class DecoderLM(nn.Module):
         if self.embed_tokens is None:
             return self.embed_tokens_weight[input_ids]
         e = self.embed_tokens
-        return (e.qweight[input_ids].float() * e.scales[input_ids, None].float()).to(self.dtype)
+        rows = e.qweight[input_ids].float() * e.scales[input_ids, None].float()
+        if self.embed_input_scale is not None:
+            rows = rows / self.embed_input_scale
+        return rows.to(self.dtype)
 
     def pack_for_cpu(self) -> int:
         """Inference on CPU: pre-pack every float linear for oneDNN (see linear.pack_for_cpu),

@@ -1,0 +1,106 @@
+"""int4 builds: the embedding and LM head as per-row symmetric int8, quantized by the build's own
+method where calibration exists.
+
+The LM head is a linear like any other: its input is the final RMSNorm's output, so the
+calibrated methods treat it as they treat the layers' linears, on quantize_int8's grid
+(one scale per vocabulary row, the layout the runtime's int8 GEMM reads):
+- int4-rtn: round to nearest (amax / 127 per row), the baseline;
+- int4-gptq: GPTQ error feedback under the Hessian of the final hidden states (gptq_rows.py);
+- int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
+  logits error, folded into the final norm (norm.weight / s) with the head stored as W * s.
+A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
+them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
+embedding has no activation input and always takes round-to-nearest.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from tritium.kernels import ops
+
+from .awq import awq_search_scale, fake_quantize_int8_rows
+from .gptq import HessianAccumulator
+from .gptq_rows import gptq_int8_quantize
+from .quantize_int8 import dequantize_int8, quantize_int8
+
+HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
+
+
+def head_name(plan: dict, tied: bool) -> Optional[str]:
+    """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is int8."""
+    name = "embed_tokens" if tied else "lm_head"
+    lq = plan.get(name)
+    return name if lq is not None and lq.method == "int8" else None
+
+
+@torch.no_grad()
+def collect_head_stats(runner, method: str) -> dict:
+    """Final-norm outputs of the calibration set (the LM head's inputs), from a LayerwiseRunner
+    that has advanced through every layer: GPTQ keeps their Hessian, AWQ their mean |x| and a
+    strided subsample of rows."""
+    model = runner.model
+    eps = model.cfg.model.rms_norm_eps
+    acc = HessianAccumulator(model.cfg.model.hidden_size)
+    abs_sum, count, rows = 0, 0, []
+    stride = max(1, runner.num_tokens // HEAD_SEARCH_TOKENS)
+    for h, r in zip(runner.hidden, runner.residual):
+        x, _ = ops.rms_norm(h, model.norm_weight, eps, r)
+        x = x.float()
+        if method == "int4-gptq":
+            acc.add(x)
+        else:
+            abs_sum = abs_sum + x.abs().sum(0)
+            count += x.shape[0]
+            rows.append(x[::stride])
+    if method == "int4-gptq":
+        return {"H": acc.hessian()}
+    return {"mean_abs": abs_sum / count, "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS]}
+
+
+def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
+                        head_stats: Optional[dict] = None) -> dict:
+    """Replace `{name}.weight` of the int8 embedding / LM head in `new` by qweight/scales (and, for
+    an AWQ head with alpha > 0, fold its scales into norm.weight and, when tied, add
+    embed_tokens.input_scale and mark plan['embed_tokens'].input_scale). Returns report entries."""
+    report = {}
+    head = head_name(plan, tied)
+    for name in ("embed_tokens", "lm_head"):
+        lq = plan.get(name)
+        if lq is None or lq.method != "int8" or name + ".weight" not in new:
+            continue
+        w = new.pop(name + ".weight").float()
+        entry = {"method": "int8", "head": name == head}
+        stats = head_stats if name == head else None
+        wq, x_in = w, None  # what is quantized, and the calibration inputs it sees
+        if stats is not None and method == "int4-gptq":
+            q, s = gptq_int8_quantize(w, stats["H"])
+            entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
+        elif stats is not None and method == "int4-awq":
+            scale, alpha, _ = awq_search_scale([w], stats["x"], stats["mean_abs"], None,
+                                               fake_quant=fake_quantize_int8_rows)
+            entry["awq_alpha"] = alpha
+            entry["rounding"] = "AWQ scales folded into norm.weight, then round to nearest"
+            if alpha > 0:
+                wq, x_in = w * scale, stats["x"] / scale
+                norm = new["norm.weight"]
+                new["norm.weight"] = (norm.float() / scale).to(norm.dtype)
+                if tied:
+                    new["embed_tokens.input_scale"] = scale.float()
+                    plan[name] = dataclasses.replace(lq, input_scale=True)
+            q, s = quantize_int8(wq)
+        else:
+            q, s = quantize_int8(w)
+            entry["rounding"] = "round to nearest"
+        new[name + ".qweight"], new[name + ".scales"] = q, s
+        deq = dequantize_int8(q, s)
+        entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
+        if stats is not None and "H" in stats:
+            d, H = deq - wq, stats["H"]
+            entry["rel_output_error"] = float(((d @ H) * d).sum() / ((w @ H) * w).sum())
+        elif x_in is not None:
+            entry["rel_output_error"] = float((x_in @ (deq - wq).t()).pow(2).sum() / (stats["x"] @ w.t()).pow(2).sum())
+        report[name] = entry
+    return report

@@ -1,0 +1,121 @@
+"""The int8 LM head of int4 builds: GPTQ and AWQ on quantize_int8's grid against plain rounding,
+judged by the output error ||X W^T - X Q^T|| the papers minimise, and the tied AWQ head's
+lookup and logits against the float model."""
+import torch
+
+from tritium.builder.awq import awq_search_scale, fake_quantize_int8_rows
+from tritium.builder.gptq import HessianAccumulator
+from tritium.builder.gptq_rows import gptq_int8_quantize, gptq_rows
+from tritium.builder.quant_head import quantize_embeddings
+from tritium.builder.quantize_int8 import dequantize_int8, quantize_int8
+from tritium.backend.config import LayerQuant
+
+
+def correlated_inputs(n, k, seed, outliers=()):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    x = torch.randn(n, k, generator=g) @ mix
+    for c in outliers:
+        x[:, c] *= 40.0  # the "massive activation" channels final hidden states have
+    return x
+
+
+def out_err(x, w, deq):
+    return ((x @ (deq - w).t()).norm() / (x @ w.t()).norm()).item()
+
+
+def test_gptq_int8_beats_rtn_on_output_error():
+    torch.manual_seed(0)
+    w = torch.randn(300, 96)
+    x = correlated_inputs(2048, 96, 1)
+    acc = HessianAccumulator(96)
+    acc.add(x)
+    q, s = gptq_int8_quantize(w, acc.hessian())
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    rq, rs = quantize_int8(w)
+    torch.testing.assert_close(s, rs)  # same grid (quantize_int8's layout), other codes
+    e_gptq = out_err(x, w, dequantize_int8(q, s))
+    e_rtn = out_err(x, w, dequantize_int8(rq, rs))
+    assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_gptq_rows_with_identity_hessian_is_round_to_nearest():
+    """With H = I no column's error is fed to another (H^-1's factor is diagonal): GPTQ is RTN."""
+    torch.manual_seed(1)
+    w = torch.randn(40, 24)
+    scales = w.abs().amax(1) / 127
+    codes = gptq_rows(w, torch.eye(24) * 2, scales, lambda v: torch.round(v).clamp(-127, 127), damp_percent=0.0)
+    torch.testing.assert_close(codes, torch.round(w / scales[:, None]).clamp(-127, 127))
+
+
+def test_awq_head_search_protects_outlier_channels():
+    torch.manual_seed(2)
+    w = torch.randn(500, 64) * 0.05
+    w[:, :4] *= 8.0  # rows' amax set by a few large weights, as in real embeddings
+    x = correlated_inputs(512, 64, 3, outliers=(10, 20, 30))
+    s, alpha, losses = awq_search_scale([w], x, x.abs().mean(0), None, fake_quant=fake_quantize_int8_rows)
+    assert alpha > 0 and losses[int(alpha * 20)] < losses[0]
+    assert s[10] > s.median() and s[20] > s.median() and s[30] > s.median()
+    deq_awq = fake_quantize_int8_rows(w * s) / s
+    assert out_err(x, w, deq_awq) < out_err(x, w, fake_quantize_int8_rows(w))
+
+
+def _tied_head_case():
+    torch.manual_seed(4)
+    vocab, hidden = 400, 64
+    w = torch.randn(vocab, hidden) * 0.05
+    w[:, :3] *= 6.0
+    x = correlated_inputs(600, hidden, 5, outliers=(7, 9))
+    return w, x, {"embed_tokens.weight": w.clone(), "norm.weight": torch.ones(hidden) * 1.5}
+
+
+def test_tied_awq_head_folds_into_the_norm_and_lookup_divides_back():
+    w, x, tensors = _tied_head_case()
+    plan = {"embed_tokens": LayerQuant("int8")}
+    stats = {"mean_abs": x.abs().mean(0), "x": x[:256]}
+    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=True, head_stats=stats)
+    assert rep["embed_tokens"]["awq_alpha"] > 0 and rep["embed_tokens"]["head"]
+    assert plan["embed_tokens"].input_scale
+    s = tensors["embed_tokens.input_scale"]
+    deq = dequantize_int8(tensors["embed_tokens.qweight"], tensors["embed_tokens.scales"])
+    # lookup: the stored rows are W * s rounded to nearest on each row's int8 grid, so rows / s
+    # is W within half a step / s
+    step = tensors["embed_tokens.scales"][:, None]
+    assert ((deq - w * s).abs() <= step / 2 + 1e-6).all()
+    assert ((deq / s - w).abs() <= step / (2 * s) + 1e-6).all()
+    # head: (h * norm / s) @ deq^T is (h * norm) @ W^T, with less error than RTN's head
+    h = x[256:]
+    ref = (h * 1.5) @ w.t()
+    got = (h * tensors["norm.weight"]) @ deq.t()
+    rq, rs = quantize_int8(w)
+    rtn = (h * 1.5) @ dequantize_int8(rq, rs).t()
+    assert (got - ref).norm() < (rtn - ref).norm()
+
+
+def test_tied_gptq_head_and_rtn_baseline():
+    w, x, tensors = _tied_head_case()
+    acc = HessianAccumulator(w.shape[1])
+    acc.add(x[:256] * 1.5)
+    t_gptq, t_rtn = dict(tensors), dict(tensors)
+    rep = quantize_embeddings(t_gptq, {"embed_tokens": LayerQuant("int8")}, "int4-gptq", tied=True,
+                              head_stats={"H": acc.hessian()})
+    assert "GPTQ" in rep["embed_tokens"]["rounding"] and "embed_tokens.input_scale" not in t_gptq
+    quantize_embeddings(t_rtn, {"embed_tokens": LayerQuant("int8")}, "int4-rtn", tied=True)
+    h = x[256:] * 1.5
+    deq = {k: dequantize_int8(t[k.split(":")[0] + ".qweight"], t[k.split(":")[0] + ".scales"])
+           for k, t in (("embed_tokens:g", t_gptq), ("embed_tokens:r", t_rtn))}
+    assert out_err(h, w, deq["embed_tokens:g"]) < out_err(h, w, deq["embed_tokens:r"])
+
+
+def test_untied_embedding_keeps_round_to_nearest():
+    """An untied embedding is a lookup only: no activation input, so every method rounds it."""
+    w, x, tensors = _tied_head_case()
+    tensors["lm_head.weight"] = w.clone() * 0.5
+    plan = {"embed_tokens": LayerQuant("int8"), "lm_head": LayerQuant("int8")}
+    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=False,
+                              head_stats={"mean_abs": x.abs().mean(0), "x": x[:256]})
+    assert rep["embed_tokens"]["rounding"] == "round to nearest" and not rep["embed_tokens"]["head"]
+    assert rep["lm_head"]["head"] and "awq_alpha" in rep["lm_head"]
+    assert "embed_tokens.input_scale" not in tensors and not plan["embed_tokens"].input_scale
+    q, s = quantize_int8(w)
+    assert torch.equal(tensors["embed_tokens.qweight"], q)
