@@ -92,6 +92,27 @@ def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int
     return best_s, best_z
 
 
+def awq_clip_rows_int8(w: torch.Tensor, hessian: torch.Tensor,
+                       ratios=(1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75, 0.7)) -> torch.Tensor:
+    """AWQ's weight clipping search on the symmetric per-row INT8 grid: each row's clip range
+    shrinks to the ratio of its amax minimising that row's output error e^T H e (H = X^T X over
+    the calibration inputs it will see). Returns the per-row scales (N,), quantize_int8's layout;
+    ratio 1.0 (plain amax / 127) is in the grid, so no row does worse than round-to-nearest."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    best_err, best = None, None
+    for r in ratios:
+        s = (amax * r / 127.0).clamp_min(1e-10)
+        d = torch.round(wf / s[:, None]).clamp_(-127, 127) * s[:, None] - wf
+        err = ((d @ hessian) * d).sum(dim=1)
+        if best is None:
+            best_err, best = err, s
+        else:
+            better = err < best_err
+            best_err, best = torch.where(better, err, best_err), torch.where(better, s, best)
+    return best
+
+
 def pooled_head_stat(x_mean_abs: torch.Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int) -> torch.Tensor:
     """For o_proj under GQA: average the per-channel statistic over the query heads that share a

@@ -7,7 +7,9 @@ calibrated methods treat it as they treat the layers' linears, on quantize_int8'
 - int4-rtn: round to nearest (amax / 127 per row), the baseline;
 - int4-gptq: GPTQ error feedback under the Hessian of the final hidden states (gptq_rows.py);
 - int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
-  logits error, folded into the final norm (norm.weight / s) with the head stored as W * s.
+  logits error, folded into the final norm (norm.weight / s) with the head stored as W * s,
+  then AWQ's clip search: each row's clip range (a ratio of its amax) chosen for the least
+  output error under the calibration Hessian.
 A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
 them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
 embedding has no activation input and always takes round-to-nearest.
@@ -21,7 +23,7 @@ import torch
 
 from tritium.kernels import ops
 
-from .awq import awq_search_scale, fake_quantize_int8_rows
+from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
 from .quantize_int8 import dequantize_int8, quantize_int8
@@ -49,15 +51,14 @@ def collect_head_stats(runner, method: str) -> dict:
     for h, r in zip(runner.hidden, runner.residual):
         x, _ = ops.rms_norm(h, model.norm_weight, eps, r)
         x = x.float()
-        if method == "int4-gptq":
-            acc.add(x)
-        else:
+        acc.add(x)
+        if method != "int4-gptq":
             abs_sum = abs_sum + x.abs().sum(0)
             count += x.shape[0]
             rows.append(x[::stride])
     if method == "int4-gptq":
         return {"H": acc.hessian()}
-    return {"mean_abs": abs_sum / count, "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS]}
+    return {"mean_abs": abs_sum / count, "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS], "H": acc.hessian()}
 
 
 def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
@@ -74,7 +75,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         w = new.pop(name + ".weight").float()
         entry = {"method": "int8", "head": name == head}
         stats = head_stats if name == head else None
-        wq, x_in = w, None  # what is quantized, and the calibration inputs it sees
+        # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
+        wq, h_in = w, (stats["H"] if stats is not None else None)
         if stats is not None and method == "int4-gptq":
             q, s = gptq_int8_quantize(w, stats["H"])
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
@@ -82,25 +84,28 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             scale, alpha, _ = awq_search_scale([w], stats["x"], stats["mean_abs"], None,
                                                fake_quant=fake_quantize_int8_rows)
             entry["awq_alpha"] = alpha
-            entry["rounding"] = "AWQ scales folded into norm.weight, then round to nearest"
+            entry["rounding"] = "AWQ scales folded into norm.weight, then AWQ's per-row clip search"
             if alpha > 0:
-                wq, x_in = w * scale, stats["x"] / scale
+                wq = w * scale
+                h_in = h_in / scale[:, None] / scale[None, :]  # the Hessian of x / s
                 norm = new["norm.weight"]
                 new["norm.weight"] = (norm.float() / scale).to(norm.dtype)
                 if tied:
                     new["embed_tokens.input_scale"] = scale.float()
                     plan[name] = dataclasses.replace(lq, input_scale=True)
-            q, s = quantize_int8(wq)
+            s = awq_clip_rows_int8(wq, h_in)
+            q = torch.round(wq / s[:, None]).clamp_(-127, 127).to(torch.int8)
+            entry["clipped_rows"] = int((s < wq.abs().amax(dim=1) / 127.0 * 0.9999).sum())
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
         new[name + ".qweight"], new[name + ".scales"] = q, s
         deq = dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
-        if stats is not None and "H" in stats:
-            d, H = deq - wq, stats["H"]
-            entry["rel_output_error"] = float(((d @ H) * d).sum() / ((w @ H) * w).sum())
-        elif x_in is not None:
-            entry["rel_output_error"] = float((x_in @ (deq - wq).t()).pow(2).sum() / (stats["x"] @ w.t()).pow(2).sum())
+        if stats is not None:
+            # the head's error on calibration inputs, ||X W^T - X' Q^T|| / ||X W^T||, where X' = X / s
+            # is what an AWQ-scaled head sees (then H' = diag(1/s) H diag(1/s))
+            d = deq - wq
+            entry["rel_output_error"] = float(((d @ h_in) * d).sum() / ((w @ stats["H"]) * w).sum())
         report[name] = entry
     return report
