@@ -70,3 +70,21 @@ def test_bad_input_file_line(tiny_engine, tmp_path, capsys):
     f.write_text('{"prompt": "ok"}\n{"prompt": "x", "temprature": 1}\n')
     rc, _, out = run_cli(capsys, "generate", "--engine", tiny_engine("llama"), "--input-file", str(f))
     assert rc == 2 and "bad.jsonl:2" in out.err and "temprature" in out.err
+
+
+def test_bench_reports_consistent_figures(tiny_engine, capsys):
+    """`tritium bench` on a tiny engine against its own HF checkpoint: every figure is there, the
+    ratios are the printed speeds' ratios, Tritium's speed is over its runs before and after the
+    baselines, and both Tritium runs and HF produce the same greedy tokens (fp32)."""
+    eng = tiny_engine("llama")
+    rc, objs, out = run_cli(capsys, "bench", "--engine", eng, "--num-requests", "6", "--prompt-len", "4", "12",
+                            "--output-len", "2", "6", "--hf-batch-size", "3", "--device", "cpu", "--json")
+    assert rc == 0
+    res = objs[-1]
+    s1, s2 = res["tritium_seconds_runs"]
+    assert res["tritium_tok_s"] == pytest.approx(2 * res["output_tokens"] / (s1 + s2))
+    assert res["speedup_vs_hf_static"] == pytest.approx(res["tritium_tok_s"] / res["hf_static_tok_s"])
+    assert res["speedup_vs_hf_sequential"] == pytest.approx(res["tritium_tok_s"] / res["hf_sequential_tok_s"])
+    assert 0 < res["kv_live_fraction"] <= 1 and res["preemptions"] == 0
+    assert "outputs identical" in out.out
+    assert "greedy outputs identical to Tritium for 6/6" in out.out
