@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .quantize_int4 import int4_codes, int4_params
+from .quantize_int8 import int8_codes, int8_row_scales
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -25,8 +26,8 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def fake_quantize_int8_rows(w: torch.Tensor) -> torch.Tensor:
     """Quantize-dequantize (N, K) on quantize_int8's grid (symmetric, one scale per row)."""
-    s = (w.float().abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-10)
-    return torch.round(w.float() / s).clamp_(-127, 127) * s
+    s = int8_row_scales(w)
+    return int8_codes(w, s) * s[:, None]
 
 
 def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor,
@@ -99,11 +100,11 @@ def awq_clip_rows_int8(w: torch.Tensor, hessian: torch.Tensor,
     the calibration inputs it will see). Returns the per-row scales (N,), quantize_int8's layout;
     ratio 1.0 (plain amax / 127) is in the grid, so no row does worse than round-to-nearest."""
     wf = w.float()
-    amax = wf.abs().amax(dim=1)
+    base = int8_row_scales(wf)
     best_err, best = None, None
     for r in ratios:
-        s = (amax * r / 127.0).clamp_min(1e-10)
-        d = torch.round(wf / s[:, None]).clamp_(-127, 127) * s[:, None] - wf
+        s = base * r
+        d = int8_codes(wf, s) * s[:, None] - wf
         err = ((d @ hessian) * d).sum(dim=1)
         if best is None:
             best_err, best = err, s

@@ -16,6 +16,7 @@ from typing import Callable, Tuple
 import torch
 
 from .gptq import inverse_hessian_factor, zero_dead_inputs
+from .quantize_int8 import int8_row_scales
 
 
 def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
@@ -53,6 +54,6 @@ def gptq_int8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp_percent: flo
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """GPTQ on quantize_int8's grid (symmetric, scale = row amax / 127).
     Returns (qweight int8 (N, K), scales float32 (N,)), quantize_int8's layout."""
-    scales = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-10)
+    scales = int8_row_scales(w)
     q = gptq_rows(w, hessian, scales, lambda x: torch.round(x).clamp_(-127, 127), damp_percent=damp_percent)
     return q.to(torch.int8), scales

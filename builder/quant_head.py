@@ -26,7 +26,7 @@ from tritium.kernels import ops
 from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
-from .quantize_int8 import dequantize_int8, quantize_int8
+from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
 
@@ -39,10 +39,10 @@ def head_name(plan: dict, tied: bool) -> Optional[str]:
 
 
 @torch.no_grad()
-def collect_head_stats(runner, method: str) -> dict:
+def collect_head_stats(runner) -> dict:
     """Final-norm outputs of the calibration set (the LM head's inputs), from a LayerwiseRunner
-    that has advanced through every layer: GPTQ keeps their Hessian, AWQ their mean |x| and a
-    strided subsample of rows."""
+    that has advanced through every layer: their Hessian (GPTQ, AWQ's clip search), mean |x| and a
+    strided subsample of rows (AWQ's scale search)."""
     model = runner.model
     eps = model.cfg.model.rms_norm_eps
     acc = HessianAccumulator(model.cfg.model.hidden_size)
@@ -52,12 +52,9 @@ def collect_head_stats(runner, method: str) -> dict:
         x, _ = ops.rms_norm(h, model.norm_weight, eps, r)
         x = x.float()
         acc.add(x)
-        if method != "int4-gptq":
-            abs_sum = abs_sum + x.abs().sum(0)
-            count += x.shape[0]
-            rows.append(x[::stride])
-    if method == "int4-gptq":
-        return {"H": acc.hessian()}
+        abs_sum = abs_sum + x.abs().sum(0)
+        count += x.shape[0]
+        rows.append(x[::stride])
     return {"mean_abs": abs_sum / count, "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS], "H": acc.hessian()}
 
 
@@ -94,8 +91,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
                     new["embed_tokens.input_scale"] = scale.float()
                     plan[name] = dataclasses.replace(lq, input_scale=True)
             s = awq_clip_rows_int8(wq, h_in)
-            q = torch.round(wq / s[:, None]).clamp_(-127, 127).to(torch.int8)
-            entry["clipped_rows"] = int((s < wq.abs().amax(dim=1) / 127.0 * 0.9999).sum())
+            q = int8_codes(wq, s).to(torch.int8)
+            entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"

@@ -247,7 +247,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                         x = rotate(x)  # the scales fit what the cache stores
                     kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
     # int4 builds: per-row int8 embedding / LM head, the head rounded by the build's method
-    head_stats = collect_head_stats(runner, o.quantization) if head_calibrated else None
+    head_stats = collect_head_stats(runner) if head_calibrated else None
     layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
                                              head_stats))
     new.update(kv_scales)

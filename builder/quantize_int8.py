@@ -12,12 +12,20 @@ import torch
 INT8_LAYOUT = "qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output channel)"
 
 
+def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per-row scales (N,) of w (N, K): amax / 127."""
+    return (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-10)
+
+
+def int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest codes of w (N, K) on the grid scales[:, None] * [-127, 127], as float32."""
+    return torch.round(w.float() / scales[:, None]).clamp_(-127, 127)
+
+
 def quantize_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float weight (N, K) -> (qweight int8 (N, K), scales float32 (N,)), scale = amax / 127."""
-    wf = w.float()
-    scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-10)
-    q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
+    scales = int8_row_scales(w)
+    return int8_codes(w, scales).to(torch.int8), scales
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor,
