@@ -7,8 +7,8 @@ calibrated methods treat it as they treat the layers' linears, on quantize_int8'
 - int4-rtn: round to nearest (amax / 127 per row), the baseline;
 - int4-gptq: GPTQ error feedback under the Hessian of the final hidden states (gptq_rows.py);
 - int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
-  logits error, folded into the final norm (norm.weight / s) with the head stored as W * s,
-  then AWQ's clip search: each row's clip range (a ratio of its amax) chosen for the least
+  logits error, refined channel by channel on the most salient channels (awq_salient_search),
+  folded into the final norm (norm.weight / s) with the head stored as W * s, then AWQ's clip search: each row's clip range (a ratio of its amax) chosen for the least
   output error under the calibration Hessian.
 A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
 them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
@@ -23,7 +23,8 @@ import torch
 
 from tritium.kernels import ops
 
-from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
+from .awq import (awq_clip_rows_int8, awq_salient_search, awq_search_scale,
+                  fake_quantize_int8_rows)
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
 from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
@@ -80,9 +81,14 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         elif stats is not None and method == "int4-awq":
             scale, alpha, _ = awq_search_scale([w], stats["x"], stats["mean_abs"], None,
                                                fake_quant=fake_quantize_int8_rows)
+            scale, picked, err0, err1 = awq_salient_search(w, stats["H"], stats["mean_abs"], scale,
+                                                           fake_quantize_int8_rows)
             entry["awq_alpha"] = alpha
-            entry["rounding"] = "AWQ scales folded into norm.weight, then AWQ's per-row clip search"
-            if alpha > 0:
+            entry["awq_salient_channels"] = {str(c): f for c, f in picked}
+            entry["awq_search_output_error"] = {"alpha": err0, "salient": err1}
+            entry["rounding"] = ("AWQ scales (alpha search, then salient-channel search) folded into "
+                                 "norm.weight, then AWQ's per-row clip search")
+            if bool((scale != 1).any()):
                 wq = w * scale
                 h_in = h_in / scale[:, None] / scale[None, :]  # the Hessian of x / s
                 norm = new["norm.weight"]

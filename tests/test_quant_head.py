@@ -3,11 +3,12 @@ judged by the output error ||X W^T - X Q^T|| the papers minimise, and the tied A
 lookup and logits against the float model."""
 import torch
 
-from tritium.builder.awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
+from tritium.builder.awq import (awq_clip_rows_int8, awq_salient_search, awq_search_scale,
+                                 fake_quantize_int8_rows)
 from tritium.builder.gptq import HessianAccumulator
 from tritium.builder.gptq_rows import gptq_int8_quantize, gptq_rows
 from tritium.builder.quant_head import quantize_embeddings
-from tritium.builder.quantize_int8 import dequantize_int8, quantize_int8
+from tritium.builder.quantize_int8 import dequantize_int8, int8_row_scales, quantize_int8
 from tritium.backend.config import LayerQuant
 
 
@@ -43,7 +44,7 @@ def test_gptq_rows_with_identity_hessian_is_round_to_nearest():
     """With H = I no column's error is fed to another (H^-1's factor is diagonal): GPTQ is RTN."""
     torch.manual_seed(1)
     w = torch.randn(40, 24)
-    scales = w.abs().amax(1) / 127
+    scales = int8_row_scales(w)
     codes = gptq_rows(w, torch.eye(24) * 2, scales, lambda v: torch.round(v).clamp(-127, 127), damp_percent=0.0)
     torch.testing.assert_close(codes, torch.round(w / scales[:, None]).clamp(-127, 127))
 
@@ -132,7 +133,7 @@ def test_awq_clip_rows_never_worse_than_rtn_and_clips_an_outlier_row():
     x[:, 3] *= 0.01
     H = x.t() @ x
     s = awq_clip_rows_int8(w, H)
-    rtn_s = w.abs().amax(1) / 127
+    rtn_s = int8_row_scales(w)
     assert s[5] < rtn_s[5]  # row 5 clipped
     assert (s <= rtn_s + 1e-9).all()
 
@@ -141,3 +142,46 @@ def test_awq_clip_rows_never_worse_than_rtn_and_clips_an_outlier_row():
         return ((d @ H) * d).sum(1)
     assert (row_err(s) <= row_err(rtn_s) + 1e-9).all()
     assert row_err(s)[5] < 0.8 * row_err(rtn_s)[5]
+
+
+def _salient_case():
+    """Rows' amax set by a few large weights on quiet channels (0-2); channel 10 carries massive
+    activations on ordinary weights, channel 20 massive activations on the largest weights."""
+    torch.manual_seed(8)
+    w = torch.randn(500, 64) * 0.05
+    w[:, :3] *= 6.0
+    w[:, 20] = w[:, :3].abs().amax(1) * 1.2 * torch.sign(torch.randn(500))
+    x = correlated_inputs(1024, 64, 9, outliers=(10, 20))
+    x[:, :3] *= 0.2
+    return w, x
+
+
+def test_awq_salient_search_scales_up_a_salient_channel_and_lowers_output_error():
+    """AWQ section 3.2: scaling up the weights that meet the largest activations lowers their
+    relative rounding error. Judged by ||X W^T - (X / s) Q(W s)^T|| on held-out inputs."""
+    w, x = _salient_case()
+    fit, held = x[:768], x[768:]
+    s, picked, err0, err1 = awq_salient_search(w, fit.t() @ fit, fit.abs().mean(0), torch.ones(64),
+                                               fake_quantize_int8_rows, fraction=0.05)
+    chosen = dict(picked)
+    assert chosen.get(10, 1.0) > 1.0 and s[10] == chosen[10]
+    assert err1 < err0
+    # channel 20 already holds every row's amax: scaling it coarsens whole rows, so it stays
+    assert 20 not in chosen and s[20] == 1.0
+    # only the ceil(5% of 64) = 4 most salient channels were visited
+    visited = set(torch.argsort(fit.abs().mean(0), descending=True)[:4].tolist())
+    assert set(chosen) <= visited and (s[[c for c in range(64) if c not in visited]] == 1).all()
+    deq = fake_quantize_int8_rows(w * s) / s
+    assert out_err(held, w, deq) < 0.9 * out_err(held, w, fake_quantize_int8_rows(w))
+
+
+def test_awq_salient_search_never_worse_than_its_start():
+    w, x = _salient_case()
+    H = x.t() @ x
+    s0, _, _ = awq_search_scale([w], x[:512], x.abs().mean(0), None, fake_quant=fake_quantize_int8_rows)
+    s, _, err0, err1 = awq_salient_search(w, H, x.abs().mean(0), s0, fake_quantize_int8_rows)
+    d0 = fake_quantize_int8_rows(w * s0) / s0 - w
+    assert abs(err0 - float(((d0 @ H) * d0).sum())) <= 1e-4 * err0
+    assert err1 <= err0
+    d1 = fake_quantize_int8_rows(w * s) / s - w
+    assert float(((d1 @ H) * d1).sum()) <= err0 * (1 + 1e-6)
