@@ -127,6 +127,16 @@ def test_quantized_engine(tiny_engine, family, method):
         head = report["layers"]["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
         assert head["head"]
         assert {"int4-rtn": "round to nearest", "int4-gptq": "GPTQ", "int4-awq": "AWQ"}[method] in head["rounding"]
+        if method == "int4-awq":  # the salient-channel search starts from alpha's s, never worse
+            errs = head["awq_search_output_error"]
+            assert 0 < errs["salient"] <= errs["alpha"]
+    # int8 scales are stored on the bfloat16 grid the packed CPU GEMM reads
+    tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
+    int8_scales = [t for name, t in tensors.items() if name.endswith(".scales")
+                   and cfg.quantization.layers[name[:-len(".scales")]].method == "int8"]
+    assert len(int8_scales) >= {"int4": 1, "int8": 4 * cfg.model.num_layers, "fp8": 0}[kind]
+    for s in int8_scales:
+        assert torch.equal(s.to(torch.bfloat16).float(), s.float())
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
