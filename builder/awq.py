@@ -148,7 +148,7 @@ def awq_clip_rows_int8(w: torch.Tensor, hessian: torch.Tensor,
     base = int8_row_scales(wf)
     best_err, best = None, None
     for r in ratios:
-        s = bf16_ceil(base * r) if r != 1.0 else base
+        s = bf16_ceil(base * r)  # base is already a bfloat16 value: ratio 1.0 keeps it
         d = int8_codes(wf, s) * s[:, None] - wf
         err = ((d @ hessian) * d).sum(dim=1)
         if best is None:

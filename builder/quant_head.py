@@ -8,8 +8,9 @@ calibrated methods treat it as they treat the layers' linears, on quantize_int8'
 - int4-gptq: GPTQ error feedback under the Hessian of the final hidden states (gptq_rows.py);
 - int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
   logits error, refined channel by channel on the most salient channels (awq_salient_search),
-  folded into the final norm (norm.weight / s) with the head stored as W * s, then AWQ's clip search: each row's clip range (a ratio of its amax) chosen for the least
-  output error under the calibration Hessian.
+  folded into the final norm (norm.weight / s) with the head stored as W * s, then AWQ's clip
+  search: each row's clip range (a ratio of its amax) chosen for the least output error under
+  the calibration Hessian.
 A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
 them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
 embedding has no activation input and always takes round-to-nearest.
