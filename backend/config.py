@@ -78,6 +78,9 @@ class LayerQuant:
     # 1 / s is folded into norm.weight); the lookup divides by s (engine tensor
     # embed_tokens.input_scale, float32 (hidden,)).
     input_scale: bool = False
+    # the LM head (embed_tokens when tied, else lm_head) only: the engine adds a float32 (vocab,)
+    # tensor `logit_bias` to the logits (the int4-awq head's bias correction, builder/quant_head.py).
+    logit_bias: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,20 @@ calibrated methods treat it as they treat the layers' linears, on quantize_int8'
 - int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
   logits error, refined channel by channel on the most salient channels (awq_salient_search),
   folded into the final norm (norm.weight / s) with the head stored as W * s, then AWQ's clip
-  search: each row's clip range (a ratio of its amax) chosen for the least output error under
-  the calibration Hessian.
+  search: each row's clip range (a ratio of its amax) chosen for the least output error; then
+  bias correction (below).
 A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
 them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
 embedding has no activation input and always takes round-to-nearest.
+
+Bias correction (Nagel et al., "Data-Free Quantization Through Weight Equalization and Bias
+Correction", 2019, in its empirical form, with the mean taken from calibration data): the head's
+input has a large mean (a few channels are nearly constant), so the rounding error D = Q/s - W
+shifts each vocabulary row's logit by about D mu for every token, a per-token-type bias that no
+per-channel scale removes. int4-awq stores b = (W - Q/s) mu as `logit_bias` (float32, vocab),
+added to the logits, and its three searches minimise what remains: the output error on centred
+inputs x - mu, i.e. tr(D C D^T) with C the inputs' covariance. GPTQ's error feedback under the
+uncentred Hessian already drives D mu to about zero, so GPTQ's head needs no bias.
 """
 from __future__ import annotations
 
@@ -43,28 +52,38 @@ def head_name(plan: dict, tied: bool) -> Optional[str]:
 @torch.no_grad()
 def collect_head_stats(runner) -> dict:
     """Final-norm outputs of the calibration set (the LM head's inputs), from a LayerwiseRunner
-    that has advanced through every layer: their Hessian (GPTQ, AWQ's clip search), mean |x| and a
-    strided subsample of rows (AWQ's scale search)."""
+    that has advanced through every layer: their Hessian H = 2/n sum x x^T (GPTQ), mean, mean |x|
+    and a strided subsample of rows (AWQ's searches)."""
     model = runner.model
     eps = model.cfg.model.rms_norm_eps
     acc = HessianAccumulator(model.cfg.model.hidden_size)
-    abs_sum, count, rows = 0, 0, []
+    abs_sum, x_sum, count, rows = 0, 0, 0, []
     stride = max(1, runner.num_tokens // HEAD_SEARCH_TOKENS)
     for h, r in zip(runner.hidden, runner.residual):
         x, _ = ops.rms_norm(h, model.norm_weight, eps, r)
         x = x.float()
         acc.add(x)
         abs_sum = abs_sum + x.abs().sum(0)
+        x_sum = x_sum + x.sum(0)
         count += x.shape[0]
         rows.append(x[::stride])
-    return {"mean_abs": abs_sum / count, "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS], "H": acc.hessian()}
+    return {"mean_abs": abs_sum / count, "mean": x_sum / count,
+            "x": torch.cat(rows)[:HEAD_SEARCH_TOKENS], "H": acc.hessian()}
+
+
+def centred_hessian(stats: dict) -> torch.Tensor:
+    """C = 2/n sum (x - mu)(x - mu)^T = H - 2 mu mu^T, from collect_head_stats' H (2/n sum x x^T)
+    and mean: the output error tr(D C D^T) is what a bias-corrected head is left with."""
+    mu = stats["mean"].float()
+    return stats["H"].float() - 2.0 * torch.outer(mu, mu)
 
 
 def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
                         head_stats: Optional[dict] = None) -> dict:
-    """Replace `{name}.weight` of the int8 embedding / LM head in `new` by qweight/scales (and, for
-    an AWQ head with alpha > 0, fold its scales into norm.weight and, when tied, add
-    embed_tokens.input_scale and mark plan['embed_tokens'].input_scale). Returns report entries."""
+    """Replace `{name}.weight` of the int8 embedding / LM head in `new` by qweight/scales. For an
+    AWQ head: fold its scales into norm.weight and, when tied, add embed_tokens.input_scale and
+    mark plan['embed_tokens'].input_scale; add logit_bias and mark the head's plan entry
+    logit_bias. Returns report entries."""
     report = {}
     head = head_name(plan, tied)
     for name in ("embed_tokens", "lm_head"):
@@ -80,26 +99,34 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q, s = gptq_int8_quantize(w, stats["H"])
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
         elif stats is not None and method == "int4-awq":
-            scale, alpha, _ = awq_search_scale([w], stats["x"], stats["mean_abs"], None,
+            mu = stats["mean"].float()
+            h_in = centred_hessian(stats)  # bias correction removes the mean error (module doc)
+            scale, alpha, _ = awq_search_scale([w], stats["x"] - mu, stats["mean_abs"], None,
                                                fake_quant=fake_quantize_int8_rows)
-            scale, picked, err0, err1 = awq_salient_search(w, stats["H"], stats["mean_abs"], scale,
+            scale, picked, err0, err1 = awq_salient_search(w, h_in, stats["mean_abs"], scale,
                                                            fake_quantize_int8_rows)
             entry["awq_alpha"] = alpha
             entry["awq_salient_channels"] = {str(c): f for c, f in picked}
             entry["awq_search_output_error"] = {"alpha": err0, "salient": err1}
             entry["rounding"] = ("AWQ scales (alpha search, then salient-channel search) folded into "
-                                 "norm.weight, then AWQ's per-row clip search")
+                                 "norm.weight, then AWQ's per-row clip search, then bias correction; "
+                                 "all three searches on mean-centred inputs")
             if bool((scale != 1).any()):
                 wq = w * scale
-                h_in = h_in / scale[:, None] / scale[None, :]  # the Hessian of x / s
+                h_in = h_in / scale[:, None] / scale[None, :]  # the covariance of x / s
                 norm = new["norm.weight"]
                 new["norm.weight"] = (norm.float() / scale).to(norm.dtype)
                 if tied:
                     new["embed_tokens.input_scale"] = scale.float()
-                    plan[name] = dataclasses.replace(lq, input_scale=True)
+                    plan[name] = dataclasses.replace(plan[name], input_scale=True)
             s = awq_clip_rows_int8(wq, h_in)
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
+            # b = (W - Q / s) mu: the head's mean output error on calibration inputs, cancelled
+            bias = (w - dequantize_int8(q, s) / scale) @ mu
+            new["logit_bias"] = bias
+            plan[name] = dataclasses.replace(plan[name], logit_bias=True)
+            entry["logit_bias_rms"] = float(bias.pow(2).mean().sqrt())
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
@@ -107,8 +134,9 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         deq = dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:
-            # the head's error on calibration inputs, ||X W^T - X' Q^T|| / ||X W^T||, where X' = X / s
-            # is what an AWQ-scaled head sees (then H' = diag(1/s) H diag(1/s))
+            # the head's error on calibration inputs, ||X W^T - X' Q^T (+ b)|| / ||X W^T||, where
+            # X' = X / s is what an AWQ-scaled head sees (then H' = diag(1/s) H diag(1/s), and
+            # centred after bias correction)
             d = deq - wq
             entry["rel_output_error"] = float(((d @ h_in) * d).sum() / ((w @ stats["H"]) * w).sum())
         report[name] = entry

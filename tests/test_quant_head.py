@@ -1,6 +1,7 @@
 """The int8 LM head of int4 builds: GPTQ and AWQ on quantize_int8's grid against plain rounding,
 judged by the output error ||X W^T - X Q^T|| the papers minimise, and the tied AWQ head's
 lookup and logits against the float model."""
+import pytest
 import torch
 
 from tritium.builder.awq import (awq_clip_rows_int8, awq_salient_search, awq_search_scale,
@@ -19,6 +20,13 @@ def correlated_inputs(n, k, seed, outliers=()):
     for c in outliers:
         x[:, c] *= 40.0  # the "massive activation" channels final hidden states have
     return x
+
+
+def head_stats(x):
+    """collect_head_stats' dict for head inputs x (n, K)."""
+    acc = HessianAccumulator(x.shape[1])
+    acc.add(x)
+    return {"mean_abs": x.abs().mean(0), "mean": x.mean(0), "x": x, "H": acc.hessian()}
 
 
 def out_err(x, w, deq):
@@ -73,8 +81,7 @@ def _tied_head_case():
 def test_tied_awq_head_folds_into_the_norm_and_lookup_divides_back():
     w, x, tensors = _tied_head_case()
     plan = {"embed_tokens": LayerQuant("int8")}
-    stats = {"mean_abs": x.abs().mean(0), "x": x[:256], "H": x[:256].t() @ x[:256] * 2.25}
-    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=True, head_stats=stats)
+    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=True, head_stats=head_stats(x[:256] * 1.5))
     assert rep["embed_tokens"]["awq_alpha"] > 0 and rep["embed_tokens"]["head"]
     assert plan["embed_tokens"].input_scale
     s = tensors["embed_tokens.input_scale"]
@@ -89,10 +96,44 @@ def test_tied_awq_head_folds_into_the_norm_and_lookup_divides_back():
     # head: (h * norm / s) @ deq^T is (h * norm) @ W^T, with less error than RTN's head
     h = x[256:]
     ref = (h * 1.5) @ w.t()
-    got = (h * tensors["norm.weight"]) @ deq.t()
+    got = (h * tensors["norm.weight"]) @ deq.t() + tensors["logit_bias"]
     rq, rs = quantize_int8(w)
     rtn = (h * 1.5) @ dequantize_int8(rq, rs).t()
     assert (got - ref).norm() < (rtn - ref).norm()
+
+
+def test_awq_head_bias_correction_cancels_the_mean_error_of_near_constant_channels():
+    """Final hidden states have a few channels that are large and nearly constant. Their rounding
+    error shifts every token's logits by the same per-row amount, (W - Q) mu: the stored
+    logit_bias is that mean error on the calibration inputs (Nagel et al.'s bias correction), and
+    on held-out inputs the corrected head is far closer to the float head than without it."""
+    torch.manual_seed(9)
+    vocab, hidden = 600, 64
+    w = torch.randn(vocab, hidden) * 0.05
+    w[:, :3] *= 6.0
+    x = correlated_inputs(1200, hidden, 11)
+    x[:, [7, 9]] = torch.tensor([25.0, -18.0]) + 0.3 * x[:, [7, 9]]  # near-constant, large channels
+    calib, held = x[:600], x[600:]
+    tensors = {"embed_tokens.weight": w.clone(), "norm.weight": torch.ones(hidden)}
+    plan = {"embed_tokens": LayerQuant("int8")}
+    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=True, head_stats=head_stats(calib))
+    assert plan["embed_tokens"].logit_bias
+    b = tensors["logit_bias"]
+    assert b.shape == (vocab,) and b.dtype == torch.float32
+    assert rep["embed_tokens"]["logit_bias_rms"] == pytest.approx(float(b.pow(2).mean().sqrt()))
+    deq = dequantize_int8(tensors["embed_tokens.qweight"], tensors["embed_tokens.scales"])
+
+    def head(h, bias=True):
+        return (h * tensors["norm.weight"]) @ deq.t() + (b if bias else 0.0)
+
+    # on the calibration inputs the corrected head's error has zero mean per vocabulary row
+    torch.testing.assert_close((calib @ w.t() - head(calib)).mean(0), torch.zeros(vocab), atol=2e-4, rtol=0)
+    ref = held @ w.t()
+    e_bc = (head(held) - ref).norm()
+    e_nobc = (head(held, bias=False) - ref).norm()
+    rq, rs = quantize_int8(w)
+    e_rtn = (held @ dequantize_int8(rq, rs).t() - ref).norm()
+    assert e_bc < 0.7 * e_nobc and e_bc < 0.7 * e_rtn, (e_bc, e_nobc, e_rtn)
 
 
 def test_tied_gptq_head_and_rtn_baseline():
@@ -115,8 +156,7 @@ def test_untied_embedding_keeps_round_to_nearest():
     w, x, tensors = _tied_head_case()
     tensors["lm_head.weight"] = w.clone() * 0.5
     plan = {"embed_tokens": LayerQuant("int8"), "lm_head": LayerQuant("int8")}
-    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=False,
-                              head_stats={"mean_abs": x.abs().mean(0), "x": x[:256], "H": x[:256].t() @ x[:256]})
+    rep = quantize_embeddings(tensors, plan, "int4-awq", tied=False, head_stats=head_stats(x[:256]))
     assert rep["embed_tokens"]["rounding"] == "round to nearest" and not rep["embed_tokens"]["head"]
     assert rep["lm_head"]["head"] and "awq_alpha" in rep["lm_head"]
     assert "embed_tokens.input_scale" not in tensors and not plan["embed_tokens"].input_scale

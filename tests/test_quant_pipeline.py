@@ -74,7 +74,7 @@ def _dequantized_model(engine_dir):
             else:
                 w = dequantize_fp8(x, t[base + ".scales"])
             dense[base + ".weight"] = w
-        elif name != "embed_tokens.input_scale":
+        elif name not in ("embed_tokens.input_scale", "logit_bias"):
             dense[name] = x
     if "embed_tokens.input_scale" in t:
         # AWQ on the tied head: rows hold W * s and norm.weight / s; the same function as the
@@ -82,7 +82,12 @@ def _dequantized_model(engine_dir):
         s = t["embed_tokens.input_scale"]
         dense["embed_tokens.weight"] = dense["embed_tokens.weight"] / s
         dense["norm.weight"] = (dense["norm.weight"].float() * s).to(dense["norm.weight"].dtype)
-    fcfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, limits=cfg.limits, quantization=QuantConfig())
+    # a bias-corrected head keeps its logit_bias: the float model adds it the same way
+    head = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
+    layers = {head: LayerQuant("none", logit_bias=True)} if "logit_bias" in t else {}
+    if layers:
+        dense["logit_bias"] = t["logit_bias"]
+    fcfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, limits=cfg.limits, quantization=QuantConfig(layers=layers))
     m = DecoderLM(fcfg)
     m.load_engine_weights(dense)
     return m.eval()
@@ -130,6 +135,10 @@ def test_quantized_engine(tiny_engine, family, method):
         if method == "int4-awq":  # the salient-channel search starts from alpha's s, never worse
             errs = head["awq_search_output_error"]
             assert 0 < errs["salient"] <= errs["alpha"]
+        # only AWQ's head is bias-corrected; the runtime adds logit_bias (compared above)
+        head_lq = cfg.quantization.layers["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
+        assert head_lq.logit_bias == (method == "int4-awq")
+        assert qmodel.logit_bias is None or qmodel.logit_bias.shape == (cfg.model.vocab_size,)
     # int8 scales are stored on the bfloat16 grid the packed CPU GEMM reads
     tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
     int8_scales = [t for name, t in tensors.items() if name.endswith(".scales")

@@ -121,6 +121,10 @@ class DecoderLM(nn.Module):
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
             m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
+        # A bias-corrected quantized head (LayerQuant.logit_bias): float32 (vocab,) added to the logits.
+        hq = cfg.quantization.layers.get("embed_tokens" if m.tie_word_embeddings else "lm_head")
+        self.register_buffer("logit_bias", torch.empty(m.vocab_size, dtype=torch.float32)
+                             if hq is not None and hq.logit_bias else None)
         r = m.rope
         inv_freq = rope_inv_freq(m.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor,
                                  r.high_freq_factor, r.original_max_position_embeddings)
@@ -208,4 +212,5 @@ class DecoderLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, self.embed_tokens_weight)
         else:
             logits = self.lm_head(hidden)
-        return logits.float()
+        logits = logits.float()
+        return logits if self.logit_bias is None else logits + self.logit_bias
