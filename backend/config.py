@@ -78,9 +78,10 @@ class LayerQuant:
     # 1 / s is folded into norm.weight); the lookup divides by s (engine tensor
     # embed_tokens.input_scale, float32 (hidden,)).
     input_scale: bool = False
-    # the LM head (embed_tokens when tied, else lm_head) only: the engine adds a float32 (vocab,)
-    # tensor `logit_bias` to the logits (the int4-awq head's bias correction, builder/quant_head.py).
-    logit_bias: bool = False
+    # The LM head (embed_tokens when tied, else lm_head) only: a centred head. Its GEMM runs on
+    # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
+    # input's logits from the float weights) is added to its output (int4-awq; builder/quant_head.py).
+    centred: bool = False
 
 
 @dataclass(frozen=True)

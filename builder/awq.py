@@ -7,7 +7,6 @@ function is unchanged and only the rounding is redistributed.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -59,50 +58,6 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
         if loss < best[0]:
             best = (loss, s, alpha)
     return best[1], best[2], losses
-
-
-def output_error(w: torch.Tensor, s: torch.Tensor, hessian: torch.Tensor,
-                 fake_quant: Callable[[torch.Tensor], torch.Tensor]) -> float:
-    """sum_t ||x_t W^T - (x_t / s) Q(W s)^T||^2 = tr(D H D^T) with D = Q(W s) / s - W, H = X^T X:
-    the output error of W scaled by s (K,) and quantized, on the calibration inputs behind H."""
-    d = fake_quant(w * s) / s - w
-    return float(((d @ hessian) * d).sum())
-
-
-SALIENT_FRACTION = 0.02  # share of input channels the salient-channel search visits
-SALIENT_FACTORS = (1.25, 1.5, 1.75, 2.0, 2.5, 3.0)
-
-
-def awq_salient_search(w: torch.Tensor, hessian: torch.Tensor, x_mean_abs: torch.Tensor,
-                       s0: torch.Tensor, fake_quant: Callable[[torch.Tensor], torch.Tensor],
-                       fraction: float = SALIENT_FRACTION, factors=SALIENT_FACTORS
-                       ) -> Tuple[torch.Tensor, List[Tuple[int, float]], float, float]:
-    """AWQ's salient-channel scaling (the paper's section 3.2 and Table 2: multiplying the weights
-    of the few input channels with the largest activations by s > 1 lowers their relative
-    rounding error), searched one channel at a time on top of s0 (e.g. awq_search_scale's s).
-
-    Visits the ceil(fraction * K) channels with the largest mean |x|, most salient first; for each
-    it tries s[c] * f for f in `factors` and keeps the one with the least output_error under
-    `hessian` (keeping s[c] when none is lower), so the result is never worse than s0. A single
-    exponent (s = mean|x|^alpha) moves every channel at once; on a per-row grid, where a larger
-    weight anywhere in a row coarsens the whole row, channels must be weighed one by one.
-    Returns (s, [(channel, factor kept)], error of s0, error of s)."""
-    wf, hf = w.float(), hessian.float()
-    s = s0.float().clone()
-    err0 = best = output_error(wf, s, hf, fake_quant)
-    k = max(1, math.ceil(fraction * wf.shape[1]))
-    picked = []
-    for c in torch.argsort(x_mean_abs.float(), descending=True)[:k].tolist():
-        base, keep = float(s[c]), 1.0
-        for f in factors:
-            s[c] = base * f
-            e = output_error(wf, s, hf, fake_quant)
-            if e < best:
-                best, keep = e, f
-        s[c] = base * keep
-        if keep != 1.0:
-            picked.append((c, keep))
-    return s, picked, err0, best
 
 
 def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 10,

@@ -7,22 +7,26 @@ calibrated methods treat it as they treat the layers' linears, on quantize_int8'
 - int4-rtn: round to nearest (amax / 127 per row), the baseline;
 - int4-gptq: GPTQ error feedback under the Hessian of the final hidden states (gptq_rows.py);
 - int4-awq: AWQ's per-channel scales s = mean|x|^alpha, alpha grid-searched for the least
-  logits error, refined channel by channel on the most salient channels (awq_salient_search),
-  folded into the final norm (norm.weight / s) with the head stored as W * s, then AWQ's clip
-  search: each row's clip range (a ratio of its amax) chosen for the least output error; then
-  bias correction (below).
+  logits error, folded into the final norm (norm.weight / s) with the head stored as W * s; then
+  AWQ's clip search: each row's clip range (a ratio of its amax) chosen for the least output
+  error; and the head is centred (below).
 A tied embedding is the same matrix: its lookup reads the same int8 rows, and after AWQ divides
 them by s again (`embed_tokens.input_scale`, the one extra vector this costs). An untied
 embedding has no activation input and always takes round-to-nearest.
 
-Bias correction (Nagel et al., "Data-Free Quantization Through Weight Equalization and Bias
-Correction", 2019, in its empirical form, with the mean taken from calibration data): the head's
-input has a large mean (a few channels are nearly constant), so the rounding error D = Q/s - W
-shifts each vocabulary row's logit by about D mu for every token, a per-token-type bias that no
-per-channel scale removes. int4-awq stores b = (W - Q/s) mu as `logit_bias` (float32, vocab),
-added to the logits, and its three searches minimise what remains: the output error on centred
-inputs x - mu, i.e. tr(D C D^T) with C the inputs' covariance. GPTQ's error feedback under the
-uncentred Hessian already drives D mu to about zero, so GPTQ's head needs no bias.
+Centring (bias correction, Nagel et al., "Data-Free Quantization Through Weight Equalization and
+Bias Correction", 2019, in its empirical form with the mean taken from calibration data): the
+head's input has a large mean mu (a few channels are big and nearly constant), so the rounding
+error D = Q/s - W shifts each vocabulary row's logit by about D mu for every token, a per-token-
+type bias that no per-channel scale removes; and the packed CPU GEMM rounds its input and its
+output to bfloat16, which on logits dominated by that mean costs more than the int8 rounding.
+int4-awq therefore computes the logits as ((x - mu) / s) Q^T + mu W^T: the GEMM sees only the
+centred input, and the mean's logits mu W^T are computed once, in float32, from the unquantized
+weights (engine tensors `head_input_mean` = mu / s, (hidden,), and `head_mean_logits`, (vocab,),
+both float32). It is the same function as x W^T up to the rounding of the centred part, so
+AWQ's two searches minimise that part's output error: on x - mu, i.e. tr(D C D^T) with C the
+inputs' covariance. GPTQ's error feedback under the uncentred Hessian already drives D mu to
+about zero, and its head is left uncentred.
 """
 from __future__ import annotations
 
@@ -33,8 +37,7 @@ import torch
 
 from tritium.kernels import ops
 
-from .awq import (awq_clip_rows_int8, awq_salient_search, awq_search_scale,
-                  fake_quantize_int8_rows)
+from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
 from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
@@ -82,8 +85,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
                         head_stats: Optional[dict] = None) -> dict:
     """Replace `{name}.weight` of the int8 embedding / LM head in `new` by qweight/scales. For an
     AWQ head: fold its scales into norm.weight and, when tied, add embed_tokens.input_scale and
-    mark plan['embed_tokens'].input_scale; add logit_bias and mark the head's plan entry
-    logit_bias. Returns report entries."""
+    mark plan['embed_tokens'].input_scale; add head_input_mean / head_mean_logits and mark the
+    head's plan entry centred. Returns report entries."""
     report = {}
     head = head_name(plan, tied)
     for name in ("embed_tokens", "lm_head"):
@@ -100,17 +103,13 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
         elif stats is not None and method == "int4-awq":
             mu = stats["mean"].float()
-            h_in = centred_hessian(stats)  # bias correction removes the mean error (module doc)
+            h_in = centred_hessian(stats)  # the head is centred: only x - mu meets the rounding
             scale, alpha, _ = awq_search_scale([w], stats["x"] - mu, stats["mean_abs"], None,
                                                fake_quant=fake_quantize_int8_rows)
-            scale, picked, err0, err1 = awq_salient_search(w, h_in, stats["mean_abs"], scale,
-                                                           fake_quantize_int8_rows)
             entry["awq_alpha"] = alpha
-            entry["awq_salient_channels"] = {str(c): f for c, f in picked}
-            entry["awq_search_output_error"] = {"alpha": err0, "salient": err1}
-            entry["rounding"] = ("AWQ scales (alpha search, then salient-channel search) folded into "
-                                 "norm.weight, then AWQ's per-row clip search, then bias correction; "
-                                 "all three searches on mean-centred inputs")
+            entry["rounding"] = ("AWQ scales folded into norm.weight, then AWQ's per-row clip search, "
+                                 "both on mean-centred inputs; the GEMM sees x - mean and the mean's "
+                                 "logits are added in float32")
             if bool((scale != 1).any()):
                 wq = w * scale
                 h_in = h_in / scale[:, None] / scale[None, :]  # the covariance of x / s
@@ -122,11 +121,11 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             s = awq_clip_rows_int8(wq, h_in)
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
-            # b = (W - Q / s) mu: the head's mean output error on calibration inputs, cancelled
-            bias = (w - dequantize_int8(q, s) / scale) @ mu
-            new["logit_bias"] = bias
-            plan[name] = dataclasses.replace(plan[name], logit_bias=True)
-            entry["logit_bias_rms"] = float(bias.pow(2).mean().sqrt())
+            new["head_input_mean"] = mu / scale
+            new["head_mean_logits"] = w @ mu
+            plan[name] = dataclasses.replace(plan[name], centred=True)
+            # what the centring corrects: the mean output error (W - Q/s) mu of an uncentred head
+            entry["bias_correction_rms"] = float(((w - dequantize_int8(q, s) / scale) @ mu).pow(2).mean().sqrt())
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
@@ -134,9 +133,9 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         deq = dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:
-            # the head's error on calibration inputs, ||X W^T - X' Q^T (+ b)|| / ||X W^T||, where
-            # X' = X / s is what an AWQ-scaled head sees (then H' = diag(1/s) H diag(1/s), and
-            # centred after bias correction)
+            # the head's error on calibration inputs, ||X W^T - X' Q^T|| / ||X W^T||, where
+            # X' = X / s is what an AWQ-scaled head sees (then H' = diag(1/s) H diag(1/s)); a
+            # centred head's error is that of X - mu (h_in is then the covariance)
             d = deq - wq
             entry["rel_output_error"] = float(((d @ h_in) * d).sum() / ((w @ stats["H"]) * w).sum())
         report[name] = entry

@@ -10,7 +10,7 @@ import torch
 def component_of(name: str) -> str:
     if name.startswith("embed_tokens"):
         return "embedding"
-    if name.startswith("lm_head") or name == "logit_bias":
+    if name.startswith(("lm_head", "head_")):
         return "lm_head"
     if "norm" in name:
         return "norms"

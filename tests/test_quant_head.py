@@ -4,8 +4,7 @@ lookup and logits against the float model."""
 import pytest
 import torch
 
-from tritium.builder.awq import (awq_clip_rows_int8, awq_salient_search, awq_search_scale,
-                                 fake_quantize_int8_rows)
+from tritium.builder.awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from tritium.builder.gptq import HessianAccumulator
 from tritium.builder.gptq_rows import gptq_int8_quantize, gptq_rows
 from tritium.builder.quant_head import quantize_embeddings
@@ -96,17 +95,18 @@ def test_tied_awq_head_folds_into_the_norm_and_lookup_divides_back():
     # head: (h * norm / s) @ deq^T is (h * norm) @ W^T, with less error than RTN's head
     h = x[256:]
     ref = (h * 1.5) @ w.t()
-    got = (h * tensors["norm.weight"]) @ deq.t() + tensors["logit_bias"]
+    got = (h * tensors["norm.weight"] - tensors["head_input_mean"]) @ deq.t() + tensors["head_mean_logits"]
     rq, rs = quantize_int8(w)
     rtn = (h * 1.5) @ dequantize_int8(rq, rs).t()
     assert (got - ref).norm() < (rtn - ref).norm()
 
 
-def test_awq_head_bias_correction_cancels_the_mean_error_of_near_constant_channels():
+def test_centred_awq_head_computes_the_mean_logits_in_float():
     """Final hidden states have a few channels that are large and nearly constant. Their rounding
-    error shifts every token's logits by the same per-row amount, (W - Q) mu: the stored
-    logit_bias is that mean error on the calibration inputs (Nagel et al.'s bias correction), and
-    on held-out inputs the corrected head is far closer to the float head than without it."""
+    error shifts every token's logits by the same per-row amount, (W - Q) mu. The centred head
+    computes ((x - mu) / s) Q^T + mu W^T: the mean input's logits exactly, from the float weights,
+    so on the calibration inputs its error has zero mean per row (Nagel et al.'s bias
+    correction), and on held-out inputs it is far closer to the float head than without it."""
     torch.manual_seed(9)
     vocab, hidden = 600, 64
     w = torch.randn(vocab, hidden) * 0.05
@@ -117,23 +117,29 @@ def test_awq_head_bias_correction_cancels_the_mean_error_of_near_constant_channe
     tensors = {"embed_tokens.weight": w.clone(), "norm.weight": torch.ones(hidden)}
     plan = {"embed_tokens": LayerQuant("int8")}
     rep = quantize_embeddings(tensors, plan, "int4-awq", tied=True, head_stats=head_stats(calib))
-    assert plan["embed_tokens"].logit_bias
-    b = tensors["logit_bias"]
-    assert b.shape == (vocab,) and b.dtype == torch.float32
-    assert rep["embed_tokens"]["logit_bias_rms"] == pytest.approx(float(b.pow(2).mean().sqrt()))
+    assert plan["embed_tokens"].centred
+    mean, mean_logits = tensors["head_input_mean"], tensors["head_mean_logits"]
+    assert mean.shape == (hidden,) and mean_logits.shape == (vocab,)
+    assert mean.dtype == mean_logits.dtype == torch.float32
+    # the mean's logits come from the float weights, and the norm's fold divides the mean by s
+    torch.testing.assert_close(mean * tensors["norm.weight"].reciprocal(), calib.mean(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean_logits, calib.mean(0) @ w.t(), rtol=1e-5, atol=1e-4)
     deq = dequantize_int8(tensors["embed_tokens.qweight"], tensors["embed_tokens.scales"])
 
-    def head(h, bias=True):
-        return (h * tensors["norm.weight"]) @ deq.t() + (b if bias else 0.0)
+    def head(h, centred=True):
+        x_in = h * tensors["norm.weight"]
+        return (x_in - mean) @ deq.t() + mean_logits if centred else x_in @ deq.t()
 
-    # on the calibration inputs the corrected head's error has zero mean per vocabulary row
+    # on the calibration inputs the centred head's error has zero mean per vocabulary row
     torch.testing.assert_close((calib @ w.t() - head(calib)).mean(0), torch.zeros(vocab), atol=2e-4, rtol=0)
+    assert rep["embed_tokens"]["bias_correction_rms"] == pytest.approx(
+        float((calib @ w.t() - head(calib, centred=False)).mean(0).pow(2).mean().sqrt()), rel=1e-3)
     ref = held @ w.t()
-    e_bc = (head(held) - ref).norm()
-    e_nobc = (head(held, bias=False) - ref).norm()
+    e_c = (head(held) - ref).norm()
+    e_plain = (head(held, centred=False) - ref).norm()
     rq, rs = quantize_int8(w)
     e_rtn = (held @ dequantize_int8(rq, rs).t() - ref).norm()
-    assert e_bc < 0.7 * e_nobc and e_bc < 0.7 * e_rtn, (e_bc, e_nobc, e_rtn)
+    assert e_c < 0.7 * e_plain and e_c < 0.7 * e_rtn, (e_c, e_plain, e_rtn)
 
 
 def test_tied_gptq_head_and_rtn_baseline():
@@ -182,46 +188,3 @@ def test_awq_clip_rows_never_worse_than_rtn_and_clips_an_outlier_row():
         return ((d @ H) * d).sum(1)
     assert (row_err(s) <= row_err(rtn_s) + 1e-9).all()
     assert row_err(s)[5] < 0.8 * row_err(rtn_s)[5]
-
-
-def _salient_case():
-    """Rows' amax set by a few large weights on quiet channels (0-2); channel 10 carries massive
-    activations on ordinary weights, channel 20 massive activations on the largest weights."""
-    torch.manual_seed(8)
-    w = torch.randn(500, 64) * 0.05
-    w[:, :3] *= 6.0
-    w[:, 20] = w[:, :3].abs().amax(1) * 1.2 * torch.sign(torch.randn(500))
-    x = correlated_inputs(1024, 64, 9, outliers=(10, 20))
-    x[:, :3] *= 0.2
-    return w, x
-
-
-def test_awq_salient_search_scales_up_a_salient_channel_and_lowers_output_error():
-    """AWQ section 3.2: scaling up the weights that meet the largest activations lowers their
-    relative rounding error. Judged by ||X W^T - (X / s) Q(W s)^T|| on held-out inputs."""
-    w, x = _salient_case()
-    fit, held = x[:768], x[768:]
-    s, picked, err0, err1 = awq_salient_search(w, fit.t() @ fit, fit.abs().mean(0), torch.ones(64),
-                                               fake_quantize_int8_rows, fraction=0.05)
-    chosen = dict(picked)
-    assert chosen.get(10, 1.0) > 1.0 and s[10] == chosen[10]
-    assert err1 < err0
-    # channel 20 already holds every row's amax: scaling it coarsens whole rows, so it stays
-    assert 20 not in chosen and s[20] == 1.0
-    # only the ceil(5% of 64) = 4 most salient channels were visited
-    visited = set(torch.argsort(fit.abs().mean(0), descending=True)[:4].tolist())
-    assert set(chosen) <= visited and (s[[c for c in range(64) if c not in visited]] == 1).all()
-    deq = fake_quantize_int8_rows(w * s) / s
-    assert out_err(held, w, deq) < 0.9 * out_err(held, w, fake_quantize_int8_rows(w))
-
-
-def test_awq_salient_search_never_worse_than_its_start():
-    w, x = _salient_case()
-    H = x.t() @ x
-    s0, _, _ = awq_search_scale([w], x[:512], x.abs().mean(0), None, fake_quant=fake_quantize_int8_rows)
-    s, _, err0, err1 = awq_salient_search(w, H, x.abs().mean(0), s0, fake_quantize_int8_rows)
-    d0 = fake_quantize_int8_rows(w * s0) / s0 - w
-    assert abs(err0 - float(((d0 @ H) * d0).sum())) <= 1e-4 * err0
-    assert err1 <= err0
-    d1 = fake_quantize_int8_rows(w * s) / s - w
-    assert float(((d1 @ H) * d1).sum()) <= err0 * (1 + 1e-6)

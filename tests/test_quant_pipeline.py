@@ -74,7 +74,7 @@ def _dequantized_model(engine_dir):
             else:
                 w = dequantize_fp8(x, t[base + ".scales"])
             dense[base + ".weight"] = w
-        elif name not in ("embed_tokens.input_scale", "logit_bias"):
+        elif name not in ("embed_tokens.input_scale", "head_input_mean", "head_mean_logits"):
             dense[name] = x
     if "embed_tokens.input_scale" in t:
         # AWQ on the tied head: rows hold W * s and norm.weight / s; the same function as the
@@ -82,11 +82,11 @@ def _dequantized_model(engine_dir):
         s = t["embed_tokens.input_scale"]
         dense["embed_tokens.weight"] = dense["embed_tokens.weight"] / s
         dense["norm.weight"] = (dense["norm.weight"].float() * s).to(dense["norm.weight"].dtype)
-    # a bias-corrected head keeps its logit_bias: the float model adds it the same way
+    # a centred head stays centred: the float model subtracts the same mean and adds its logits
     head = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
-    layers = {head: LayerQuant("none", logit_bias=True)} if "logit_bias" in t else {}
+    layers = {head: LayerQuant("none", centred=True)} if "head_input_mean" in t else {}
     if layers:
-        dense["logit_bias"] = t["logit_bias"]
+        dense["head_input_mean"], dense["head_mean_logits"] = t["head_input_mean"], t["head_mean_logits"]
     fcfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, limits=cfg.limits, quantization=QuantConfig(layers=layers))
     m = DecoderLM(fcfg)
     m.load_engine_weights(dense)
@@ -132,13 +132,17 @@ def test_quantized_engine(tiny_engine, family, method):
         head = report["layers"]["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
         assert head["head"]
         assert {"int4-rtn": "round to nearest", "int4-gptq": "GPTQ", "int4-awq": "AWQ"}[method] in head["rounding"]
-        if method == "int4-awq":  # the salient-channel search starts from alpha's s, never worse
-            errs = head["awq_search_output_error"]
-            assert 0 < errs["salient"] <= errs["alpha"]
-        # only AWQ's head is bias-corrected; the runtime adds logit_bias (compared above)
+        # only AWQ's head is centred; the runtime centres it (compared with the float model above)
         head_lq = cfg.quantization.layers["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
-        assert head_lq.logit_bias == (method == "int4-awq")
-        assert qmodel.logit_bias is None or qmodel.logit_bias.shape == (cfg.model.vocab_size,)
+        assert head_lq.centred == (method == "int4-awq")
+        assert (qmodel.head_mean_logits is not None) == (method == "int4-awq")
+        if head_lq.centred:  # the runtime's logits against the centred head's formula
+            t = load_file(os.path.join(qdir, "rank0.safetensors"))
+            h = torch.randn(7, cfg.model.hidden_size) + 3.0 * t["head_input_mean"]
+            hn = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
+            deq = dequantize_int8(t[hn + ".qweight"], t[hn + ".scales"])
+            want = (h - t["head_input_mean"]) @ deq.t() + t["head_mean_logits"]
+            torch.testing.assert_close(qmodel.compute_logits(h), want, rtol=2e-2, atol=5e-2)
     # int8 scales are stored on the bfloat16 grid the packed CPU GEMM reads
     tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
     int8_scales = [t for name, t in tensors.items() if name.endswith(".scales")

@@ -121,10 +121,13 @@ class DecoderLM(nn.Module):
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
             m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
-        # A bias-corrected quantized head (LayerQuant.logit_bias): float32 (vocab,) added to the logits.
+        # A centred head (LayerQuant.centred): logits = (h - head_input_mean) W^T + head_mean_logits.
         hq = cfg.quantization.layers.get("embed_tokens" if m.tie_word_embeddings else "lm_head")
-        self.register_buffer("logit_bias", torch.empty(m.vocab_size, dtype=torch.float32)
-                             if hq is not None and hq.logit_bias else None)
+        centred = hq is not None and hq.centred
+        self.register_buffer("head_input_mean", torch.empty(m.hidden_size, dtype=torch.float32)
+                             if centred else None)
+        self.register_buffer("head_mean_logits", torch.empty(m.vocab_size, dtype=torch.float32)
+                             if centred else None)
         r = m.rope
         inv_freq = rope_inv_freq(m.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor,
                                  r.high_freq_factor, r.original_max_position_embeddings)
@@ -204,6 +207,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""
+        if self.head_input_mean is not None:  # centred head: subtract in float32, then the GEMM
+            hidden = (hidden.float() - self.head_input_mean).to(hidden.dtype)
         if self.lm_head is None and self.embed_tokens is not None:
             logits = self.embed_tokens(hidden)  # packed int8 GEMM (CPU) / linear_w8a16 (CUDA)
         elif self.lm_head is None and self.packed_head is not None:
@@ -213,4 +218,4 @@ class DecoderLM(nn.Module):
         else:
             logits = self.lm_head(hidden)
         logits = logits.float()
-        return logits if self.logit_bias is None else logits + self.logit_bias
+        return logits if self.head_mean_logits is None else logits + self.head_mean_logits
