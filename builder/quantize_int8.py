@@ -14,7 +14,9 @@ from typing import Tuple
 
 import torch
 
-INT8_LAYOUT = "qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output channel; scales are bfloat16 values)"
+INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
+               "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
+               "+ head_mean_logits, both float32, (K,) and (N,)")
 
 
 def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
