@@ -124,8 +124,6 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             new["head_input_mean"] = mu / scale
             new["head_mean_logits"] = w @ mu
             plan[name] = dataclasses.replace(plan[name], centred=True)
-            # what the centring corrects: the mean output error (W - Q/s) mu of an uncentred head
-            entry["bias_correction_rms"] = float(((w - dequantize_int8(q, s) / scale) @ mu).pow(2).mean().sqrt())
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
@@ -138,5 +136,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             # centred head's error is that of X - mu (h_in is then the covariance)
             d = deq - wq
             entry["rel_output_error"] = float(((d @ h_in) * d).sum() / ((w @ stats["H"]) * w).sum())
+        if plan[name].centred:
+            # what the centring corrects: an uncentred head's mean output error (Q/s - W) mu = d mu/s
+            entry["bias_correction_rms"] = float((d @ new["head_input_mean"]).pow(2).mean().sqrt())
         report[name] = entry
     return report

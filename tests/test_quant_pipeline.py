@@ -128,23 +128,23 @@ def test_quantized_engine(tiny_engine, family, method):
     report = json.load(open(os.path.join(qdir, "build_report.json")))["quantization_report"]
     assert report["weight_bytes"] < report["float_weight_bytes"]
     assert {"perplexity", "reference_perplexity", "mean_kl", "top1_agreement"} <= set(report["eval"])
+    tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
     if kind == "int4":  # the int8 LM head is rounded by the build's own method
-        head = report["layers"]["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
+        hn = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
+        head = report["layers"][hn]
         assert head["head"]
         assert {"int4-rtn": "round to nearest", "int4-gptq": "GPTQ", "int4-awq": "AWQ"}[method] in head["rounding"]
         # only AWQ's head is centred; the runtime centres it (compared with the float model above)
-        head_lq = cfg.quantization.layers["embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"]
+        head_lq = cfg.quantization.layers[hn]
         assert head_lq.centred == (method == "int4-awq")
         assert (qmodel.head_mean_logits is not None) == (method == "int4-awq")
         if head_lq.centred:  # the runtime's logits against the centred head's formula
-            t = load_file(os.path.join(qdir, "rank0.safetensors"))
-            h = torch.randn(7, cfg.model.hidden_size) + 3.0 * t["head_input_mean"]
-            hn = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
-            deq = dequantize_int8(t[hn + ".qweight"], t[hn + ".scales"])
-            want = (h - t["head_input_mean"]) @ deq.t() + t["head_mean_logits"]
+            mean = tensors["head_input_mean"]
+            h = torch.randn(7, cfg.model.hidden_size) + 3.0 * mean
+            deq = dequantize_int8(tensors[hn + ".qweight"], tensors[hn + ".scales"])
+            want = (h - mean) @ deq.t() + tensors["head_mean_logits"]
             torch.testing.assert_close(qmodel.compute_logits(h), want, rtol=2e-2, atol=5e-2)
     # int8 scales are stored on the bfloat16 grid the packed CPU GEMM reads
-    tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
     int8_scales = [t for name, t in tensors.items() if name.endswith(".scales")
                    and cfg.quantization.layers[name[:-len(".scales")]].method == "int8"]
     assert len(int8_scales) >= {"int4": 1, "int8": 4 * cfg.model.num_layers, "fp8": 0}[kind]
