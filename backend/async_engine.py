@@ -1,14 +1,18 @@
 """AsyncLLMEngine: an LLMEngine driven by a background loop thread, with a stream per request.
 
-Any thread may call generate(); the request joins the running batch at the next step
-(in-flight batching). Each stream is a plain iterator of RequestOutput, fed through a
+Any thread may call generate() or submit(); the request joins the running batch at the next step
+(in-flight batching). generate() returns a plain iterator of RequestOutput, fed through a
 queue.Queue, so it is safe to consume from the thread that created it while the loop runs.
+submit() takes a callback instead: one delivery thread calls the callbacks of every request
+that changed in a step, in step order, so a server needs one thread for all its requests rather
+than one per request, and the loop never waits for a slow consumer.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Dict, Iterator, List, Optional
+import traceback
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from .engine import LLMEngine
 from .sampling_params import SamplingParams
@@ -27,7 +31,10 @@ class AsyncLLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self._cv = threading.Condition()
-        self._streams: Dict[str, "queue.Queue"] = {}
+        # request id -> its queue (generate) or callback (submit)
+        self._streams: Dict[str, Union["queue.Queue", Callable]] = {}
+        self._deliveries: "queue.Queue" = queue.Queue()  # per step: [(callback, output or error)]
+        self._delivery_thread: Optional[threading.Thread] = None
         self._stopped = False
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="tritium-engine-loop", daemon=True)
@@ -48,6 +55,35 @@ class AsyncLLMEngine:
             self._streams[request_id] = q
             self._cv.notify()
         return self._stream(request_id, q)
+
+    def submit(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
+               on_output: Callable[[Union[RequestOutput, BaseException]], None], priority: int = 0) -> None:
+        """Add a request whose outputs go to on_output(output), called from the delivery thread;
+        an engine failure calls on_output(error). Bad input raises ValueError here."""
+        with self._cv:
+            if self._error is not None:
+                raise EngineDeadError(f"engine loop died: {self._error!r}")
+            if self._stopped:
+                raise RuntimeError("engine is shut down")
+            if self._delivery_thread is None:
+                self._delivery_thread = threading.Thread(target=self._deliver_loop, name="tritium-deliver",
+                                                         daemon=True)
+                self._delivery_thread.start()
+            self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                    priority=priority)
+            self._streams[request_id] = on_output
+            self._cv.notify()
+
+    def _deliver_loop(self) -> None:
+        while True:
+            batch = self._deliveries.get()
+            if batch is None:
+                return
+            for fn, item in batch:
+                try:
+                    fn(item)
+                except Exception:  # a consumer's bug must not stop deliveries to the others
+                    traceback.print_exc()
 
     def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
         finished = False
@@ -82,6 +118,9 @@ class AsyncLLMEngine:
             self._cv.notify()
         self._thread.join(timeout)
         self._fail_all(RuntimeError("engine shut down"))
+        if self._delivery_thread is not None:
+            self._deliveries.put(None)
+            self._delivery_thread.join(timeout)
 
     # ------------------------------------------------------------------ loop
     def _fail_all(self, err: BaseException) -> None:
@@ -90,8 +129,14 @@ class AsyncLLMEngine:
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
             self.engine._aborted.clear()
-        for q in streams.values():
-            q.put(err)
+        callbacks = []
+        for sink in streams.values():
+            if isinstance(sink, queue.Queue):
+                sink.put(err)
+            else:
+                callbacks.append((sink, err))
+        if callbacks:
+            self._deliveries.put(callbacks)
 
     def _loop(self) -> None:
         while True:
@@ -105,15 +150,17 @@ class AsyncLLMEngine:
                 except BaseException as e:  # an internal bug must not hang every client
                     self._error = e
                     outputs = None
-                deliveries = []
+                queued, callbacks = [], []
                 for out in outputs or []:
-                    q = self._streams.get(out.request_id)
-                    if q is not None:
-                        deliveries.append((q, out))
+                    sink = self._streams.get(out.request_id)
+                    if sink is not None:
+                        (queued if isinstance(sink, queue.Queue) else callbacks).append((sink, out))
                         if out.finished:
                             del self._streams[out.request_id]
             if outputs is None:
                 self._fail_all(EngineDeadError(f"engine step failed: {self._error!r}"))
                 return
-            for q, out in deliveries:
+            for q, out in queued:
                 q.put(out)
+            if callbacks:
+                self._deliveries.put(callbacks)

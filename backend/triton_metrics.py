@@ -62,23 +62,39 @@ class TritiumMetrics:
         self.requests = {s: rq.Metric(labels=dict(labels, state=s)) for s in ("running", "waiting")}
         self._preemptions_seen = 0
         self._steps_seen = 0
+        self._pending_times = []      # (arrival, token times) of finished sequences
+        self._pending_prompt = 0
+        self._pending_generated = 0
 
     def observe_token_times(self, arrival: float, token_times: list) -> None:
-        """Record one finished sequence: TTFT, each inter-token gap, and end-to-end latency."""
+        """Queue one finished sequence's TTFT, inter-token gaps and end-to-end latency (sent by flush)."""
         if not token_times:
             return
         with self._lock:
-            self.ttft.observe(max(token_times[0] - arrival, 0.0))
-            for a, b in zip(token_times, token_times[1:]):
-                self.itl.observe(max(b - a, 0.0))
-            self.e2e.observe(max(token_times[-1] - arrival, 0.0))
+            self._pending_times.append((arrival, token_times))
 
     def add_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """Count tokens (sent by flush)."""
         with self._lock:
-            if prompt_tokens:
-                self.prompt_tokens.increment(prompt_tokens)
-            if generated_tokens:
-                self.generation_tokens.increment(generated_tokens)
+            self._pending_prompt += prompt_tokens
+            self._pending_generated += generated_tokens
+
+    def flush(self) -> None:
+        """Send what was counted and observed since the last flush. Every metric update is an IPC
+        round trip to the server, so the per-token path only counts and this runs periodically."""
+        with self._lock:
+            times, self._pending_times = self._pending_times, []
+            prompt, self._pending_prompt = self._pending_prompt, 0
+            generated, self._pending_generated = self._pending_generated, 0
+            if prompt:
+                self.prompt_tokens.increment(prompt)
+            if generated:
+                self.generation_tokens.increment(generated)
+            for arrival, tt in times:
+                self.ttft.observe(max(tt[0] - arrival, 0.0))
+                for a, b in zip(tt, tt[1:]):
+                    self.itl.observe(max(b - a, 0.0))
+                self.e2e.observe(max(tt[-1] - arrival, 0.0))
 
     def update_engine_stats(self, stats: dict) -> None:
         """Copy engine.stats() into the gauges; turn the cumulative preemption count into a counter."""

@@ -16,8 +16,8 @@ import os
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from .paged_attention import paged_attention_cpu, paged_attention_ref  # noqa: F401
-from .rms_norm import rms_norm_ref
-from .rotary import rotary_ref
+from .rms_norm import rms_norm_cpu, rms_norm_ref  # noqa: F401
+from .rotary import rotary_cpu, rotary_ref, rotary_tables
 from .silu_mul import silu_mul_ref
 
 import torch
@@ -68,12 +68,22 @@ def _tk(module: str):
 def rms_norm(x, weight, eps, residual=None):
     if use_triton(x):
         return _tk("elementwise_triton").rms_norm(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+    return rms_norm_cpu(x, weight, eps, residual)
 
 
-def rotary(q, k, positions, cos_sin_cache):
+def rotary_prepare(positions, cos_sin_cache, dtype):
+    """Per-step rotary state shared by all layers: the CPU path's cos / signed-sin tables, or
+    None where the Triton kernel reads the cache itself."""
+    if use_triton(cos_sin_cache):
+        return None
+    return rotary_tables(positions, cos_sin_cache, dtype)
+
+
+def rotary(q, k, positions, cos_sin_cache, tables=None):
     if use_triton(q):
         return _tk("elementwise_triton").rotary(q, k, positions, cos_sin_cache)
+    if tables is not None:
+        return rotary_cpu(q, k, tables)
     return rotary_ref(q, k, positions, cos_sin_cache)
 
 

@@ -56,3 +56,28 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     return rot(q), rot(k)
+
+
+def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-step tables for rotary_cpu, shared by every layer of a step: (cos, signed_sin), each
+    (T, 1, D) in `dtype`, with cos repeated over both halves and signed_sin = [-sin | sin]."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions]  # (T, D) float32: [cos | sin]
+    cos, sin = cs[:, :half], cs[:, half:]
+    return (torch.cat([cos, cos], dim=-1).to(dtype)[:, None],
+            torch.cat([-sin, sin], dim=-1).to(dtype)[:, None])
+
+
+def rotary_cpu(q: torch.Tensor, k: torch.Tensor,
+               tables: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """rotary_ref's result from precomputed tables, in three ATen calls per tensor:
+    out = x * cos + swap_halves(x) * signed_sin, i.e. [x1 cos - x2 sin | x2 cos + x1 sin]."""
+    cos, ssin = tables
+    half = q.shape[-1] // 2
+
+    def rot(x):
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return torch.addcmul(x * cos, swapped, ssin)
+
+    return rot(q), rot(k)

@@ -139,3 +139,29 @@ def test_rms_norm_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="k_scale"):
         kv_write(torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.zeros(1, 16, 1, 64, dtype=torch.int8),
                  torch.zeros(1, 16, 1, 64, dtype=torch.int8), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+def test_cpu_rms_norm_and_rotary_match_references(case):
+    """The CPU fast paths (fused rms_norm, rotary from per-step tables) vs the references."""
+    from tritium.kernels.rms_norm import rms_norm_cpu
+    from tritium.kernels.rotary import rotary_cpu, rotary_tables
+    rng, seed = new_rng()
+    dtype = DTYPES[case % 3]
+    t, h = rng.choice([1, 2, 5, 13]), rng.choice([64, 96, 576])
+    x, w = torch.randn(t, h).to(dtype), (1 + 0.1 * torch.randn(h)).to(dtype)
+    res = torch.randn(t, h).to(dtype) if case % 2 else None
+    got, got_res = rms_norm_cpu(x, w, 1e-5, res)
+    ref, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    assert_close(got, ref, dtype, f"rms seed={seed}")
+    assert torch.equal(got_res, ref_res)
+    d, hkv = HEAD_DIMS[case % 3], rng.choice([1, 3])
+    hq = hkv * rng.choice([1, 3])
+    cache = rope_cos_sin_cache(rope_inv_freq(d, 10000.0), 300)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    pos = torch.randint(0, 300, (t,))
+    gq, gk = rotary_cpu(q, k, rotary_tables(pos, cache, dtype))
+    rq, rk = rotary_ref(q, k, pos, cache)
+    assert_close(gq, rq, dtype, f"rotary q seed={seed}")
+    assert_close(gk, rk, dtype, f"rotary k seed={seed}")

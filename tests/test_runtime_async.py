@@ -66,3 +66,57 @@ def test_dropped_stream_aborts_and_frees_blocks(tiny_engine):
     assert not aengine._thread.is_alive()
     with pytest.raises(RuntimeError):
         aengine.generate("late", prompt_token_ids=[1])
+
+
+def test_submitted_callbacks_match_sync_and_run_on_one_thread(tiny_engine):
+    eng = tiny_engine("llama")
+    prompts = [[9 + i] * (2 + 5 * i) for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sync = LLMEngine(eng, device="cpu", num_kv_blocks=64).generate(prompt_token_ids=prompts, params=params)
+    aengine = AsyncLLMEngine(eng, device="cpu", num_kv_blocks=64)
+    outs = {i: [] for i in range(len(prompts))}
+    threads = set()
+    done = threading.Event()
+
+    def sink(i):
+        def on_output(out):
+            threads.add(threading.get_ident())
+            outs[i].append(out)
+            if all(o and o[-1].finished for o in outs.values()):
+                done.set()
+        return on_output
+
+    try:
+        for i, p in enumerate(prompts):
+            aengine.submit(f"s{i}", p, params, sink(i))
+        assert done.wait(120), "not every request finished"
+        assert aengine.stats()["kv_blocks_used"] == 0
+    finally:
+        aengine.shutdown()
+    assert len(threads) == 1 and threading.get_ident() not in threads  # one delivery thread
+    for i, ref in enumerate(sync):
+        streamed = [t for o in outs[i] for t in o.outputs[0].new_token_ids]
+        assert streamed == ref.outputs[0].token_ids and outs[i][-1].outputs[0].token_ids == streamed
+        assert sum(o.finished for o in outs[i]) == 1
+
+
+def test_submit_bad_input_raises_and_engine_error_reaches_callbacks(tiny_engine):
+    aengine = AsyncLLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64)
+    got = []
+    failed = threading.Event()
+    try:
+        with pytest.raises(ValueError, match="max_tokens"):
+            aengine.submit("bad", [3, 4], SamplingParams(max_tokens=10 ** 7), got.append)
+
+        def boom(*a, **k):
+            raise RuntimeError("kaboom")
+        aengine.engine.runner.run = boom  # an internal error inside the loop's step
+
+        def on_output(item):
+            got.append(item)
+            failed.set()
+        aengine.submit("x", [3, 4, 5], SamplingParams(max_tokens=4), on_output)
+        assert failed.wait(30)
+    finally:
+        aengine.shutdown()
+    assert len(got) == 1 and isinstance(got[0], BaseException) and "kaboom" in str(got[0])

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         self.kv_rotation = cfg.kv_cache.rotation == "hadamard"
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
-                cos_sin_cache):
+                cos_sin_cache, rope=None):
         x, residual = ops.rms_norm(hidden, self.input_norm_weight, self.eps, residual)
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
         k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, cos_sin_cache)
+        q, k = ops.rotary(q, k, positions, cos_sin_cache, rope)
         k_cache, v_cache = kv_cache
         k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
         v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
@@ -179,8 +179,9 @@ class DecoderLM(nn.Module):
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
         hidden = self.embed(input_ids)
         residual = None
+        rope = ops.rotary_prepare(positions, self.cos_sin_cache, self.dtype)  # once per step
         for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache)
+            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache, rope)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 

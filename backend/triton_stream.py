@@ -1,0 +1,147 @@
+"""Responses of one Triton request row: turns the engine's RequestOutputs into decoupled responses.
+
+The AsyncLLMEngine's delivery thread calls RowStream.on_output for every step that changed the
+row (one thread for every request of the model). Responses carry only the outputs the client
+asked for (all of them when it named none); the request's final flag rides on the last
+response of its last (row, sample) stream.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import List, Optional
+
+from tritium.backend.triton_contract import NUM_CONTEXT_IDS, response_arrays, token_logprobs
+
+
+class RequestState:
+    """Book-keeping of one Triton request (all its batch rows and samples)."""
+
+    def __init__(self, pb_utils, request, num_streams: int):
+        self.pb = pb_utils
+        self.request = request
+        self.sender = request.get_response_sender()
+        self.lock = threading.Lock()
+        self.remaining = num_streams   # (row, sample) streams not finished yet
+        self.closed = False            # the final flag went out
+        names = set(request.requested_output_names() or ())
+        self.outputs = names or None   # None: every output
+
+    def send(self, arrays: dict, stream_done: bool) -> None:
+        """One response; the final flag when this was the last open stream."""
+        pb = self.pb
+        with self.lock:
+            if self.closed:
+                return
+            if stream_done:
+                self.remaining -= 1
+            final = self.remaining == 0
+            tensors = [pb.Tensor(k, v) for k, v in arrays.items() if self.outputs is None or k in self.outputs]
+            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
+            self.closed = final
+
+    def close_with_error(self, msg: str) -> None:
+        pb = self.pb
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.sender.send(pb.InferenceResponse(error=pb.TritonError(msg)),
+                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def close_cancelled(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class RowStream:
+    """One row of a request: its samples' streams, echo, context ids and token times."""
+
+    def __init__(self, state: RequestState, engine, metrics, tokenizer, row: int, rid: str, parsed,
+                 prompt_ids: List[int], n: int, arrival: float, on_done):
+        self.state, self.engine, self.metrics = state, engine, metrics
+        self.row, self.rid, self.p, self.n = row, rid, parsed, n
+        self.num_input = len(prompt_ids)
+        self.arrival = arrival
+        self.on_done = on_done  # called once when the row is over (finished, failed or cancelled)
+        # With exclude_input_in_output false, output_ids start with the prompt ids and
+        # text_output with the prompt (tensorrtllm_backend's convention); both go out once.
+        self.echo_ids = [] if parsed.exclude_input_in_output else list(prompt_ids)
+        self.echo_text = "" if parsed.exclude_input_in_output else (
+            parsed.prompt if parsed.prompt is not None else tokenizer.decode(prompt_ids) if tokenizer else "")
+        self.sent_ids = [[] for _ in range(n)]   # ids already sent, per sample (context_ids source)
+        self.done = [False] * n
+        self.token_times = [[] for _ in range(n)]
+        self.over = False
+
+    def _finish(self) -> None:
+        if not self.over:
+            self.over = True
+            self.on_done(self)
+
+    def cancel(self) -> None:
+        """The client cancelled (or another row failed): stop the engine request, close."""
+        self.engine.abort(self.rid)
+        self.state.close_cancelled()
+        self._finish()
+
+    def on_output(self, out) -> None:
+        if self.over:
+            return
+        if isinstance(out, BaseException):
+            self.state.close_with_error(f"tritium: request failed: {type(out).__name__}: {out}")
+            self._finish()
+            return
+        if self.state.closed:
+            self.cancel()
+            return
+        try:
+            self._emit_all(out)
+        except Exception as e:  # a response that cannot be built fails this request only
+            self.engine.abort(self.rid)
+            self.state.close_with_error(f"tritium: request failed: {type(e).__name__}: {e}")
+            self._finish()
+
+    def _emit_all(self, out) -> None:
+        now = time.monotonic()
+        p = self.p
+        for c in out.outputs:
+            i = c.index
+            if self.done[i]:
+                continue
+            new_ids = list(c.new_token_ids or [])
+            self.token_times[i].extend([now] * len(new_ids))
+            finished = c.finish_reason is not None
+            self.metrics.add_tokens(0, len(new_ids))
+            if p.stream and (new_ids or c.text_delta or finished):
+                first = not self.sent_ids[i]
+                text = (self.echo_text if first else "") + (c.text_delta or "")
+                out_ids = (self.echo_ids if first else []) + new_ids
+                self._emit(c, text, out_ids, new_ids, self.sent_ids[i], finished)
+                self.sent_ids[i].extend(out_ids)
+            elif finished and not p.stream:
+                self._emit(c, self.echo_text + c.text, self.echo_ids + list(c.token_ids),
+                           list(c.token_ids), [], True)
+            if finished:
+                self.done[i] = True
+                self.metrics.observe_token_times(self.arrival, self.token_times[i])
+        if all(self.done):
+            self.metrics.add_tokens(self.num_input, 0)
+            self._finish()
+
+    def _emit(self, c, text: str, out_ids: List[int], gen_ids: List[int], prev_ids: List[int],
+              finished: bool) -> None:
+        """One response. out_ids: what output_ids carries; gen_ids: the generated ids among them."""
+        p = self.p
+        lps = token_logprobs(c.logprobs, list(c.token_ids)) if p.return_log_probs else []
+        new_lps = lps[len(lps) - len(gen_ids):] if lps and gen_ids else []
+        cum: Optional[float] = c.cum_logprob if p.return_log_probs else None
+        arrays = response_arrays(
+            text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
+            cum_log_prob=cum, log_probs=new_lps, num_input_tokens=self.num_input,
+            num_output_tokens=len(c.token_ids), batch_index=self.row, sequence_index=c.index,
+            context_ids=prev_ids[-NUM_CONTEXT_IDS:])
+        self.state.send(arrays, stream_done=finished)
