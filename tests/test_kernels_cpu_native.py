@@ -1,0 +1,57 @@
+"""The native AVX512-BF16 int8 GEMM (kernels/cpu_gemm.c) vs the torch reference, and Int8Linear's
+use of it for batches. Fresh random shapes and data every run."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tritium.kernels import cpu_native
+from tritium.kernels.gemm_ref import w8a16_gemm_ref
+
+NEEDS = {"avx512f", "avx512bw", "avx512_bf16"}
+pytestmark = pytest.mark.skipif(not NEEDS <= cpu_native._cpu_flags(),
+                                reason="CPU without AVX512-BF16: the runtime uses torch's int8 kernel here")
+
+
+def _case(rng):
+    m, n, k = rng.randint(1, 20), rng.choice([1, 5, 16, 37, 100]), 32 * rng.randint(1, 24)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales = (torch.rand(n) / 50 + 1e-3).to(torch.bfloat16).float()
+    return torch.randn(m, k).to(torch.bfloat16), q, scales
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_w8a16_native_matches_reference(case):
+    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernel did not build"
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    x, q, scales = _case(rng)
+    got = cpu_native.w8a16_gemm(x, q, scales)
+    ref = w8a16_gemm_ref(x.float(), q, scales).float()
+    # same products (bf16 x int8 is exact in float32); only the summation order differs
+    tol = 1e-5 * (x.float().abs() @ (q.float().abs() * scales[:, None]).t()) + 1e-6
+    assert ((got - ref).abs() <= tol).all(), f"seed={seed} shape={tuple(x.shape)}x{tuple(q.shape)}"
+    # each row alone gives the same bits as inside the batch
+    for r in range(x.shape[0]):
+        assert torch.equal(cpu_native.w8a16_gemm(x[r:r + 1], q, scales)[0], got[r]), f"seed={seed} row {r}"
+
+
+def test_int8_linear_uses_native_kernel_for_batches(monkeypatch):
+    from tritium.backend import quant
+    assert cpu_native.available()
+    n, k = 48, 96
+    lin = quant.Int8Linear(k, n, False, torch.bfloat16)
+    lin.qweight.copy_(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+    lin.scales.copy_((torch.rand(n) / 50 + 1e-3).to(torch.bfloat16).float())
+    calls = []
+    real = cpu_native.w8a16_gemm
+    monkeypatch.setattr(cpu_native, "w8a16_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for m in (1, quant.NATIVE_INT8_MIN_ROWS - 1, quant.NATIVE_INT8_MIN_ROWS, 33):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ref = w8a16_gemm_ref(x.float(), lin.qweight, lin.scales)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert calls == [quant.NATIVE_INT8_MIN_ROWS, 33]
