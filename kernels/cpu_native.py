@@ -1,11 +1,12 @@
-"""Native CPU GEMM for int8 weights (cpu_gemm.c), built once with the system C compiler.
+"""Native CPU kernels, built once with the system C compiler: the int8 GEMM (cpu_gemm.c) and
+paged decode attention over a bfloat16 KV cache (cpu_decode_attention.c).
 
 On an x86 CPU with AVX512-BF16 the library is compiled on first use into the Tritium cache
 ($TRITIUM_CACHE or ~/.cache/tritium, `native/`, keyed by the source's hash and the compiler) and
 loaded with ctypes; it runs on the OpenMP runtime torch has already loaded, so torch's thread
 count applies. Anywhere else (no compiler, another CPU, TRITIUM_NATIVE_CPU=0) `available()` is
 False and the quantized layers keep torch's packed kernels. The references these kernels are
-tested against is gemm_ref.w8a16_gemm_ref.
+tested against are gemm_ref.w8a16_gemm_ref and paged_attention.paged_attention_ref.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Optional
 
 import torch
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemm.c")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_decode_attention.c")]
 _FLAGS = ["-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -43,17 +45,19 @@ def _cache_dir() -> str:
 
 
 def _build(cc: str) -> str:
-    with open(_SRC, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in _SRCS:
+        with open(path, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    out = os.path.join(_cache_dir(), f"tritium_cpu_gemm-{key}.so")
+    out = os.path.join(_cache_dir(), f"tritium_cpu-{key}.so")
     if os.path.exists(out):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, _SRC, "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *_FLAGS, *_SRCS, "-lm", "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, out)  # atomic: concurrent first uses never load half a file
     finally:
         if os.path.exists(tmp):
@@ -79,6 +83,9 @@ def _lib() -> Optional[ctypes.CDLL]:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.tritium_w8a16_gemm.argtypes = [p, p, p, p, i64, i64, i64]
     lib.tritium_w8a16_gemm.restype = None
+    lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
+                                              ctypes.c_float, p]
+    lib.tritium_paged_decode_bf16.restype = None
     return lib
 
 
@@ -107,3 +114,29 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     _lib().tritium_w8a16_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(),
                               xb.shape[0], n, k)
     return y
+
+
+MAX_GQA_GROUP, MAX_HEAD_DIM = 16, 256  # the decode kernel's MAXG and MAXD
+
+
+def decode_supported(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
+    """Whether paged_decode_bf16 takes this layer: bfloat16 q and cache (no KV quantization),
+    head_dim a multiple of 32 up to 256, at most 16 query heads per KV head."""
+    hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and k_scale is None
+            and d % _ALIGN == 0 and d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GQA_GROUP
+            and q.is_contiguous() and k_cache.is_contiguous())
+
+
+def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Decode attention for the rows of q listed in `rows` (int64 (n, 4): token row, block-table
+    row, first key position, context length), written into the same rows of out (T, Hq, D)."""
+    assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and out.is_contiguous()
+    assert rows.dtype == torch.int64 and rows.is_contiguous() and v_cache.is_contiguous()
+    cols = rows.t().contiguous()
+    tok, seq, lo, ln = cols[0], cols[1], cols[2], cols[3]
+    _lib().tritium_paged_decode_bf16(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        tok.data_ptr(), seq.data_ptr(), lo.data_ptr(), ln.data_ptr(), rows.shape[0], q.shape[1],
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), out.data_ptr())

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from .kv_write import dequantize_kv_ref
 
 
@@ -158,7 +159,24 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
     return plan
 
 
+def _native_rows(meta, rows, seq_lens, window) -> torch.Tensor:
+    """(n, 4) int64 [token row, block-table row, first key, context length] of the decode rows,
+    built once per step and window (cached on the metadata like the plans)."""
+    cache = meta.__dict__.setdefault("_cpu_native_rows", {})
+    if window not in cache:
+        cache[window] = torch.tensor(
+            [[t, b, max(0, n - window) if window is not None else 0, n] for (b, t), n in zip(rows, seq_lens)],
+            dtype=torch.int64)
+    return cache[window]
+
+
 def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, k_scale, v_scale):
+    if cpu_native.decode_supported(q, k_cache, k_scale) and meta.block_tables.dtype == torch.int32 \
+            and cpu_native.available():
+        # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
+        cpu_native.paged_decode_bf16(q, k_cache, v_cache, meta.block_tables.contiguous(),
+                                     _native_rows(meta, rows, seq_lens, window), scale, out)
+        return
     # One workspace per step (kept on the step's metadata, like the plans): every layer and group
     # of the step reuses its two gather buffers; engines in other threads have their own.
     ws = meta.__dict__.setdefault("_cpu_gather_workspace", {})

@@ -140,3 +140,23 @@ def test_decode_grouping_is_the_cheapest_contiguous_partition():
         assert [a for a, _ in got] == [0] + [b for _, b in got][:-1] and got[-1][1] == n  # a partition
         assert all(b - a <= max_group for a, b in got)
         assert cost(got) == best
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(9, 3, 64, 16, None), (8, 1, 32, 4, None), (4, 4, 128, 8, 6),
+                                                 (16, 2, 64, 16, 13)])
+def test_native_bf16_decode_matches_dense(hq, hkv, d, bs, window):
+    """The native AVX512-BF16 decode kernel (bf16 cache, head_dim % 32 == 0) on a mixed batch:
+    its decode rows, and the prefill rows torch computes beside them, against float64 attention."""
+    from tritium.kernels import cpu_native
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
+        pytest.skip("CPU without AVX512-BF16: decode rows use SDPA here")
+    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
+    seed = random.randrange(1 << 30)
+    shapes, q, qs, kv, kc, vc, meta, _, _ = make_case(seed, hq, hkv, d, bs, window, dtype=torch.bfloat16)
+    assert cpu_native.decode_supported(q, kc, None)
+    out = paged_attention_cpu(q, kc, vc, meta, d ** -0.5, window)
+    start = 0
+    for (qlen, _), qb, (k, v) in zip(shapes, qs, kv):
+        torch.testing.assert_close(out[start:start + qlen].double(), dense(qb, k, v, qlen, d ** -0.5, window),
+                                   atol=2e-2, rtol=2e-2, msg=lambda m: f"seed={seed}: {m}")
+        start += qlen
