@@ -6,17 +6,17 @@
  * computed in float32 with the online softmax of FlashAttention (Dao et al., 2022) over chunks
  * of CHUNK keys. The grp query heads that share a KV head (GQA, HF repeat_kv order: query head
  * h reads KV head h / grp) are handled together, so each key and value is read once for them.
- * Work items are (row, KV head) pairs, spread over threads with OpenMP.
+ * Work items are rows, spread over threads with OpenMP.
  *
  * Layouts: q, out (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D);
- * block_tables (B, table_stride) int32. Requires D % 32 == 0, D <= MAXD, Hq / Hkv <= MAXG.
+ * block_tables (B, table_stride) int32. Requires D % 32 == 0, Hq <= MAXH, Hq * D <= MAXQD.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-#define MAXG 16
-#define MAXD 256
+#define MAXH 64      /* query heads */
+#define MAXQD 8192   /* query heads x head_dim */
 #define CHUNK 64
 
 /* exp for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial of e^r
@@ -48,41 +48,49 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-static void decode_one(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int32_t *table, int64_t lo, int64_t len, int64_t grp, int64_t hkv,
-                       int64_t h, int64_t D, int64_t BS, float scale, uint16_t *out) {
-    const int64_t dv = D / 16;         /* float32 vectors per head vector */
-    __m512bh qv[MAXG][MAXD / 32];      /* q rows as bf16 pairs for VDPBF16PS */
-    float o[MAXG][MAXD], m[MAXG], l[MAXG], s[MAXG][CHUNK];
-    for (int64_t r = 0; r < grp; r++) {
-        for (int64_t c = 0; c < D / 32; c++)
-            qv[r][c] = (__m512bh)_mm512_loadu_si512((const void *)(q + r * D + 32 * c));
-        for (int64_t d = 0; d < D; d++) o[r][d] = 0.0f;
+/* One decode row, every head: the keys of a position are contiguous over the KV heads in the
+ * cache (Hkv * D values), so the row's cache lines are read once, in order, for all heads. */
+static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
+                       int64_t D, int64_t BS, float scale, uint16_t *out) {
+    const int64_t grp = hq / hkv, dv = D / 16, dp = D / 32;
+    __m512bh qv[MAXQD / 32];               /* q rows as bf16 pairs for VDPBF16PS */
+    float o[MAXQD], m[MAXH], l[MAXH], s[MAXH][CHUNK];
+    for (int64_t c = 0; c < hq * dp; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(q + 32 * c));
+    for (int64_t d = 0; d < hq * D; d++) o[d] = 0.0f;
+    for (int64_t r = 0; r < hq; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    const int64_t row_stride = hkv * D; /* elements between consecutive slots of a block */
+    const int64_t row = hkv * D; /* elements of one cache slot: every KV head of one position */
     for (int64_t j0 = lo; j0 < len; j0 += CHUNK) {
         const int64_t nj = len - j0 < CHUNK ? len - j0 : CHUNK;
         for (int64_t j = 0; j < nj; j++) {
             const int64_t pos = j0 + j;
-            const uint16_t *kp = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row_stride + h * D;
-            for (int64_t r = 0; r < grp; r++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t c = 0; c < D / 32; c++)
-                    acc = _mm512_dpbf16_ps(acc, qv[r][c], (__m512bh)_mm512_loadu_si512((const void *)(kp + 32 * c)));
-                s[r][j] = _mm512_reduce_add_ps(acc) * scale;
+            const uint16_t *kp = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+            if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
+                const int64_t p4 = pos + 4;
+                const char *nk = (const char *)(k_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row);
+                for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
             }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g = 0; g < grp; g++) {
+                    const int64_t r = h * grp + g;
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < dp; c++)
+                        acc = _mm512_dpbf16_ps(acc, qv[r * dp + c],
+                                               (__m512bh)_mm512_loadu_si512((const void *)(kp + h * D + 32 * c)));
+                    s[r][j] = _mm512_reduce_add_ps(acc) * scale;
+                }
         }
-        for (int64_t r = 0; r < grp; r++) {
+        for (int64_t r = 0; r < hq; r++) {
             float mx = m[r];
             for (int64_t j = 0; j < nj; j++) mx = s[r][j] > mx ? s[r][j] : mx;
             const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
             __m512 vmx = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < nj; j += 16) {
                 __mmask16 k = nj - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nj - j)) - 1);
-                __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, &s[r][j]), vmx));
-                e = _mm512_maskz_mov_ps(k, e);
+                __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, &s[r][j]), vmx)));
                 _mm512_mask_storeu_ps(&s[r][j], k, e);
                 sum = _mm512_add_ps(sum, e);
             }
@@ -90,22 +98,30 @@ static void decode_one(const uint16_t *q, const uint16_t *k_cache, const uint16_
             m[r] = mx;
             __m512 vc = _mm512_set1_ps(corr);
             for (int64_t c = 0; c < dv; c++)
-                _mm512_storeu_ps(&o[r][16 * c], _mm512_mul_ps(_mm512_loadu_ps(&o[r][16 * c]), vc));
+                _mm512_storeu_ps(&o[r * D + 16 * c], _mm512_mul_ps(_mm512_loadu_ps(&o[r * D + 16 * c]), vc));
         }
         for (int64_t j = 0; j < nj; j++) {
             const int64_t pos = j0 + j;
-            const uint16_t *vp = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row_stride + h * D;
-            for (int64_t c = 0; c < dv; c++) {
-                __m512 vv = bf16x16_to_f32(vp + 16 * c);
-                for (int64_t r = 0; r < grp; r++)
-                    _mm512_storeu_ps(&o[r][16 * c],
-                                     _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, _mm512_loadu_ps(&o[r][16 * c])));
+            const uint16_t *vp = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+            if (j + 4 < nj) {
+                const int64_t p4 = pos + 4;
+                const char *nv = (const char *)(v_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row);
+                for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
             }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t c = 0; c < dv; c++) {
+                    __m512 vv = bf16x16_to_f32(vp + h * D + 16 * c);
+                    for (int64_t g = 0; g < grp; g++) {
+                        const int64_t r = h * grp + g;
+                        float *op = &o[r * D + 16 * c];
+                        _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, _mm512_loadu_ps(op)));
+                    }
+                }
         }
     }
-    for (int64_t r = 0; r < grp; r++) {
+    for (int64_t r = 0; r < hq; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r][d] * inv);
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
     }
 }
 
@@ -114,12 +130,10 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out) {
-    const int64_t grp = hq / hkv;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < nrows * hkv; item++) {
-        const int64_t i = item / hkv, h = item % hkv;
-        const int64_t off = tok[i] * hq * D + h * grp * D;
-        decode_one(q + off, k_cache, v_cache, block_tables + seq[i] * table_stride, lo[i], len[i], grp, hkv,
-                   h, D, BS, scale, out + off);
+    for (int64_t i = 0; i < nrows; i++) {
+        const int64_t off = tok[i] * hq * D;
+        decode_row(q + off, k_cache, v_cache, block_tables + seq[i] * table_stride, lo[i], len[i], hq, hkv, D,
+                   BS, scale, out + off);
     }
 }

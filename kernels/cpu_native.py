@@ -116,15 +116,15 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     return y
 
 
-MAX_GQA_GROUP, MAX_HEAD_DIM = 16, 256  # the decode kernel's MAXG and MAXD
+MAX_HEADS, MAX_HEADS_X_DIM = 64, 8192  # the decode kernel's MAXH and MAXQD
 
 
 def decode_supported(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
     """Whether paged_decode_bf16 takes this layer: bfloat16 q and cache (no KV quantization),
-    head_dim a multiple of 32 up to 256, at most 16 query heads per KV head."""
+    head_dim a multiple of 32, at most 64 query heads and 8192 query values per token."""
     hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and k_scale is None
-            and d % _ALIGN == 0 and d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GQA_GROUP
+            and d % _ALIGN == 0 and hq <= MAX_HEADS and hq * d <= MAX_HEADS_X_DIM and hq % hkv == 0
             and q.is_contiguous() and k_cache.is_contiguous())
 
 
