@@ -278,6 +278,10 @@ class _OpenAISession:
         if extra > 0 and res.chunk_tokens:
             res.chunk_tokens[-1] += extra
 
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
 
 class InProcessDriver:
     """The same engine in this process, through AsyncLLMEngine (no server, no network)."""

@@ -44,6 +44,7 @@ def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, lab
     t0 = [0.0]
     thread_cpu = [0.0] * num_workers
     failures: List[BaseException] = []
+    crashes: List[BaseException] = []
     bar = _progress_bar(len(requests), desc or label, progress)
 
     def worker(w: int) -> None:
@@ -71,6 +72,8 @@ def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, lab
             thread_cpu[w] = time.thread_time() - cpu0
         except threading.BrokenBarrierError:
             pass
+        except BaseException as e:  # a bug in a driver: report it, do not hang the run
+            crashes.append(e)
         finally:
             session.close()
 
@@ -89,6 +92,8 @@ def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, lab
     bar.close()
     if failures:
         raise OSError(f"could not open a session with {driver.describe()}: {failures[0]}")
+    if crashes:
+        raise RuntimeError(f"benchmark worker failed: {crashes[0]!r}") from crashes[0]
     cpu = sum(thread_cpu) if driver.in_process else time.process_time() - cpu0
     done = [r for r in results if r is not None]
     end = max((r.t_end for r in done if r.t_end is not None), default=t0[0])

@@ -34,6 +34,8 @@ class SuiteOptions:
             raise ValueError(f"--single-stream must be >= 0, got {self.single_stream}")
         if self.single_stream and not (self.single_stream_words >= 2 and self.single_stream_tokens >= 1):
             raise ValueError("--single-stream-words must be >= 2 and --single-stream-tokens >= 1")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 requests/s, got {self.request_rate}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
