@@ -171,7 +171,8 @@ class OpenAIDriver:
 
     Sends temperature 0, ignore_eos (llama-server and vLLM honour it) and
     stream_options.include_usage; each streamed chunk with a choice counts as one token (as
-    llama-server and vLLM stream), and the final usage.completion_tokens, when present, is the
+    llama-server and vLLM stream), except a final chunk with finish_reason and no text
+    (llama-server's closing chunk); the final usage.completion_tokens, when present, is the
     authoritative count (tokens it reports beyond the chunks are dated to the last chunk).
     """
     name = "openai-sse"
@@ -266,7 +267,9 @@ class _OpenAISession:
             if "error" in d:
                 res.error = str(d["error"])[:200]
                 break
-            if d.get("choices"):
+            choice = (d.get("choices") or [None])[0]
+            # llama-server ends with an empty-text chunk carrying finish_reason: no token in it.
+            if choice is not None and (choice.get("finish_reason") is None or choice.get("text")):
                 res.chunk_times.append(t)
                 res.chunk_tokens.append(1)
             usage = d.get("usage") or {}

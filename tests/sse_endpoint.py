@@ -2,8 +2,9 @@
 AsyncLLMEngine, for testing `tritium bench --openai-url` without llama-server.
 
 It is a real endpoint: it parses the request, runs the engine, streams one `data:` chunk per
-engine step (choices[0].text = the step's text delta), then a final chunk with finish_reason and
-`usage` {prompt_tokens, completion_tokens}, then `data: [DONE]`. It records every request body
+engine step (choices[0].text = the step's text delta), then a final chunk with `usage`
+{prompt_tokens, completion_tokens} (as llama-server: an empty-text choice with finish_reason; or
+as vLLM: no choice), then `data: [DONE]`. It records every request body
 and, per request, the perf_counter times at which it received it and wrote each chunk (the same
 clock as the benchmark's, since both run in the test process). `short_by` > 0 makes it stop that
 many tokens early (a server that ends before max_tokens) so the mismatch report can be tested.
@@ -20,9 +21,9 @@ from tritium.backend.sampling_params import SamplingParams
 
 
 class SSEEndpoint:
-    def __init__(self, engine_dir: str, model: str = "tiny", short_by: int = 0):
+    def __init__(self, engine_dir: str, model: str = "tiny", short_by: int = 0, closing: str = "llama"):
         self.engine = AsyncLLMEngine(engine_dir, device="cpu")
-        self.model, self.short_by = model, short_by
+        self.model, self.short_by, self.closing = model, short_by, closing
         self.bodies, self.log = [], {}  # log: prompt -> {"received": t, "writes": [t, ...]}
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -82,8 +83,11 @@ class SSEEndpoint:
                 usage = {"prompt_tokens": len(final.prompt_token_ids),
                          "completion_tokens": len(final.outputs[0].token_ids)}
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                # The final chunk carries no new token (as vLLM's usage chunk): no choices.
-                self._event({"id": rid, "object": "text_completion", "model": ep.model, "choices": [],
+                # The final chunk carries no new token: llama-server sends an empty-text choice with
+                # finish_reason, vLLM's usage chunk has no choices.
+                choices = [{"index": 0, "text": "", "finish_reason": final.outputs[0].finish_reason}] \
+                    if ep.closing == "llama" else []
+                self._event({"id": rid, "object": "text_completion", "model": ep.model, "choices": choices,
                              "usage": usage})
                 self._write(b"data: [DONE]\n\n")
                 self._write(b"")

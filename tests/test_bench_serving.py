@@ -179,7 +179,7 @@ def test_bench_openai_url_against_sse_endpoint(tiny_engine, capsys):
 
 
 def test_bench_openai_reports_token_count_mismatch(tiny_engine, capsys):
-    with SSEEndpoint(tiny_engine("llama"), short_by=1) as ep:
+    with SSEEndpoint(tiny_engine("llama"), short_by=1, closing="vllm") as ep:
         res, err = run_json(capsys, "bench", "--openai-url", ep.url + "/v1", "--json", *SMALL)
     for s in res["runs"]["openai"]:
         assert s["count_mismatches"] == s["num_requests"] and s["errors"] == 0
