@@ -116,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
 def make_targets(args) -> dict:
     """{name: driver} for the systems given on the command line, each checked to answer."""
     from tritium.client import bench_drivers as bd
+    from tritium.client import bench_openai as bo
     targets = {}
     if args.url:
         targets["tritium-grpc"] = bd.TritonGrpcDriver(args.url, args.model, args.timeout)
     if args.openai_url:
-        targets["openai"] = bd.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
+        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
     for d in targets.values():
         d.check()
     if args.engine:

@@ -125,7 +125,8 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     import dataclasses
 
     from tritium.builder.repository import write_repository
-    from tritium.client.bench_drivers import InProcessDriver, OpenAIDriver, TritonGrpcDriver
+    from tritium.client.bench_drivers import InProcessDriver, TritonGrpcDriver
+    from tritium.client.bench_openai import OpenAIDriver
     from tritium.client.bench_suite import run_suite
     from tritium.client.llamacpp import LlamaServer
     from tritium.client.proc_cpu import group_cpu_seconds

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from sse_endpoint import SSEEndpoint
-from tritium.client.bench_drivers import OpenAIDriver, RequestResult, completions_url
+from tritium.client.bench_drivers import RequestResult
+from tritium.client.bench_openai import OpenAIDriver, completions_url
 from tritium.client.bench_report import distribution, itl_samples_s, summarize, tpot_s
 from tritium.client.bench_runner import RunResult, run_requests
 from tritium.client.bench_workload import (WorkloadSpec, make_requests, parse_concurrency, poisson_arrivals,
