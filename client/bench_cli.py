@@ -1,209 +1,167 @@
-"""`tritium bench --engine DIR`: offline throughput of the in-flight engine vs Hugging Face generate.
+"""`tritium bench`: serving benchmark of Tritium (and any OpenAI-compatible server), streaming.
 
-A fixed, seeded workload (default 64 requests, prompts of 16-512 random tokens, outputs of
-16-256 tokens, greedy, EOS ignored so every system generates exactly the same number of tokens)
-runs through:
-  1. Tritium's LLMEngine, all requests submitted at once (in-flight batching, paged KV);
-  2. HF transformers `generate`, one request at a time;
-  3. HF `generate` on static batches of 16 (left padded; a batch runs until its longest output,
-     only each request's own tokens count as output).
-It prints output tokens/s of each, the ratios, and the fraction of allocated KV memory (blocks in
-use x block_size) holding live tokens, averaged over engine steps. With the HF baselines, Tritium
-runs once before and once after them and the ratios use its mean speed, so a machine that slows
-down or speeds up during the run does not favour either side. transformers is imported only
-here, never by the runtime.
+Systems (give one or more; each runs the identical workload, interleaved run by run):
+  --url HOST:PORT --model NAME   a Tritium model on tritonserver, tritonclient gRPC streaming
+  --openai-url URL               any OpenAI-compatible /v1/completions with stream: true
+                                 (e.g. llama.cpp's llama-server), ignore_eos sent
+  --engine DIR                   the same engine in this process through AsyncLLMEngine
+                                 (with a server system too: server / in-process = its overhead)
+Workload (seeded, fixed): prompts of 12-384 words of shipped prose, 16-256 output tokens, greedy
+with EOS ignored; 32 requests at concurrency 16 (--concurrency 1,4,16,64 sweeps; --request-rate R
+sends them as a seeded Poisson process), then 3 requests one at a time with 128 output tokens
+after a 12-word (~16-token) prompt. Reports output tok/s, requests/s, TTFT, inter-token latency,
+TPOT and end-to-end latency (p50/p90/p99), errors, token counts and the client's CPU use.
+
+`tritium bench --engine DIR --hf-baselines` is the older offline comparison of the engine with
+Hugging Face transformers `generate` (see tritium/client/bench_hf.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import sys
-import time
+
+from tritium.client.bench_workload import WorkloadSpec, parse_concurrency
+
+_HF_ONLY = ("hf_model", "hf_batch_size", "hf_sequential_requests", "prompt_len")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="throughput benchmark: Tritium engine vs HF transformers generate",
+    p = sub.add_parser("bench", help="serving benchmark: Triton gRPC, OpenAI SSE or in-process (or vs HF)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", required=True, help="engine directory (from `tritium build`)")
-    p.add_argument("--hf-model", default=None,
+    g = p.add_argument_group("systems")
+    g.add_argument("--url", default=None, help="Triton gRPC endpoint HOST:PORT (e.g. 127.0.0.1:8001)")
+    g.add_argument("--model", default="smollm2", help="Triton model name with --url (default smollm2)")
+    g.add_argument("--openai-url", default=None,
+                   help="OpenAI-compatible server, http://HOST:PORT[/v1[/completions]]")
+    g.add_argument("--openai-model", default=None, help="model name sent to it (default: first of /v1/models)")
+    g.add_argument("--engine", default=None, help="engine directory: run it in-process too")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=None, help="requests per run (default 32; 64 with "
+                                                                  "--hf-baselines)")
+    w.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"),
+                   help="prompt length range in words (default 12 384)")
+    w.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output tokens range (default 16 256)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    w.add_argument("--concurrency", default="16", help="requests in flight; a list sweeps, e.g. 1,4,16,64 "
+                                                       "(default 16)")
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals at R requests/s (seeded), capped by --concurrency (default: all at once)")
+    w.add_argument("--single-stream", type=int, default=3, help="requests sent one at a time after the "
+                                                                "workload (default 3; 0 = none)")
+    w.add_argument("--single-stream-words", type=int, default=12, help="their prompt words (default 12)")
+    w.add_argument("--single-stream-tokens", type=int, default=128, help="their output tokens (default 128)")
+    w.add_argument("--warmup", type=int, default=2, help="unmeasured requests per system first (default 2)")
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a response (default 600)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    e = p.add_argument_group("in-process engine (--engine)")
+    e.add_argument("--threads", type=int, default=None, help="torch intra-op threads in this process")
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    h = p.add_argument_group("HF baselines (--engine DIR --hf-baselines)")
+    h.add_argument("--hf-baselines", action="store_true",
+                   help="instead: offline engine throughput vs HF transformers generate")
+    h.add_argument("--hf-model", default=None,
                    help="HF checkpoint folder or .gguf file for the baselines (default: the engine's build source)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the HF baseline")
-    p.add_argument("--hf-sequential-requests", type=int, default=None,
-                   help="run the one-at-a-time HF baseline on only the first N requests (its tok/s is then "
-                        "measured on that subset; default: all)")
-    p.add_argument("--skip-hf", action="store_true", help="only run Tritium")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every system")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    h.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="prompt length range in random tokens (default 16 512)")
+    h.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the HF baseline (16)")
+    h.add_argument("--hf-sequential-requests", type=int, default=None,
+                   help="run the one-at-a-time HF baseline on only the first N requests")
+    h.add_argument("--skip-hf", action="store_true", help="only run Tritium's offline engine")
     p.set_defaults(func=run)
 
 
-def make_workload(num_requests, prompt_len, output_len, vocab_size, seed, avoid_ids=()):
-    """[(prompt_ids, output_len)]: uniform lengths, random non-special token ids, all from `seed`."""
-    for name, (lo, hi) in (("--prompt-len", prompt_len), ("--output-len", output_len)):
-        if not 1 <= lo <= hi:
-            raise ValueError(f"{name} needs 1 <= MIN <= MAX, got {lo} {hi}")
-    if num_requests < 1:
-        raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
-    rng = random.Random(seed)
-    avoid = set(avoid_ids)
-    out = []
-    for _ in range(num_requests):
-        n = rng.randint(*prompt_len)
-        ids = []
-        while len(ids) < n:
-            t = rng.randrange(min(100, vocab_size - 1), vocab_size)
-            if t not in avoid:
-                ids.append(t)
-        out.append((ids, rng.randint(*output_len)))
-    return out
-
-
-def run_tritium(args, workload):
-    """Returns (seconds, output token lists, mean KV live fraction, peak blocks used, stats)."""
-    from tritium.backend.engine import LLMEngine
-    from tritium.backend.sampling_params import SamplingParams
-    engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
-    # Warm-up (allocator, first-call overheads) on a throwaway request.
-    engine.generate(prompt_token_ids=[workload[0][0][:16]], params=SamplingParams(max_tokens=2, temperature=0))
-    engine.block_manager.reset_prefix_cache()
-    for i, (ids, n) in enumerate(workload):
-        engine.add_request(f"b{i}", prompt_token_ids=ids,
-                           params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    outputs, live_sum, steps, peak = {}, 0.0, 0, 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-        st = engine.stats()
-        if st["kv_blocks_used"]:
-            live_sum += st["kv_live_fraction"]
-            steps += 1
-            peak = max(peak, st["kv_blocks_used"])
-    secs = time.perf_counter() - t0
-    return secs, [outputs[f"b{i}"] for i in range(len(workload))], live_sum / max(steps, 1), peak, engine.stats()
-
-
-def hf_source(args):
-    if args.hf_model:
-        return args.hf_model
-    with open(os.path.join(args.engine, "engine.json")) as f:
-        src = json.load(f).get("build", {}).get("source")
-    if not src or not os.path.exists(src):
-        raise ValueError(f"engine build source {src!r} not found; pass --hf-model PATH")
-    return src
-
-
-def load_hf(path, dtype_name, device):
-    import warnings
-
-    import torch
-    from transformers import AutoModelForCausalLM
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if path.lower().endswith(".gguf"):
-            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                         gguf_file=os.path.basename(path), dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
-
-
-def run_hf_sequential(model, workload, device, pad_id):
-    import torch
-    outs = []
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for ids, n in workload:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=pad_id)
-            outs.append(y[0, len(ids):].tolist())
-    return time.perf_counter() - t0, outs
-
-
-def run_hf_static(model, workload, batch_size, device, pad_id):
-    import torch
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for b in range(0, len(workload), batch_size):
-            batch = workload[b:b + batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            x = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(x)
-            for i, (ids, _) in enumerate(batch):  # left padding, as decoder-only batching requires
-                x[i, width - len(ids):] = torch.tensor(ids)
-                mask[i, width - len(ids):] = 1
-            n = max(m for _, m in batch)
-            model.generate(x.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=pad_id)
-    return time.perf_counter() - t0
-
-
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from tritium.backend.config import EngineConfig
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    cfg = EngineConfig.load(args.engine)
-    m = cfg.model
-    specials = set(m.eos_token_ids) | {t for t in (m.bos_token_id, m.pad_token_id) if t is not None}
-    workload = make_workload(args.num_requests, args.prompt_len, args.output_len, m.vocab_size, args.seed, specials)
-    total_out = sum(n for _, n in workload)
-    print(f"workload: {len(workload)} requests, prompt tokens {sum(len(p) for p, _ in workload)}, "
-          f"output tokens {total_out} (seed {args.seed}); torch threads {torch.get_num_threads()}", flush=True)
-    secs, tri_outs, live, peak, st = run_tritium(args, workload)
-    res = {"tritium_seconds": secs, "tritium_tok_s": total_out / secs, "kv_live_fraction": live,
-           "kv_blocks_peak": peak, "kv_blocks_total": st["kv_blocks_total"], "preemptions": st["preemptions"],
-           "output_tokens": total_out, "num_requests": len(workload), "threads": torch.get_num_threads()}
-    print(f"tritium        {res['tritium_tok_s']:9.1f} output tok/s  ({secs:.1f} s, {st['num_steps']} steps, "
-          f"{st['preemptions']} preemptions)", flush=True)
-    print(f"kv live        {100 * live:9.2f} % of allocated KV memory holds live tokens "
-          f"(peak {peak}/{st['kv_blocks_total']} blocks)", flush=True)
-    if not args.skip_hf:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = load_hf(hf_source(args), cfg.dtype, device)
-        pad = m.pad_token_id if m.pad_token_id is not None else (m.eos_token_ids or (0,))[0]
-        seq_work = workload[:args.hf_sequential_requests] if args.hf_sequential_requests else workload
-        seq_secs, hf_outs = run_hf_sequential(model, seq_work, device, pad)
-        res["hf_sequential_tok_s"] = sum(n for _, n in seq_work) / seq_secs
-        res["hf_sequential_requests"] = len(seq_work)
-        same = sum(a == b for a, b in zip(tri_outs, hf_outs))
-        print(f"hf sequential  {res['hf_sequential_tok_s']:9.1f} output tok/s  ({seq_secs:.1f} s over "
-              f"{len(seq_work)} requests; greedy outputs identical to Tritium for {same}/{len(seq_work)})", flush=True)
-        st_secs = run_hf_static(model, workload, args.hf_batch_size, device, pad)
-        res["hf_static_tok_s"] = total_out / st_secs
-        print(f"hf static-{args.hf_batch_size:<4d} {res['hf_static_tok_s']:9.1f} output tok/s  ({st_secs:.1f} s)",
-              flush=True)
-        del model
-        # Tritium again after the baselines: on a shared machine the speed drifts over the minutes
-        # the HF runs take, so the ratios use the mean of Tritium's runs before and after them.
-        secs2, tri_outs2, _, _, _ = run_tritium(args, workload)
-        res["tritium_seconds_runs"] = [secs, secs2]
-        res["tritium_tok_s"] = 2 * total_out / (secs + secs2)
-        print(f"tritium again  {total_out / secs2:9.1f} output tok/s  ({secs2:.1f} s; outputs "
-              f"{'identical' if tri_outs2 == tri_outs else 'DIFFERENT'}); mean of both runs "
-              f"{res['tritium_tok_s']:.1f} tok/s", flush=True)
-        res["speedup_vs_hf_sequential"] = res["tritium_tok_s"] / res["hf_sequential_tok_s"]
-        res["speedup_vs_hf_static"] = res["tritium_tok_s"] / res["hf_static_tok_s"]
-        print(f"ratios         {res['speedup_vs_hf_sequential']:.1f}x HF sequential (target >= 10x), "
-              f"{res['speedup_vs_hf_static']:.1f}x HF static-{args.hf_batch_size} (target >= 3x), "
-              f"KV live {100 * live:.1f}% (target >= 96%)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.hf_baselines:
+        return _run_hf(args)
+    for name in _HF_ONLY:
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} needs --hf-baselines")
+    if not (args.url or args.openai_url or args.engine):
+        raise ValueError("give a system: --url HOST:PORT, --openai-url URL and/or --engine DIR")
+    from tritium.client.bench_suite import SuiteOptions, run_suite
+    opts = SuiteOptions(WorkloadSpec(args.num_requests or 32, tuple(args.prompt_words), tuple(args.output_len),
+                                     args.seed),
+                        parse_concurrency(args.concurrency), args.request_rate, args.single_stream,
+                        args.single_stream_words, args.single_stream_tokens, args.warmup,
+                        progress=not args.no_progress)
+    opts.validate()
+    targets = make_targets(args)
+    try:
+        result, raw = run_suite(targets, opts)
+    finally:
+        for d in targets.values():
+            d.close()
+    out = sys.stderr if args.json else sys.stdout
+    print_result(result, out)
+    if args.plot:
+        from tritium.client.bench_plots import write_plots
+        result["plots"] = write_plots(args.plot, raw)
+        print(f"plots: {', '.join(result['plots'])}", file=out)
     if args.json:
-        print(json.dumps(res, sort_keys=True))
+        print(json.dumps(result, sort_keys=True))
     sys.stdout.flush()
     return 0
+
+
+def make_targets(args) -> dict:
+    """{name: driver} for the systems given on the command line, each checked to answer."""
+    from tritium.client import bench_drivers as bd
+    from tritium.client import bench_openai as bo
+    targets = {}
+    if args.url:
+        targets["tritium-grpc"] = bd.TritonGrpcDriver(args.url, args.model, args.timeout)
+    if args.openai_url:
+        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
+    for d in targets.values():
+        d.check()
+    if args.engine:
+        import torch
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        targets["in-process"] = bd.InProcessDriver(
+            args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
+    return targets
+
+
+def print_result(result: dict, out) -> None:
+    """The human-readable table, warnings and ratios."""
+    from tritium.client.bench_report import HEADER, format_row, warnings_for
+    wl = result["workload"]
+    print(f"workload: {wl['num_requests']} requests, prompts {wl['prompt_words'][0]}-{wl['prompt_words'][1]} "
+          f"words, outputs {wl['output_tokens'][0]}-{wl['output_tokens'][1]} tokens (seed {wl['seed']}), EOS "
+          f"ignored; single stream: {wl['single_stream']} x {wl['single_stream_tokens']} tokens", file=out)
+    print(HEADER, file=out)
+    notes = []
+    for system, runs in result["runs"].items():
+        for s in runs:
+            print(format_row(system, s), file=out)
+            notes += warnings_for(system, s)
+    for line in notes:
+        print("warning: " + line, file=out)
+    r = result["ratios"]
+    for system, by_label in r.items():
+        if system != "reference":
+            figs = ", ".join(f"{label} {v:.2f}x" for label, v in by_label.items() if v is not None)
+            print(f"output tok/s {system} / {r['reference']}: {figs}", file=out)
+    out.flush()
+
+
+def _run_hf(args) -> int:
+    if not args.engine or args.url or args.openai_url:
+        raise ValueError("--hf-baselines needs --engine DIR and takes no --url / --openai-url")
+    from tritium.client.bench_hf import run_hf_baselines
+    args.num_requests = args.num_requests or 64
+    args.prompt_len = args.prompt_len or [16, 512]
+    args.hf_batch_size = args.hf_batch_size or 16
+    return run_hf_baselines(args)

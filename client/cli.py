@@ -16,7 +16,8 @@ SUBCOMMANDS = [
     "tritium.client.eval_cli",      # eval (perplexity, KL / top-1 vs a reference engine)
     "tritium.client.serve_cli",     # serve (real tritonserver)
     "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
-    "tritium.client.bench_cli",     # bench (engine throughput vs HF transformers)
+    "tritium.client.bench_cli",     # bench (serving benchmark; --hf-baselines: engine vs HF transformers)
+    "tritium.client.compare_cli",   # compare (side by side with llama.cpp's llama-server)
 ]
 
 

@@ -73,11 +73,11 @@ def test_bad_input_file_line(tiny_engine, tmp_path, capsys):
 
 
 def test_bench_reports_consistent_figures(tiny_engine, capsys):
-    """`tritium bench` on a tiny engine against its own HF checkpoint: every figure is there, the
+    """`tritium bench --hf-baselines` on a tiny engine against its own HF checkpoint: every figure is there, the
     ratios are the printed speeds' ratios, Tritium's speed is over its runs before and after the
     baselines, and both Tritium runs and HF produce the same greedy tokens (fp32)."""
     eng = tiny_engine("llama")
-    rc, objs, out = run_cli(capsys, "bench", "--engine", eng, "--num-requests", "6", "--prompt-len", "4", "12",
+    rc, objs, out = run_cli(capsys, "bench", "--engine", eng, "--hf-baselines", "--num-requests", "6", "--prompt-len", "4", "12",
                             "--output-len", "2", "6", "--hf-batch-size", "3", "--device", "cpu", "--json")
     assert rc == 0
     res = objs[-1]

@@ -1,0 +1,96 @@
+"""The side-by-side table of `tritium compare`: every system's figures per pair, and the ratios."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from tritium.client.compare_cli import PAIRS
+
+WEIGHTS = {"bf16": "bf16", "int8": "int8", "int4": "int4-rtn"}
+
+
+def _mean(xs: List[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
+    """JSON-ready figures: per pair and system, per run label, output tok/s (mean over repeats,
+    each repeat listed), p50 TTFT / ITL / E2E (mean over repeats), errors and count mismatches."""
+    out = {"pairs": {}}
+    for kind in pairs:
+        reps = results[kind]["reps"]
+        figs: Dict[str, Dict[str, dict]] = {}
+        for system in reps[0]["runs"]:
+            figs[system] = {}
+            for label in [s["label"] for s in reps[0]["runs"][system]]:
+                runs = [next(s for s in r["runs"][system] if s["label"] == label) for r in reps]
+                figs[system][label] = {
+                    "output_tok_s": _mean([s["output_tok_s"] for s in runs]),
+                    "output_tok_s_repeats": [s["output_tok_s"] for s in runs],
+                    "ttft_p50_ms": _mean([(s["ttft_ms"] or {}).get("p50") for s in runs]),
+                    "itl_p50_ms": _mean([(s["itl_ms"] or {}).get("p50") for s in runs]),
+                    "e2e_p50_ms": _mean([(s["e2e_ms"] or {}).get("p50") for s in runs]),
+                    "errors": sum(s["errors"] for s in runs),
+                    "count_mismatches": sum(s["count_mismatches"] for s in runs),
+                    "client_cores": _mean([s["client_cores"] for s in runs])}
+        tok = {s: {lab: f["output_tok_s"] for lab, f in by.items()} for s, by in figs.items()}
+        ratios = {"tritium_vs_llama": {lab: _div(v, tok["llama-server"].get(lab))
+                                       for lab, v in tok["tritium-serve"].items()}}
+        if "in-process" in tok:
+            ratios["serve_vs_in_process"] = {lab: _div(v, tok["in-process"].get(lab))
+                                             for lab, v in tok["tritium-serve"].items()}
+        out["pairs"][kind] = {"weights": {"llama-server": PAIRS[kind][1], "tritium": WEIGHTS[kind]},
+                              "figures": figs, "ratios": ratios,
+                              "idle_server_cores": results[kind]["idle_server_cores"],
+                              "llama_server_args": results[kind]["llama_server_cmd"]}
+    if "bf16" in pairs and len(pairs) > 1:
+        base = out["pairs"]["bf16"]["figures"]
+        out["quantized_vs_bf16"] = {
+            system: {kind: {lab: _div(f["output_tok_s"], base[system][lab]["output_tok_s"])
+                            for lab, f in out["pairs"][kind]["figures"][system].items()}
+                     for kind in pairs if kind != "bf16"}
+            for system in base}
+    return out
+
+
+def _f(x: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def format_table(report: dict) -> str:
+    """Plain-text table: one row per (pair, system), then the ratios."""
+    pairs = report["pairs"]
+    labels = list(next(iter(next(iter(pairs.values()))["figures"].values())))
+    head = f"{'pair':<5} {'system':<14} {'weights':<9}" + "".join(
+        f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>12}" for lab in labels) + "  errors"
+    lines = [head]
+    for kind, p in pairs.items():
+        for system, by in p["figures"].items():
+            w = p["weights"]["llama-server" if system == "llama-server" else "tritium"]
+            row = f"{kind:<5} {system:<14} {w:<9}"
+            for lab in labels:
+                f = by[lab]
+                row += f" {_f(f['output_tok_s']):>12} {_f(f['ttft_p50_ms'], '{:.0f}'):>13} " \
+                       f"{_f(f['itl_p50_ms']):>12}"
+            errs = sum(f["errors"] for f in by.values())
+            mism = sum(f["count_mismatches"] for f in by.values())
+            lines.append(row + f"  {errs}" + (f" ({mism} token-count mismatches)" if mism else ""))
+    lines.append("(TTFT and ITL: p50; tok/s: output tokens/s, mean over repeats)")
+    lines.append("ratios of output tok/s:")
+    for kind, p in pairs.items():
+        for name, by in p["ratios"].items():
+            what = {"tritium_vs_llama": "tritium serve / llama-server",
+                    "serve_vs_in_process": "tritium serve / in-process"}[name]
+            lines.append(f"  {kind:<5} {what:<29} " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}" for lab, v in by.items()))
+    for system, by_kind in report.get("quantized_vs_bf16", {}).items():
+        for kind, by in by_kind.items():
+            lines.append(f"  {system} {kind} / bf16: " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}"
+                                                                    for lab, v in by.items()))
+    idle = ", ".join(f"{kind}: " + " / ".join(f"{s} {c:.3f}" for s, c in p["idle_server_cores"].items())
+                     for kind, p in pairs.items())
+    lines.append(f"idle servers' CPU (cores, 5 s before measuring): {idle}")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""`tritium compare` pieces that run without llama.cpp: pair parsing, the ratios and the table
+from suite results, the process-group CPU meter, and the flag errors (exit 2, one line)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tritium.client.cli import main
+from tritium.client.compare_cli import parse_pairs
+from tritium.client.compare_report import format_table, summary
+from tritium.client.llamacpp import ensure_llama_cpp
+from tritium.client.proc_cpu import group_cpu_seconds
+
+
+def _run(label, tok_s, ttft=100.0):
+    d = {"mean": ttft, "p50": ttft, "p90": ttft, "p99": ttft, "n": 1}
+    return {"label": label, "output_tok_s": tok_s, "ttft_ms": d, "itl_ms": d, "e2e_ms": d, "errors": 0,
+            "count_mismatches": 0, "client_cores": 0.01}
+
+
+def _pair(llama, serve, inproc):
+    """One pair's results over two repeats; each figure is (c16 tok/s, single tok/s) per repeat."""
+    reps = []
+    for r in range(2):
+        reps.append({"workload": {"num_requests": 32},
+                     "runs": {name: [_run("c16", v[r][0]), _run("single", v[r][1])]
+                              for name, v in (("llama-server", llama), ("tritium-serve", serve),
+                                              ("in-process", inproc))}})
+    return {"reps": reps, "idle_server_cores": {"llama-server": 0.0, "tritium-serve": 0.01},
+            "llama_server_cmd": "-np 16"}
+
+
+def test_summary_ratios_and_table():
+    results = {"bf16": _pair([(100, 50), (120, 70)], [(150, 40), (170, 60)], [(160, 50), (180, 50)]),
+               "int8": _pair([(90, 80), (90, 80)], [(220, 60), (180, 40)], [(200, 50), (200, 50)])}
+    rep = summary(results, ["bf16", "int8"])
+    bf16 = rep["pairs"]["bf16"]
+    assert bf16["figures"]["llama-server"]["c16"]["output_tok_s"] == 110
+    assert bf16["figures"]["llama-server"]["c16"]["output_tok_s_repeats"] == [100, 120]
+    assert bf16["ratios"]["tritium_vs_llama"] == {"c16": pytest.approx(160 / 110), "single": pytest.approx(50 / 60)}
+    assert bf16["ratios"]["serve_vs_in_process"] == {"c16": pytest.approx(160 / 170), "single": 1.0}
+    assert rep["pairs"]["int8"]["weights"] == {"llama-server": "Q8_0", "tritium": "int8"}
+    assert rep["quantized_vs_bf16"]["tritium-serve"]["int8"] == {"c16": pytest.approx(200 / 160),
+                                                                 "single": pytest.approx(50 / 50)}
+    assert rep["quantized_vs_bf16"]["llama-server"]["int8"]["single"] == pytest.approx(80 / 60)
+    table = format_table(rep)
+    assert "int8  tritium-serve  int8" in table and "200.0" in table
+    assert "tritium serve / llama-server  c16 1.45x, single 0.83x" in table
+    assert "tritium-serve int8 / bf16: c16 1.25x, single 1.00x" in table
+
+
+def test_parse_pairs():
+    assert parse_pairs("int4,bf16") == ["int4", "bf16"]
+    for bad in ("", "bf16,bf16", "fp8"):
+        with pytest.raises(ValueError, match="--pairs"):
+            parse_pairs(bad)
+
+
+def test_group_cpu_seconds_counts_a_busy_group():
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.3: pass\ntime.sleep(30)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while group_cpu_seconds(proc.pid) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        used = group_cpu_seconds(proc.pid)
+        assert 0.25 <= used < 5.0
+        assert group_cpu_seconds(os.getpgrp()) > 0  # this test process's group
+    finally:
+        proc.kill()
+        proc.wait()
+    assert group_cpu_seconds(proc.pid) == 0.0  # gone
+
+
+def test_llama_cpp_dir_without_build_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITIUM_LLAMA_CPP_DIR", raising=False)
+    with pytest.raises(ValueError, match="--llama-cpp-dir"):
+        ensure_llama_cpp(str(tmp_path))
+    monkeypatch.setenv("TRITIUM_LLAMA_CPP_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="TRITIUM_LLAMA_CPP_DIR"):
+        ensure_llama_cpp()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--pairs", "bf16,fp4"], "--pairs"), (["--repeats", "0"], "--repeats"),
+    (["--concurrency", "x"], "--concurrency"), (["--gguf", "/no/such.gguf"], "--gguf"),
+    (["--gguf", __file__, "--llama-cpp-dir", "/no/such/dir"], "--llama-cpp-dir")])
+def test_compare_bad_flags_exit_2(capsys, argv, flag):
+    rc = main(["compare", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,206 @@
+"""`tritium bench` serving modes: the seeded workload, the latency maths against numpy, and runs
+against a real tritonserver (--url), a real OpenAI-style SSE endpoint (--openai-url) and the
+in-process engine (--engine). No timed assertions: only counts and the order of timestamps."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from sse_endpoint import SSEEndpoint
+from tritium.client.bench_drivers import RequestResult
+from tritium.client.bench_openai import OpenAIDriver, completions_url
+from tritium.client.bench_report import distribution, itl_samples_s, summarize, tpot_s
+from tritium.client.bench_runner import RunResult, run_requests
+from tritium.client.bench_workload import (WorkloadSpec, make_requests, parse_concurrency, poisson_arrivals,
+                                           prose_words, single_stream_requests)
+from tritium.client.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NAME = "tiny"
+# Small enough for the tiny engines' 256-token context (their tokenizer splits prose finely).
+WORKLOAD = ["--num-requests", "5", "--prompt-words", "4", "14", "--output-len", "2", "7", "--seed", "3",
+            "--warmup", "1", "--no-progress"]
+SMALL = WORKLOAD + ["--single-stream", "2", "--single-stream-words", "6", "--single-stream-tokens", "5"]
+
+
+def run_json(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = [line for line in out.out.splitlines() if line.strip()]
+    assert len(lines) == 1, "--json prints exactly one JSON object on stdout"
+    return json.loads(lines[0]), out.err
+
+
+def test_workload_is_fixed_by_seed_and_tag():
+    spec = WorkloadSpec(40, (12, 384), (16, 256), seed=7)
+    a, b = make_requests(spec, "x"), make_requests(spec, "x")
+    assert a == b
+    other_tag = make_requests(spec, "y")
+    assert [(r.num_words, r.max_tokens) for r in other_tag] == [(r.num_words, r.max_tokens) for r in a]
+    assert all(p.prompt != q.prompt for p, q in zip(a, other_tag))
+    assert [r.max_tokens for r in make_requests(WorkloadSpec(40, (12, 384), (16, 256), seed=8))] != \
+        [r.max_tokens for r in a]
+    vocab = set(prose_words())
+    for r in a:
+        words = r.prompt.split()
+        assert len(words) == r.num_words and 12 <= r.num_words <= 384 and 16 <= r.max_tokens <= 256
+        assert words[:2] == ["Passage", f"x.{r.index}:"] and set(words[2:]) <= vocab
+    assert len({r.prompt.split()[2] for r in a}) > 20  # windows start all over the text
+    single = single_stream_requests(3, 12, 128, seed=0)
+    assert [(r.num_words, r.max_tokens) for r in single] == [(12, 128)] * 3
+    arr = poisson_arrivals(4000, 5.0, seed=1)
+    assert arr == poisson_arrivals(4000, 5.0, seed=1) and arr[0] == 0.0 and np.all(np.diff(arr) >= 0)
+    assert np.mean(np.diff(arr)) == pytest.approx(0.2, rel=0.05)
+    assert poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
+    assert parse_concurrency("1,4,16,64") == [1, 4, 16, 64]
+
+
+def test_latency_figures_match_numpy():
+    rng = np.random.default_rng(0)
+    results = []
+    for i in range(7):
+        n = int(rng.integers(1, 9))
+        counts = rng.integers(1, 4, n).tolist()
+        times = (1.0 + i + np.cumsum(rng.uniform(0.001, 0.2, n))).tolist()
+        results.append(RequestResult(i, sum(counts), t_send=float(i), t_end=times[-1] + 0.01,
+                                     chunk_times=times, chunk_tokens=counts, num_prompt_tokens=10 + i))
+    results.append(RequestResult(7, 5, t_send=2.0, t_end=2.5, error="boom"))
+    s = summarize(RunResult("c4", 4, None, results, duration_s=12.5, client_cpu_s=0.5))
+    ok = results[:7]
+    ttft = np.array([r.chunk_times[0] - r.t_send for r in ok]) * 1000
+    itl = np.concatenate([np.repeat(np.diff(r.chunk_times) / np.array(r.chunk_tokens[1:]), r.chunk_tokens[1:])
+                          for r in ok]) * 1000
+    e2e = np.array([r.t_end - r.t_send for r in ok]) * 1000
+    for key, ref in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
+        for p in (50, 90, 99):
+            assert s[key][f"p{p}"] == pytest.approx(np.percentile(ref, p))
+        assert s[key]["mean"] == pytest.approx(ref.mean()) and s[key]["n"] == ref.size
+    assert len(itl) == sum(sum(r.chunk_tokens[1:]) for r in ok)
+    tpots = [tpot_s(r) for r in ok if len(r.chunk_times) > 1]
+    assert s["tpot_ms"]["n"] == len(tpots)
+    r0 = next(r for r in ok if len(r.chunk_times) > 1)
+    assert tpot_s(r0) == pytest.approx(np.mean(itl_samples_s(r0)))  # evenly spread gaps average to TPOT
+    tokens = sum(sum(r.chunk_tokens) for r in ok)
+    assert s["output_tokens"] == tokens and s["output_tok_s"] == pytest.approx(tokens / 12.5)
+    assert s["request_s"] == pytest.approx(7 / 12.5) and s["errors"] == 1 and s["completed"] == 7
+    assert s["error_examples"] == ["boom"] and s["count_mismatches"] == 0
+    assert s["prompt_tokens"] == sum(10 + i for i in range(7)) and s["client_cores"] == pytest.approx(0.04)
+    assert distribution([]) is None
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, tmp_path_factory):
+    """(engine_dir, tritonserver) for a tiny engine built and served the way a user does it."""
+    from tritium.client.server import TritonServer
+    root = tmp_path_factory.mktemp("bench")
+    engine, repo = str(root / "engine"), str(root / "repo")
+    assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
+                 "--repo", repo, "--name", NAME]) == 0
+    srv = TritonServer(repo, log_file=str(root / "server.log"), load_models=[NAME])
+    srv.start(timeout=240)
+    try:
+        yield engine, srv
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.slow
+def test_bench_url_json_against_real_server(served, capsys, tmp_path):
+    """--url and --engine in one run: every request completes with exactly the requested tokens,
+    both systems see the same prompt token counts, and the ratio is the tok/s ratio."""
+    engine, srv = served
+    res, err = run_json(capsys, "bench", "--url", srv.grpc_url, "--model", NAME, "--engine", engine,
+                        "--concurrency", "1,3", "--json", "--plot", str(tmp_path / "plots"), *SMALL)
+    wl = make_requests(WorkloadSpec(5, (4, 14), (2, 7), seed=3))
+    want = sum(r.max_tokens for r in wl)
+    assert set(res["runs"]) == {"tritium-grpc", "in-process"}
+    for system, runs in res["runs"].items():
+        assert [s["label"] for s in runs] == ["c1", "c3", "single"]
+        for s in runs:
+            assert s["errors"] == 0 and s["count_mismatches"] == 0 and s["completed"] == s["num_requests"]
+            expect = want if s["label"] != "single" else 2 * 5
+            assert s["output_tokens"] == s["requested_tokens"] == expect
+            # one streamed response per generated token: ITL samples = tokens after each first one
+            assert s["itl_ms"]["n"] == s["output_tokens"] - s["num_requests"]
+            assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p99"] and s["ttft_ms"]["n"] == s["num_requests"]
+            assert s["output_tok_s"] == pytest.approx(s["output_tokens"] / s["duration_s"])
+            assert s["client_cpu_s"] >= 0
+    grpc, inproc = ({s["label"]: s for s in res["runs"][n]} for n in ("tritium-grpc", "in-process"))
+    for label in ("c1", "c3", "single"):
+        assert grpc[label]["prompt_tokens"] == inproc[label]["prompt_tokens"] > 0
+        assert res["ratios"]["tritium-grpc"][label] == pytest.approx(
+            grpc[label]["output_tok_s"] / inproc[label]["output_tok_s"])
+    assert res["ratios"]["reference"] == "in-process"
+    assert sorted(os.listdir(tmp_path / "plots")) == ["itl_cdf.png", "throughput_vs_concurrency.png",
+                                                      "ttft_cdf.png"]
+    assert "tritium-grpc" in err and "c3" in err  # the table went to stderr
+
+
+@pytest.mark.slow
+def test_bench_url_poisson_arrivals(served, capsys):
+    _, srv = served
+    res, _ = run_json(capsys, "bench", "--url", srv.grpc_url, "--model", NAME, "--request-rate", "50",
+                      "--concurrency", "4", "--json", *WORKLOAD, "--single-stream", "0")
+    (s,) = res["runs"]["tritium-grpc"]
+    assert s["label"] == "r50c4" and s["request_rate"] == 50 and s["errors"] == 0
+    assert s["output_tokens"] == s["requested_tokens"]
+
+
+def test_bench_openai_url_against_sse_endpoint(tiny_engine, capsys):
+    """--openai-url against a real SSE endpoint: the bench sends what the workload says, and its
+    counts and times agree with what the endpoint wrote (same clock, same process)."""
+    eng = tiny_engine("llama")
+    with SSEEndpoint(eng) as ep:
+        res, _ = run_json(capsys, "bench", "--openai-url", ep.url, "--json", "--concurrency", "2", *SMALL)
+        (c2, single) = res["runs"]["openai"]
+        assert res["systems"]["openai"]["model"] == NAME  # taken from /v1/models
+        sent = [b for b in ep.bodies if not b["prompt"].split()[1].startswith("warm")]
+        wl = make_requests(WorkloadSpec(5, (4, 14), (2, 7), seed=3), tag="w0")
+        assert sorted((b["prompt"], b["max_tokens"]) for b in sent[:5]) == \
+            sorted((r.prompt, r.max_tokens) for r in wl)
+        assert all(b["stream"] is True and b["ignore_eos"] is True and b["temperature"] == 0 for b in sent)
+        for s, want in ((c2, sum(r.max_tokens for r in wl)), (single, 10)):
+            assert s["errors"] == 0 and s["count_mismatches"] == 0 and s["output_tokens"] == want
+            assert s["prompt_tokens"] > 0 and s["itl_ms"]["n"] == want - s["num_requests"]
+
+        # The raw timings: send <= endpoint received < first write <= first chunk arrival.
+        drv = OpenAIDriver(ep.url)
+        drv.check()
+        reqs = make_requests(WorkloadSpec(4, (4, 14), (2, 7), seed=5), tag="t")
+        run = run_requests(drv, reqs, 2, "t", progress=False)
+        for req, r in zip(reqs, run.results):
+            log = ep.log[req.prompt]
+            assert r.ok and r.t_send <= log["received"] < log["writes"][0] <= r.chunk_times[0]
+            assert len(r.chunk_times) == len(log["writes"]) == req.max_tokens
+            assert all(w <= t for w, t in zip(log["writes"], r.chunk_times)) and r.chunk_times[-1] <= r.t_end
+
+
+def test_bench_openai_reports_token_count_mismatch(tiny_engine, capsys):
+    with SSEEndpoint(tiny_engine("llama"), short_by=1, closing="vllm") as ep:
+        res, err = run_json(capsys, "bench", "--openai-url", ep.url + "/v1", "--json", *SMALL)
+    for s in res["runs"]["openai"]:
+        assert s["count_mismatches"] == s["num_requests"] and s["errors"] == 0
+        assert s["output_tokens"] == s["requested_tokens"] - s["num_requests"]
+    assert "returned a different token count" in err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    ([], "--url"), (["--engine", "x", "--concurrency", "0,4"], "--concurrency"),
+    (["--engine", "x", "--prompt-len", "4", "8"], "--prompt-len"),
+    (["--openai-url", "ftp://h:1"], "--openai-url"), (["--url", "127.0.0.1:1"], "--url"),
+    (["--engine", "x", "--request-rate", "0"], "--request-rate"),
+    (["--engine", "x", "--prompt-words", "9", "3"], "--prompt-words"),
+    (["--url", "h:1", "--hf-baselines"], "--hf-baselines")])
+def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
+    rc = main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_completions_url_forms():
+    for u in ("http://h:8080", "http://h:8080/", "http://h:8080/v1", "h:8080/v1/completions"):
+        assert completions_url(u) == "http://h:8080/v1/completions"
