@@ -1,5 +1,6 @@
-"""Native CPU kernels, built once with the system C compiler: the int8 GEMM (cpu_gemm.c) and
-paged decode attention over a bfloat16 KV cache (cpu_decode_attention.c).
+"""Native CPU kernels, built once with the system C compiler: the int8 GEMM (cpu_gemm.c), paged
+decode attention over a bfloat16 KV cache (cpu_decode_attention.c), and the bfloat16 element-wise
+steps between a layer's GEMMs (cpu_glue.c).
 
 On an x86 CPU with AVX512-BF16 the library is compiled on first use into the Tritium cache
 ($TRITIUM_CACHE or ~/.cache/tritium, `native/`, keyed by the source's hash and the compiler) and
@@ -23,7 +24,8 @@ from typing import Optional
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_decode_attention.c")]
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_decode_attention.c", "cpu_glue.c")]
+_HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _FLAGS = ["-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -46,7 +48,7 @@ def _cache_dir() -> str:
 
 def _build(cc: str) -> str:
     src = b""
-    for path in _SRCS:
+    for path in _SRCS + _HEADERS:
         with open(path, "rb") as f:
             src += f.read()
     key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
@@ -86,6 +88,11 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
+    lib.tritium_add_rms_norm_bf16.argtypes = [p, p, p, ctypes.c_float, i64, i64, p, p]
+    lib.tritium_rope_kv_write_bf16.argtypes = [p, p, p, p, i64, i64, i64, i64, p, p, p]
+    lib.tritium_silu_mul_bf16.argtypes = [p, i64, i64, p]
+    for f in (lib.tritium_add_rms_norm_bf16, lib.tritium_rope_kv_write_bf16, lib.tritium_silu_mul_bf16):
+        f.restype = None
     return lib
 
 
@@ -140,3 +147,48 @@ def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         tok.data_ptr(), seq.data_ptr(), lo.data_ptr(), ln.data_ptr(), rows.shape[0], q.shape[1],
         k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), out.data_ptr())
+
+
+# The element-wise kernels run rows one after another on one thread: used for decode-sized
+# batches, where one call replaces several ATen dispatches; bigger ones (prefill) stay on torch.
+GLUE_MAX_TOKENS = 64
+
+
+def glue_ok(x: torch.Tensor, width: int) -> bool:
+    """Whether the element-wise kernels take x: bfloat16, contiguous, at most GLUE_MAX_TOKENS
+    rows, `width` (the vectorized length) a multiple of 16, and the library available."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
+            and x.shape[0] <= GLUE_MAX_TOKENS and width % 16 == 0 and available())
+
+
+def add_rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):
+    """rms_norm_ref's contract for bfloat16 (T, H) rows: (normed, x + residual)."""
+    t, h = x.shape
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    res = residual.contiguous() if residual is not None else None
+    _lib().tritium_add_rms_norm_bf16(x.data_ptr(), res.data_ptr() if res is not None else None,
+                                     weight.contiguous().data_ptr(), float(eps), t, h, out.data_ptr(),
+                                     res_out.data_ptr())
+    return out, res_out
+
+
+def rotary_kv_write_bf16(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, tables,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k of a fused qkv (T, (Hq + 2 Hkv) D) with rotary_tables' (cos, signed sin),
+    k and v written to their cache slots; returns the rotated q (T, Hq, D)."""
+    t = qkv.shape[0]
+    cos, ssin = (c.reshape(t, head_dim).contiguous() for c in tables)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
+    _lib().tritium_rope_kv_write_bf16(qkv.data_ptr(), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(), t,
+                                      num_heads, num_kv_heads, head_dim, q.data_ptr(), k_cache.data_ptr(),
+                                      v_cache.data_ptr())
+    return q
+
+
+def silu_mul_bf16(x: torch.Tensor) -> torch.Tensor:
+    """silu_mul_ref for bfloat16 (T, 2n) rows."""
+    t, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(t, n, dtype=x.dtype)
+    _lib().tritium_silu_mul_bf16(x.data_ptr(), t, n, out.data_ptr())
+    return out

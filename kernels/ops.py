@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 
+from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from .paged_attention import paged_attention_cpu, paged_attention_ref  # noqa: F401
@@ -68,6 +69,8 @@ def _tk(module: str):
 def rms_norm(x, weight, eps, residual=None):
     if use_triton(x):
         return _tk("elementwise_triton").rms_norm(x, weight, eps, residual)
+    if x.dim() == 2 and cpu_native.glue_ok(x, x.shape[1]) and weight.dtype == x.dtype:
+        return cpu_native.add_rms_norm_bf16(x, weight, eps, residual)
     return rms_norm_cpu(x, weight, eps, residual)
 
 
@@ -90,7 +93,23 @@ def rotary(q, k, positions, cos_sin_cache, tables=None):
 def silu_mul(x):
     if use_triton(x):
         return _tk("elementwise_triton").silu_mul(x)
+    if x.dim() == 2 and cpu_native.glue_ok(x, x.shape[1] // 2):
+        return cpu_native.silu_mul_bf16(x)
     return silu_mul_ref(x)
+
+
+def can_fuse_rotary_kv_write(qkv, head_dim, k_cache, tables) -> bool:
+    """Whether rotary_kv_write takes this step: the CPU path with per-step tables, a bfloat16
+    qkv and an unquantized bfloat16 cache."""
+    return (tables is not None and k_cache.dtype == qkv.dtype and k_cache.is_contiguous()
+            and cpu_native.glue_ok(qkv, head_dim // 2))
+
+
+def rotary_kv_write(qkv, num_heads, num_kv_heads, head_dim, tables, k_cache, v_cache, slot_mapping):
+    """RoPE on q and k of a fused qkv (T, (Hq + 2 Hkv) D), k and v stored in their cache slots,
+    one call (the CPU kernel of cpu_glue.c); returns the rotated q (T, Hq, D)."""
+    return cpu_native.rotary_kv_write_bf16(qkv, num_heads, num_kv_heads, head_dim, tables, k_cache, v_cache,
+                                           slot_mapping)
 
 
 def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):

@@ -55,3 +55,37 @@ def test_int8_linear_uses_native_kernel_for_batches(monkeypatch):
         got = lin(x)
         assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
     assert calls == [quant.NATIVE_INT8_MIN_ROWS, 33]
+
+
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_glue_kernels_match_references(t):
+    """Residual add + RMSNorm, RoPE + KV write and SiLU-mul (cpu_glue.c) vs the torch references."""
+    from tritium.kernels.kv_write import kv_write_ref
+    from tritium.kernels.rms_norm import rms_norm_ref
+    from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref, rotary_tables
+    from tritium.kernels.silu_mul import silu_mul_ref
+    assert cpu_native.available()
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    h, hq, hkv, d = 96, 6, 2, 64
+    x, res, w = (torch.randn(t, h) * 3).bfloat16(), torch.randn(t, h).bfloat16(), (1 + torch.randn(h) / 4).bfloat16()
+    for r in (None, res):
+        got, got_res = cpu_native.add_rms_norm_bf16(x, w, 1e-5, r)
+        ref, ref_res = rms_norm_ref(x, w, 1e-5, r)
+        assert torch.equal(got_res, ref_res), f"seed={seed}"
+        torch.testing.assert_close(got.float(), ref.float(), rtol=8e-3, atol=1e-3, msg=f"seed={seed}")
+    g = (torch.randn(t, 2 * h) * 4).bfloat16()
+    torch.testing.assert_close(cpu_native.silu_mul_bf16(g).float(), silu_mul_ref(g).float(), rtol=8e-3, atol=1e-3)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).bfloat16()
+    cache = rope_cos_sin_cache(rope_inv_freq(d, 10000.0), 500)
+    pos = torch.randint(0, 500, (t,))
+    slots = torch.randperm(8 * 16)[:t]
+    kc, vc = torch.zeros(8, 16, hkv, d).bfloat16(), torch.zeros(8, 16, hkv, d).bfloat16()
+    q = cpu_native.rotary_kv_write_bf16(qkv, hq, hkv, d, rotary_tables(pos, cache, torch.bfloat16), kc, vc, slots)
+    rq, rk = rotary_ref(qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d), pos, cache)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    kv_write_ref(rk, qkv[:, (hq + hkv) * d:].view(t, hkv, d), kr, vr, slots)
+    # one bf16 rounding apart at most (the reference rounds each product of x1 cos - x2 sin)
+    torch.testing.assert_close(q.float(), rq.float(), rtol=1.6e-2, atol=1.6e-2, msg=f"seed={seed}")
+    torch.testing.assert_close(kc.float(), kr.float(), rtol=1.6e-2, atol=1.6e-2, msg=f"seed={seed}")
+    assert torch.equal(vc, vr)

@@ -68,17 +68,13 @@ class DecoderLayer(nn.Module):
         x, residual = ops.rms_norm(hidden, self.input_norm_weight, self.eps, residual)
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, cos_sin_cache, rope)
+        nq = self.num_heads * self.head_dim
         k_cache, v_cache = kv_cache
-        k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
-        v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
-        if self.kv_rotation:
-            q, k_store, v_store = rotate(q), rotate(k_store), rotate(v_store)
-        ops.kv_write(k_store, v_store, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if self.plain_kv and ops.can_fuse_rotary_kv_write(qkv, self.head_dim, k_cache, rope):
+            q = ops.rotary_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope, k_cache,
+                                    v_cache, meta.slot_mapping)
+        else:
+            q = self._rotary_kv_write(qkv, t, positions, cos_sin_cache, rope, k_cache, v_cache, meta)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
                                    self.k_scale, self.v_scale)
         if self.kv_rotation:
@@ -91,6 +87,25 @@ class DecoderLayer(nn.Module):
         x, residual = ops.rms_norm(hidden, self.post_attn_norm_weight, self.eps, residual)
         hidden = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return hidden, residual
+
+    @property
+    def plain_kv(self) -> bool:
+        """K and V stored as computed: no offsets, no rotation, no quantization scales."""
+        return self.k_offset is None and self.v_offset is None and not self.kv_rotation and self.k_scale is None
+
+    def _rotary_kv_write(self, qkv, t, positions, cos_sin_cache, rope, k_cache, v_cache, meta):
+        """RoPE, the quantized cache's offsets and rotation, and the cache write; returns q."""
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary(q, k, positions, cos_sin_cache, rope)
+        k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
+        v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
+        if self.kv_rotation:
+            q, k_store, v_store = rotate(q), rotate(k_store), rotate(v_store)
+        ops.kv_write(k_store, v_store, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return q
 
 
 class DecoderLM(nn.Module):
