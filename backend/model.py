@@ -4,7 +4,8 @@ Installed as `<backend-dir>/tritium/model.py` (see tritium.client.server), so a 
 config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Parameters:
 `engine_dir` (absolute, or relative to the model's folder; `~` and $VARS expand), and optional
 `num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device`,
-`num_threads` (torch intra-op threads; default all cores but one).
+`num_threads` (torch intra-op threads; default every core) and `small_step_threads` (threads for
+steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy).
 
 One AsyncLLMEngine per model instance runs its own background loop; every request that any
 execute() call hands over joins the running batch at the next engine step. The engine's one
@@ -51,21 +52,20 @@ def _engine_kwargs(params: dict) -> dict:
     return kw
 
 
-def _num_threads(params: dict) -> int:
-    """torch intra-op threads: parameter num_threads, else all cores but one. The spare core runs
-    the server's frontend, the response path and the stub's IPC: on 2 cores, two OpenMP threads
-    that have to share a core with those stall at every barrier (measured: one thread decodes a
-    single stream about 1.3x faster through the server than two)."""
-    v = params.get("num_threads", "").strip()
-    if not v:
-        return max(1, (os.cpu_count() or 2) - 1)
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"parameter num_threads must be an integer >= 1, got {v!r}")
-    return n
+def _thread_policy(params: dict):
+    """Parameters num_threads (default: every core) and small_step_threads (default: one fewer):
+    see ThreadPolicy."""
+    from tritium.backend.engine import ThreadPolicy
+    vals = {}
+    for name in ("num_threads", "small_step_threads"):
+        v = params.get(name, "").strip()
+        if v:
+            try:
+                vals[name] = int(v)
+            except ValueError:
+                raise ValueError(f"parameter {name} must be an integer >= 1, got {v!r}") from None
+    threads = vals.get("num_threads", os.cpu_count() or 1)
+    return ThreadPolicy(threads, vals.get("small_step_threads", max(1, threads - 1)))
 
 
 class TritonPythonModel:
@@ -83,11 +83,11 @@ class TritonPythonModel:
         engine_dir = resolve_path(params["engine_dir"], model_dir)
         try:
             kwargs = _engine_kwargs(params)
-            import torch
-            torch.set_num_threads(_num_threads(params))
+            policy = _thread_policy(params)
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             self.engine = AsyncLLMEngine(engine_dir, **kwargs)
+            self.engine.engine.thread_policy = policy
         except Exception as e:  # one line in the server log, not a traceback through the stub
             raise pb_utils.TritonModelException(
                 f"tritium: cannot load engine for model '{name}' from {engine_dir}: {type(e).__name__}: "

@@ -249,3 +249,25 @@ def test_quantized_kv_cache_batched_equals_alone(tiny_engine, kv_dtype, torch_dt
         (solo,) = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64).generate(
             prompt_token_ids=[prompt], params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+
+
+def test_thread_policy_picks_threads_by_step_size(tiny_engine):
+    """Small steps (a few decodes) run on small_step_threads, big ones on num_threads; the policy
+    changes no token."""
+    from tritium.backend.engine import SMALL_STEP_TOKENS, ThreadPolicy
+    with pytest.raises(ValueError, match="small_step_threads"):
+        ThreadPolicy(2, 0)
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        engine = LLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64)
+        ref = engine.generate(prompt_token_ids=[[5] * 9], params=SamplingParams(max_tokens=6, temperature=0.0))
+        engine.thread_policy = ThreadPolicy(2, 1)
+        real_run = engine.runner.run
+        engine.runner.run = lambda sched: seen.append((sched.num_batched_tokens, torch.get_num_threads())) \
+            or real_run(sched)
+        got = engine.generate(prompt_token_ids=[[5] * 9], params=SamplingParams(max_tokens=6, temperature=0.0))
+    finally:
+        torch.set_num_threads(before)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert seen[0] == (9, 2) and all(n < SMALL_STEP_TOKENS and t == 1 for n, t in seen[1:]) and len(seen) == 6
