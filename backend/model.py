@@ -117,7 +117,7 @@ class TritonPythonModel:
             try:
                 key = id(row.state)
                 if key not in seen:
-                    seen[key] = row.state.closed or row.state.request.is_cancelled()
+                    seen[key] = row.state.is_cancelled()
                 if seen[key]:
                     row.cancel()
             except Exception as e:  # never let one request stop the polling of the others

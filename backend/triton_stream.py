@@ -41,6 +41,13 @@ class RequestState:
             self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
             self.closed = final
 
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled. Asked under the lock, and only while the request is open:
+        once its final response is out, Triton frees the request's response factory, and asking
+        then crashes tritonserver 2.51 (TRITONBACKEND_ResponseFactoryIsCancelled, SIGSEGV)."""
+        with self.lock:
+            return not self.closed and self.request.is_cancelled()
+
     def close_with_error(self, msg: str) -> None:
         pb = self.pb
         with self.lock:

@@ -149,6 +149,7 @@ def test_samples_seed_and_logprobs_match_inprocess(server, built):
 
 
 def test_16_concurrent_streams_are_batched(server, oracle):
+    time.sleep(0.3)  # metrics are flushed every 50 ms: let the previous test's counts land first
     before = scrape(server)
     prompts = [f"{PROMPTS[i % 3]} #{i}" for i in range(16)]
     refs = [oracle(p, 24)[0] for p in prompts]
