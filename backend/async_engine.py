@@ -23,11 +23,21 @@ class EngineDeadError(RuntimeError):
     """The loop thread hit an internal error; pending requests are failed with it."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (max_queue_size): the request was not added; retry later."""
+
+
 class AsyncLLMEngine:
     """Thread-safe wrapper: generate() streams, abort() cancels, stats() snapshots."""
 
-    def __init__(self, engine_dir: Optional[str] = None, *, engine: Optional[LLMEngine] = None, **kwargs):
+    def __init__(self, engine_dir: Optional[str] = None, *, engine: Optional[LLMEngine] = None,
+                 max_queue_size: Optional[int] = None, **kwargs):
+        if max_queue_size is not None and (isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int)
+                                           or max_queue_size < 1):
+            raise ValueError(f"max_queue_size must be an integer >= 1 or None, got {max_queue_size!r}")
         self.engine = engine if engine is not None else LLMEngine(engine_dir, **kwargs)
+        self.max_queue_size = max_queue_size  # most requests waiting for a first step; None = no bound
+        self.num_rejected = 0                 # requests refused because the queue was full
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self._cv = threading.Condition()
@@ -46,10 +56,7 @@ class AsyncLLMEngine:
         """Add a request and return its stream. Bad input raises ValueError here, before streaming."""
         q: "queue.Queue" = queue.Queue()
         with self._cv:
-            if self._error is not None:
-                raise EngineDeadError(f"engine loop died: {self._error!r}")
-            if self._stopped:
-                raise RuntimeError("engine is shut down")
+            self._check_admission()
             self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                     params=params, priority=priority)
             self._streams[request_id] = q
@@ -61,10 +68,7 @@ class AsyncLLMEngine:
         """Add a request whose outputs go to on_output(output), called from the delivery thread;
         an engine failure calls on_output(error). Bad input raises ValueError here."""
         with self._cv:
-            if self._error is not None:
-                raise EngineDeadError(f"engine loop died: {self._error!r}")
-            if self._stopped:
-                raise RuntimeError("engine is shut down")
+            self._check_admission()
             if self._delivery_thread is None:
                 self._delivery_thread = threading.Thread(target=self._deliver_loop, name="tritium-deliver",
                                                          daemon=True)
@@ -84,6 +88,23 @@ class AsyncLLMEngine:
                     fn(item)
                 except Exception:  # a consumer's bug must not stop deliveries to the others
                     traceback.print_exc()
+
+    def _check_admission(self) -> None:
+        """Under self._cv: raise if the engine cannot take a new request."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_queue_size is not None and waiting >= self.max_queue_size:
+            self.num_rejected += 1
+            raise EngineOverloadedError(f"overloaded: {waiting} requests are waiting (max_queue_size "
+                                        f"{self.max_queue_size}); retry later")
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the loop thread died (every request since fails with the cause) or stopped."""
+        return self._error is None and not self._stopped
 
     def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
         finished = False

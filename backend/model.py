@@ -4,6 +4,7 @@ Installed as `<backend-dir>/tritium/model.py` (see tritium.client.server), so a 
 config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Parameters:
 `engine_dir` (absolute, or relative to the model's folder; `~` and $VARS expand), and optional
 `num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device`,
+`max_queue_size` (waiting requests beyond which new ones fail as overloaded; default 1024),
 `num_threads` (torch intra-op threads; default every core) and `small_step_threads` (threads for
 steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy).
 
@@ -29,7 +30,8 @@ from tritium.backend.triton_metrics import TritiumMetrics
 from tritium.backend.triton_request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_stream import RequestState, RowStream
 
-_ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens")
+_ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
+DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
 STATS_PERIOD_S = 0.05
 
 
@@ -86,6 +88,7 @@ class TritonPythonModel:
             policy = _thread_policy(params)
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
+            kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
             self.engine = AsyncLLMEngine(engine_dir, **kwargs)
             self.engine.engine.thread_policy = policy
         except Exception as e:  # one line in the server log, not a traceback through the stub
@@ -97,6 +100,7 @@ class TritonPythonModel:
         self.metrics = TritiumMetrics(pb_utils, name, version)
         self._rows_lock = threading.Lock()
         self._rows = set()  # open RowStreams, polled for cancellation
+        self._reported_dead = False
         self._stop = threading.Event()
         self._stats_thread = threading.Thread(target=self._stats_loop, name="tritium-stats", daemon=True)
         self._stats_thread.start()
@@ -129,7 +133,13 @@ class TritonPythonModel:
 
     def _update_stats(self):
         try:
-            self.metrics.update_engine_stats(self.engine.stats())
+            healthy = self.engine.is_healthy
+            if not healthy and not self._reported_dead and not self._stop.is_set():
+                self._reported_dead = True
+                pb_utils.Logger.log_error(f"tritium: the engine loop died ({self.engine._error!r}); every request "
+                                          f"fails with this cause until the model is reloaded")
+            self.metrics.update_engine_stats(dict(self.engine.stats(), healthy=healthy,
+                                                  rejected=self.engine.num_rejected))
             self.metrics.flush()
         except Exception as e:  # metrics must never take the model down
             pb_utils.Logger.log_warn(f"tritium: stats update failed: {e}")

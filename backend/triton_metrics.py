@@ -16,6 +16,7 @@ METRIC_NAMES = (
     "tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
     "tritium_request_latency_seconds", "tritium_prompt_tokens_total", "tritium_generation_tokens_total",
     "tritium_preemptions_total", "tritium_kv_cache_blocks", "tritium_requests", "tritium_engine_steps_total",
+    "tritium_rejected_requests_total", "tritium_engine_healthy",
 )
 
 
@@ -60,8 +61,14 @@ class TritiumMetrics:
         rq = mf(name="tritium_requests", description="Engine requests by state", kind=mf.GAUGE)
         self._families.append(rq)
         self.requests = {s: rq.Metric(labels=dict(labels, state=s)) for s in ("running", "waiting")}
+        f, self.rejected = one("tritium_rejected_requests_total", "Requests refused because the waiting queue "
+                               "was full (max_queue_size)", mf.COUNTER, {"reason": "overloaded"})
+        self._families.append(f)
+        f, self.healthy = one("tritium_engine_healthy", "1 while the engine loop runs, 0 once it died", mf.GAUGE)
+        self._families.append(f)
         self._preemptions_seen = 0
         self._steps_seen = 0
+        self._rejected_seen = 0
         self._pending_times = []      # (arrival, token times) of finished sequences
         self._pending_prompt = 0
         self._pending_generated = 0
@@ -107,6 +114,11 @@ class TritiumMetrics:
             if total > self._preemptions_seen:
                 self.preemptions.increment(total - self._preemptions_seen)
                 self._preemptions_seen = total
+            self.healthy.set(1.0 if stats.get("healthy", True) else 0.0)
+            rejected = int(stats.get("rejected", 0))
+            if rejected > self._rejected_seen:
+                self.rejected.increment(rejected - self._rejected_seen)
+                self._rejected_seen = rejected
             steps = int(stats.get("num_steps", 0))
             if steps > self._steps_seen:
                 self.steps.increment(steps - self._steps_seen)

@@ -120,3 +120,40 @@ def test_submit_bad_input_raises_and_engine_error_reaches_callbacks(tiny_engine)
     finally:
         aengine.shutdown()
     assert len(got) == 1 and isinstance(got[0], BaseException) and "kaboom" in str(got[0])
+
+
+def test_full_waiting_queue_refuses_with_overloaded(tiny_engine):
+    from tritium.backend.async_engine import EngineOverloadedError
+    with pytest.raises(ValueError, match="max_queue_size"):
+        AsyncLLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64, max_queue_size=0)
+    aengine = AsyncLLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64, max_num_seqs=1, max_queue_size=2)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    try:
+        with aengine._cv:  # hold the loop so that nothing is scheduled while the queue fills
+            for i in range(2):
+                aengine.submit(f"w{i}", [3, 4, 5], long, lambda out: None)
+            with pytest.raises(EngineOverloadedError, match="max_queue_size 2"):
+                aengine.submit("refused", [3, 4, 5], long, lambda out: None)
+            assert aengine.num_rejected == 1 and "refused" not in aengine.engine.requests
+        for rid in ("w0", "w1"):
+            aengine.abort(rid)
+        outs = list(aengine.generate("after", prompt_token_ids=[7, 8], params=SamplingParams(max_tokens=2)))
+        assert outs[-1].finished  # room again once the queue drained
+    finally:
+        aengine.shutdown()
+
+
+def test_dead_loop_is_unhealthy_and_refuses_new_requests(tiny_engine):
+    from tritium.backend.async_engine import EngineDeadError
+    aengine = AsyncLLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64)
+    failed = threading.Event()
+    try:
+        assert aengine.is_healthy
+        aengine.engine.runner.run = lambda sched: 1 / 0
+        aengine.submit("x", [3, 4, 5], SamplingParams(max_tokens=4), lambda item: failed.set())
+        assert failed.wait(30)
+        assert not aengine.is_healthy
+        with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+            aengine.submit("y", [3, 4], SamplingParams(max_tokens=2), lambda item: None)
+    finally:
+        aengine.shutdown()

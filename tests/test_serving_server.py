@@ -280,6 +280,8 @@ def test_metrics_families_are_sane(server):
     assert metric(text, "tritium_generation_tokens_total", **lab) >= metric(
         text, "tritium_request_latency_seconds_count", **lab)
     assert metric(text, "tritium_preemptions_total", **lab) >= 0
+    assert metric(text, "tritium_engine_healthy", **lab) == 1
+    assert metric(text, "tritium_rejected_requests_total", reason="overloaded", **lab) == 0
     used, free, cached = (metric(text, "tritium_kv_cache_blocks", state=s, **lab) for s in ("used", "free", "cached"))
     assert used >= 0 and free > 0 and cached >= 0
     for s in ("running", "waiting"):
