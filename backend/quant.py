@@ -12,6 +12,7 @@ On CUDA they call tritium.kernels.ops.linear_w4a16 / linear_w8a16 / linear_fp8 w
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -25,6 +26,11 @@ from .models.linear import register_linear
 # From this many rows on, Int8Linear on CPU runs the native AVX512-BF16 kernel (kernels/cpu_gemm.c)
 # instead of torch's _weight_int8pack_mm: about 1.5x faster at 16-64 rows, slower for one row.
 NATIVE_INT8_MIN_ROWS = 8
+# From this many rows on (prefill chunks), Int8Linear converts its weight to bfloat16 (exact) in a
+# scratch buffer and runs oneDNN's bf16 GEMM, then applies the scales: the conversion costs about
+# as much as 10 rows of the int8 kernel, and oneDNN's GEMM is ~2x faster per row at this size.
+DEQUANT_INT8_MIN_ROWS = 64
+_scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's int8 layers
 
 
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,6 +92,14 @@ class Int8Linear(_QuantLinearBase):
             w = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
             return self._finish(x2 @ w.t(), x)
         qw, scales, scales_f32 = self._get_packed()
+        if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS and cpu_native.available():
+            bufs = _scratch.__dict__.setdefault("bufs", {})
+            buf = bufs.get(qw.numel())
+            if buf is None:
+                buf = bufs[qw.numel()] = torch.empty(qw.numel(), dtype=torch.bfloat16)
+            w = cpu_native.int8_to_bf16(qw, buf.view(qw.shape))
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16), w).float() * scales_f32
+            return self._finish(y, x)
         if x2.shape[0] >= NATIVE_INT8_MIN_ROWS and cpu_native.supports(self.in_features) \
                 and cpu_native.available():
             return self._finish(cpu_native.w8a16_gemm(x2, qw, scales_f32), x)

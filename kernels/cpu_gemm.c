@@ -62,3 +62,15 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
         }
     }
 }
+
+/* w (N, K) int8 -> out (N, K) bfloat16, exact (|q| <= 127 has 7 significant bits). */
+void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
+    const int64_t whole = n / 32 * 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < whole; i += 32)
+        _mm512_storeu_si512((void *)(out + i), (__m512i)cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)(w + i))));
+    for (int64_t i = whole; i < n; i++) { /* tail: int8 -> float32 -> bf16, exact */
+        union { float f; uint32_t u; } v = {(float)w[i]};
+        out[i] = (uint16_t)(v.u >> 16);
+    }
+}

@@ -88,6 +88,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
+    lib.tritium_int8_to_bf16.argtypes = [p, i64, p]
+    lib.tritium_int8_to_bf16.restype = None
     lib.tritium_add_rms_norm_bf16.argtypes = [p, p, p, ctypes.c_float, i64, i64, p, p]
     lib.tritium_rope_kv_write_bf16.argtypes = [p, p, p, p, i64, i64, i64, i64, p, p, p]
     lib.tritium_silu_mul_bf16.argtypes = [p, i64, i64, p]
@@ -121,6 +123,16 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     _lib().tritium_w8a16_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(),
                               xb.shape[0], n, k)
     return y
+
+
+def int8_to_bf16(q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An int8 tensor's values as bfloat16 (exact), into `out` when given (same shape)."""
+    assert q.dtype == torch.int8 and q.is_contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    _lib().tritium_int8_to_bf16(q.data_ptr(), q.numel(), out.data_ptr())
+    return out
 
 
 MAX_HEADS, MAX_HEADS_X_DIM = 64, 8192  # the decode kernel's MAXH and MAXQD

@@ -49,12 +49,17 @@ def test_int8_linear_uses_native_kernel_for_batches(monkeypatch):
     calls = []
     real = cpu_native.w8a16_gemm
     monkeypatch.setattr(cpu_native, "w8a16_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for m in (1, quant.NATIVE_INT8_MIN_ROWS - 1, quant.NATIVE_INT8_MIN_ROWS, 33):
+    for m in (1, quant.NATIVE_INT8_MIN_ROWS - 1, quant.NATIVE_INT8_MIN_ROWS, 33, quant.DEQUANT_INT8_MIN_ROWS + 5):
         x = torch.randn(m, k).to(torch.bfloat16)
         ref = w8a16_gemm_ref(x.float(), lin.qweight, lin.scales)
         got = lin(x)
         assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    assert calls == [quant.NATIVE_INT8_MIN_ROWS, 33]
+    assert calls == [quant.NATIVE_INT8_MIN_ROWS, 33]  # prefill-sized batches: bf16 copy + oneDNN
+
+
+def test_int8_to_bf16_is_exact():
+    q = torch.randint(-128, 128, (37, 70), dtype=torch.int8)  # 2590 values: 32-wide body and a tail
+    assert torch.equal(cpu_native.int8_to_bf16(q), q.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("t", [1, 3, 16])
