@@ -30,7 +30,18 @@ NATIVE_INT8_MIN_ROWS = 8
 # scratch buffer and runs oneDNN's bf16 GEMM, then applies the scales: the conversion costs about
 # as much as 10 rows of the int8 kernel, and oneDNN's GEMM is ~2x faster per row at this size.
 DEQUANT_INT8_MIN_ROWS = 64
-_scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's int8 layers
+# Likewise for int4 from 64 rows on: the weight dequantized to bfloat16 (each value rounded once,
+# a relative change of at most 2^-9, far below the 4-bit step) and oneDNN's bf16 GEMM.
+DEQUANT_INT4_MIN_ROWS = 64
+_scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's quantized layers
+
+
+def _scratch_bf16(shape) -> torch.Tensor:
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    numel = shape[0] * shape[1]
+    if numel not in bufs:
+        bufs[numel] = torch.empty(numel, dtype=torch.bfloat16)
+    return bufs[numel].view(shape)
 
 
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,11 +104,7 @@ class Int8Linear(_QuantLinearBase):
             return self._finish(x2 @ w.t(), x)
         qw, scales, scales_f32 = self._get_packed()
         if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS and cpu_native.available():
-            bufs = _scratch.__dict__.setdefault("bufs", {})
-            buf = bufs.get(qw.numel())
-            if buf is None:
-                buf = bufs[qw.numel()] = torch.empty(qw.numel(), dtype=torch.bfloat16)
-            w = cpu_native.int8_to_bf16(qw, buf.view(qw.shape))
+            w = cpu_native.int8_to_bf16(qw, _scratch_bf16(qw.shape))
             y = torch.nn.functional.linear(x2.to(torch.bfloat16), w).float() * scales_f32
             return self._finish(y, x)
         if x2.shape[0] >= NATIVE_INT8_MIN_ROWS and cpu_native.supports(self.in_features) \
@@ -182,6 +189,10 @@ class Int4Linear(_QuantLinearBase):
             w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx, x.dtype)
             return self._finish(x2 @ w.t(), x)
         kind, w, sz, perm = self._get_packed()
+        if kind == "packed" and x2.shape[0] >= DEQUANT_INT4_MIN_ROWS and cpu_native.available():
+            wb = cpu_native.int4_to_bf16(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx,
+                                         _scratch_bf16((self.out_features, self.in_features)))
+            return self._finish(torch.nn.functional.linear(x2.to(torch.bfloat16), wb), x)
         xc = x2.to(sz.dtype if sz is not None else w.dtype)
         if kind == "dense":
             return self._finish(xc @ w.t(), x)

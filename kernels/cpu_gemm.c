@@ -10,6 +10,7 @@
  * Threads: OpenMP over blocks of output channels, on the runtime torch itself uses.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MR 8   /* rows of x per pass: MR partial + MR total accumulators stay in registers */
@@ -72,5 +73,44 @@ void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = whole; i < n; i++) { /* tail: int8 -> float32 -> bf16, exact */
         union { float f; uint32_t u; } v = {(float)w[i]};
         out[i] = (uint16_t)(v.u >> 16);
+    }
+}
+
+/* 16 bytes of nibbles (k = 2j low, 2j + 1 high) -> 32 int8 values q - 8, in k order. */
+static inline __m256i nibbles_to_i8x32(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight),
+                            _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight));
+}
+
+/* int4 weight -> bfloat16 (N, K): w = (q - 8) * scale[g] + zero[g] in float32, rounded to nearest
+ * even; q from w4 (N, K/2) uint8, low nibble = even k; scale, zero (K/G, N) float32; g = g_idx[k]
+ * when g_idx is given (act-order), else k / G (then G % 32 == 0 takes the vector path). */
+void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *zero, const int32_t *g_idx,
+                          int64_t N, int64_t K, int64_t G, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wn = w4 + n * (K / 2);
+        if (!g_idx && G % 32 == 0) {
+            for (int64_t k = 0; k < K; k += 32) {
+                const int64_t g = k / G;
+                const __m512 s = _mm512_set1_ps(scale[g * N + n]), z = _mm512_set1_ps(zero[g * N + n]);
+                __m256i q = nibbles_to_i8x32(wn + k / 2);
+                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+                _mm512_storeu_si512((void *)(out + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            continue;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const uint8_t b = wn[k / 2];
+            const int q = (k & 1) ? (b >> 4) : (b & 0x0F);
+            const int64_t g = g_idx ? g_idx[k] : k / G;
+            const float v = fmaf((float)(q - 8), scale[g * N + n], zero[g * N + n]);
+            union { float f; uint32_t u; } u = {v};
+            out[n * K + k] = (uint16_t)((u.u + 0x7fffu + ((u.u >> 16) & 1u)) >> 16);
+        }
     }
 }

@@ -90,6 +90,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.restype = None
     lib.tritium_int8_to_bf16.argtypes = [p, i64, p]
     lib.tritium_int8_to_bf16.restype = None
+    lib.tritium_int4_to_bf16.argtypes = [p, p, p, p, i64, i64, i64, p]
+    lib.tritium_int4_to_bf16.restype = None
     lib.tritium_add_rms_norm_bf16.argtypes = [p, p, p, ctypes.c_float, i64, i64, p, p]
     lib.tritium_rope_kv_write_bf16.argtypes = [p, p, p, p, i64, i64, i64, i64, p, p, p]
     lib.tritium_silu_mul_bf16.argtypes = [p, i64, i64, p]
@@ -132,6 +134,22 @@ def int8_to_bf16(q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
         out = torch.empty(q.shape, dtype=torch.bfloat16)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     _lib().tritium_int8_to_bf16(q.data_ptr(), q.numel(), out.data_ptr())
+    return out
+
+
+def int4_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 g_idx: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The int4 layout of gemm_ref.w4a16_gemm_ref dequantized to bfloat16 (N, K): the float32
+    value (q - 8) * scale + zero rounded once to nearest even."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    assert qweight.dtype == torch.uint8 and qweight.is_contiguous()
+    assert scales.dtype == zeros.dtype == torch.float32 and scales.is_contiguous() and zeros.is_contiguous()
+    gi = g_idx.to(torch.int32).contiguous() if g_idx is not None else None
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.bfloat16)
+    assert out.shape == (n, k) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    _lib().tritium_int4_to_bf16(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                                gi.data_ptr() if gi is not None else None, n, k, group_size, out.data_ptr())
     return out
 
 

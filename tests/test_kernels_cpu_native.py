@@ -94,3 +94,31 @@ def test_glue_kernels_match_references(t):
     torch.testing.assert_close(q.float(), rq.float(), rtol=1.6e-2, atol=1.6e-2, msg=f"seed={seed}")
     torch.testing.assert_close(kc.float(), kr.float(), rtol=1.6e-2, atol=1.6e-2, msg=f"seed={seed}")
     assert torch.equal(vc, vr)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
+    """int4 -> bf16 dequantization (each value rounded once) vs the float32 reference, and
+    Int4Linear's prefill-sized batches (bf16 copy + oneDNN) vs w4a16_gemm_ref."""
+    from types import SimpleNamespace
+
+    from tritium.backend import quant
+    from tritium.builder.quantize_int4 import dequantize_int4
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    n, k, g = 40, 128, 32
+    lin = quant.Int4Linear(k, n, False, torch.bfloat16, SimpleNamespace(group_size=g, act_order=act_order))
+    lin.qweight.copy_(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8))
+    lin.scales.copy_(torch.rand(k // g, n) / 10 + 1e-3)
+    lin.zeros.copy_(torch.randn(k // g, n) / 10)
+    if act_order:
+        lin.g_idx.copy_((torch.randperm(k) // g).to(torch.int32))
+    exact = dequantize_int4(lin.qweight, lin.scales, lin.zeros, g, lin.g_idx, torch.float32)
+    got = cpu_native.int4_to_bf16(lin.qweight, lin.scales, lin.zeros, g, lin.g_idx).float()
+    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all(), f"seed={seed}"  # within 1/2 bf16 ulp
+    from tritium.kernels.gemm_ref import w4a16_gemm_ref
+    for m in (quant.DEQUANT_INT4_MIN_ROWS - 1, quant.DEQUANT_INT4_MIN_ROWS + 3):
+        x = torch.randn(m, k).bfloat16()
+        ref = w4a16_gemm_ref(x.float(), lin.qweight, lin.scales, lin.zeros, g, lin.g_idx).float()
+        torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item(),
+                                   msg=lambda s: f"seed={seed} m={m}: {s}")
