@@ -44,6 +44,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="suite repetitions per pair (default 1)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and in-process torch threads "
                                                           "(default 2)")
+    p.add_argument("--llama-threads", type=int, default=None,
+                   help="llama-server -t/-tb only (default: --threads); 1 resists a busy host better, see docs")
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", default="16", help="comma list (default 16)")
@@ -83,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     from tritium.client.llamacpp import ensure_llama_cpp, requantize
     from tritium.client.server import cache_dir
     pairs = parse_pairs(args.pairs)
-    if args.repeats < 1 or args.threads < 1:
-        raise ValueError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
+    for flag in ("repeats", "threads", "llama_threads"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
                         parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
                         args.warmup, progress=not args.no_progress)
@@ -113,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "gguf": args.gguf, "engines": engines, "threads": args.threads,
+                   "llama_threads": args.llama_threads or args.threads,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
     print(format_table(report), file=out, flush=True)
     if args.json:
@@ -136,7 +141,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     repo = os.path.join(work, "repos", kind)
     write_repository(repo, MODEL, os.path.abspath(engine))
     parallel = max(16, max(opts.concurrencies))
-    llama = LlamaServer(src, gguf, parallel=parallel, threads=args.threads,
+    llama = LlamaServer(src, gguf, parallel=parallel, threads=args.llama_threads or args.threads,
                         log_file=os.path.join(logs, f"llama-server-{kind}.log"))
     triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
     inproc = None
@@ -152,7 +157,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
         idle0 = {n: group_cpu_seconds(g) for n, g in pgids.items()}
         time.sleep(5.0)
         idle = {n: (group_cpu_seconds(g) - idle0[n]) / 5.0 for n, g in pgids.items()}
-        reps = []
+        reps, load = [], [os.getloadavg()[0]]
         for rep in range(args.repeats):
             o = dataclasses.replace(opts, tag=f"r{rep}")
             result, raw = run_suite(targets, o, order_offset=p_idx + rep)
@@ -160,7 +165,9 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
                 from tritium.client.bench_plots import write_plots
                 result["plots"] = write_plots(os.path.join(args.plot, f"{kind}-r{rep}"), raw)
             reps.append(result)
-        return {"reps": reps, "idle_server_cores": idle, "llama_server_cmd": " ".join(llama.cmd[1:])}
+        load.append(os.getloadavg()[0])  # the host's 1-minute load before and after: how busy it was
+        return {"reps": reps, "idle_server_cores": idle, "llama_server_cmd": " ".join(llama.cmd[1:]),
+                "host_load": load}
     finally:
         if inproc is not None:
             inproc.close()

@@ -33,6 +33,7 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                     "output_tok_s_repeats": [s["output_tok_s"] for s in runs],
                     "ttft_p50_ms": _mean([(s["ttft_ms"] or {}).get("p50") for s in runs]),
                     "itl_p50_ms": _mean([(s["itl_ms"] or {}).get("p50") for s in runs]),
+                    "itl_p99_ms": _mean([(s["itl_ms"] or {}).get("p99") for s in runs]),
                     "e2e_p50_ms": _mean([(s["e2e_ms"] or {}).get("p50") for s in runs]),
                     "errors": sum(s["errors"] for s in runs),
                     "count_mismatches": sum(s["count_mismatches"] for s in runs),
@@ -46,6 +47,7 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
         out["pairs"][kind] = {"weights": {"llama-server": PAIRS[kind][1], "tritium": WEIGHTS[kind]},
                               "figures": figs, "ratios": ratios,
                               "idle_server_cores": results[kind]["idle_server_cores"],
+                              "host_load": results[kind].get("host_load"),
                               "llama_server_args": results[kind]["llama_server_cmd"]}
     if "bf16" in pairs and len(pairs) > 1:
         base = out["pairs"]["bf16"]["figures"]
@@ -66,7 +68,7 @@ def format_table(report: dict) -> str:
     pairs = report["pairs"]
     labels = list(next(iter(next(iter(pairs.values()))["figures"].values())))
     head = f"{'pair':<5} {'system':<14} {'weights':<9}" + "".join(
-        f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>12}" for lab in labels) + "  errors"
+        f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>17}" for lab in labels) + "  errors"
     lines = [head]
     for kind, p in pairs.items():
         for system, by in p["figures"].items():
@@ -74,12 +76,12 @@ def format_table(report: dict) -> str:
             row = f"{kind:<5} {system:<14} {w:<9}"
             for lab in labels:
                 f = by[lab]
-                row += f" {_f(f['output_tok_s']):>12} {_f(f['ttft_p50_ms'], '{:.0f}'):>13} " \
-                       f"{_f(f['itl_p50_ms']):>12}"
+                itl = f"{_f(f['itl_p50_ms'])} / {_f(f.get('itl_p99_ms'), '{:.0f}')}"
+                row += f" {_f(f['output_tok_s']):>12} {_f(f['ttft_p50_ms'], '{:.0f}'):>13} {itl:>17}"
             errs = sum(f["errors"] for f in by.values())
             mism = sum(f["count_mismatches"] for f in by.values())
             lines.append(row + f"  {errs}" + (f" ({mism} token-count mismatches)" if mism else ""))
-    lines.append("(TTFT and ITL: p50; tok/s: output tokens/s, mean over repeats)")
+    lines.append("(tok/s: output tokens/s, mean over repeats; TTFT: p50; ITL: p50 / p99, a large p99 = stalls)")
     lines.append("ratios of output tok/s:")
     for kind, p in pairs.items():
         for name, by in p["ratios"].items():
@@ -93,4 +95,8 @@ def format_table(report: dict) -> str:
     idle = ", ".join(f"{kind}: " + " / ".join(f"{s} {c:.3f}" for s, c in p["idle_server_cores"].items())
                      for kind, p in pairs.items())
     lines.append(f"idle servers' CPU (cores, 5 s before measuring): {idle}")
+    loads = ", ".join(f"{kind} {p['host_load'][0]:.1f} -> {p['host_load'][-1]:.1f}"
+                      for kind, p in pairs.items() if p.get("host_load"))
+    if loads:
+        lines.append(f"host 1-minute load average before -> after each pair (2 cores): {loads}")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ def _pair(llama, serve, inproc):
                               for name, v in (("llama-server", llama), ("tritium-serve", serve),
                                               ("in-process", inproc))}})
     return {"reps": reps, "idle_server_cores": {"llama-server": 0.0, "tritium-serve": 0.01},
-            "llama_server_cmd": "-np 16"}
+            "llama_server_cmd": "-np 16", "host_load": [0.5, 2.5]}
 
 
 def test_summary_ratios_and_table():
@@ -51,6 +51,7 @@ def test_summary_ratios_and_table():
     assert "int8  tritium-serve  int8" in table and "200.0" in table
     assert "tritium serve / llama-server  c16 1.45x, single 0.83x" in table
     assert "tritium-serve int8 / bf16: c16 1.25x, single 1.00x" in table
+    assert "bf16 0.5 -> 2.5" in table and "100.0 / 100" in table  # load; ITL p50 / p99
 
 
 def test_parse_pairs():
@@ -87,6 +88,7 @@ def test_llama_cpp_dir_without_build_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--pairs", "bf16,fp4"], "--pairs"), (["--repeats", "0"], "--repeats"),
+    (["--llama-threads", "0"], "--llama-threads"),
     (["--concurrency", "x"], "--concurrency"), (["--gguf", "/no/such.gguf"], "--gguf"),
     (["--gguf", __file__, "--llama-cpp-dir", "/no/such/dir"], "--llama-cpp-dir")])
 def test_compare_bad_flags_exit_2(capsys, argv, flag):
