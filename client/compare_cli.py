@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -46,6 +47,8 @@ def register(sub) -> None:
                                                           "(default 2)")
     p.add_argument("--llama-threads", type=int, default=None,
                    help="llama-server -t/-tb only (default: --threads); 1 resists a busy host better, see docs")
+    p.add_argument("--llama-server-args", default="", metavar="ARGS",
+                   help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", default="16", help="comma list (default 16)")
@@ -142,7 +145,8 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     write_repository(repo, MODEL, os.path.abspath(engine))
     parallel = max(16, max(opts.concurrencies))
     llama = LlamaServer(src, gguf, parallel=parallel, threads=args.llama_threads or args.threads,
-                        log_file=os.path.join(logs, f"llama-server-{kind}.log"))
+                        log_file=os.path.join(logs, f"llama-server-{kind}.log"),
+                        extra_args=shlex.split(args.llama_server_args))
     triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
     inproc = None
     try:
