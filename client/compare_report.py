@@ -39,8 +39,9 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                     "count_mismatches": sum(s["count_mismatches"] for s in runs),
                     "client_cores": _mean([s["client_cores"] for s in runs])}
         tok = {s: {lab: f["output_tok_s"] for lab, f in by.items()} for s, by in figs.items()}
-        ratios = {"tritium_vs_llama": {lab: _div(v, tok["llama-server"].get(lab))
-                                       for lab, v in tok["tritium-serve"].items()}}
+        llamas = [n for n in tok if n.startswith("llama-server")]
+        best = {lab: max((tok[n].get(lab) or 0.0 for n in llamas), default=None) for lab in tok["tritium-serve"]}
+        ratios = {"tritium_vs_llama": {lab: _div(v, best[lab]) for lab, v in tok["tritium-serve"].items()}}
         if "in-process" in tok:
             ratios["serve_vs_in_process"] = {lab: _div(v, tok["in-process"].get(lab))
                                              for lab, v in tok["tritium-serve"].items()}
@@ -48,7 +49,9 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                               "figures": figs, "ratios": ratios,
                               "idle_server_cores": results[kind]["idle_server_cores"],
                               "host_load": results[kind].get("host_load"),
-                              "llama_server_args": results[kind]["llama_server_cmd"]}
+                              "llama_server_args": results[kind]["llama_server_cmd"],
+                              "best_llama": {lab: next((n for n in llamas if tok[n].get(lab) == b), None)
+                                             for lab, b in best.items()}}
     if "bf16" in pairs and len(pairs) > 1:
         base = out["pairs"]["bf16"]["figures"]
         out["quantized_vs_bf16"] = {
@@ -67,13 +70,13 @@ def format_table(report: dict) -> str:
     """Plain-text table: one row per (pair, system), then the ratios."""
     pairs = report["pairs"]
     labels = list(next(iter(next(iter(pairs.values()))["figures"].values())))
-    head = f"{'pair':<5} {'system':<14} {'weights':<9}" + "".join(
+    head = f"{'pair':<5} {'system':<17} {'weights':<9}" + "".join(
         f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>17}" for lab in labels) + "  errors"
     lines = [head]
     for kind, p in pairs.items():
         for system, by in p["figures"].items():
-            w = p["weights"]["llama-server" if system == "llama-server" else "tritium"]
-            row = f"{kind:<5} {system:<14} {w:<9}"
+            w = p["weights"]["llama-server" if system.startswith("llama-server") else "tritium"]
+            row = f"{kind:<5} {system:<17} {w:<9}"
             for lab in labels:
                 f = by[lab]
                 itl = f"{_f(f['itl_p50_ms'])} / {_f(f.get('itl_p99_ms'), '{:.0f}')}"
@@ -85,9 +88,10 @@ def format_table(report: dict) -> str:
     lines.append("ratios of output tok/s:")
     for kind, p in pairs.items():
         for name, by in p["ratios"].items():
-            what = {"tritium_vs_llama": "tritium serve / llama-server",
+            what = {"tritium_vs_llama": "tritium serve / best llama",
                     "serve_vs_in_process": "tritium serve / in-process"}[name]
-            lines.append(f"  {kind:<5} {what:<29} " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}" for lab, v in by.items()))
+            lines.append(f"  {kind:<5} {what:<27} " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}" for lab, v in by.items()))
+        lines.append(f"  {kind:<5} {'best llama':<27} " + ", ".join(f"{lab} {n}" for lab, n in p["best_llama"].items()))
     for system, by_kind in report.get("quantized_vs_bf16", {}).items():
         for kind, by in by_kind.items():
             lines.append(f"  {system} {kind} / bf16: " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}"
