@@ -52,17 +52,19 @@ def register(sub) -> None:
     p.add_argument("--llama-server-args", default="", metavar="ARGS",
                    help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--concurrency", default="16", help="comma list (default 16)")
-    p.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-stream", type=int, default=3)
-    p.add_argument("--single-stream-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"),
+                   help="prompt words (default 12 384)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output tokens (default 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--single-stream", type=int, default=3, help="one-at-a-time requests (default 3)")
+    p.add_argument("--single-stream-tokens", type=int, default=128, help="their output tokens (default 128)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per system (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table to stderr)")
     p.add_argument("--plot", default=None, metavar="DIR", help="PNG plots per pair into DIR/<pair>/")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
 

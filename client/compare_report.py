@@ -31,6 +31,7 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                 figs[system][label] = {
                     "output_tok_s": _mean([s["output_tok_s"] for s in runs]),
                     "output_tok_s_repeats": [s["output_tok_s"] for s in runs],
+                    "output_tokens": runs[0].get("output_tokens"),
                     "ttft_p50_ms": _mean([(s["ttft_ms"] or {}).get("p50") for s in runs]),
                     "itl_p50_ms": _mean([(s["itl_ms"] or {}).get("p50") for s in runs]),
                     "itl_p99_ms": _mean([(s["itl_ms"] or {}).get("p99") for s in runs]),
