@@ -1,6 +1,7 @@
 """PNG plots of a serving benchmark (matplotlib, Agg backend; `pip install tritium[bench]`).
 
-throughput_vs_concurrency.png  output tok/s per concurrency, one line per system
+throughput_vs_concurrency.png  output tok/s per concurrency, one line per system (workload runs;
+                               the single-stream run is a different workload and is left out)
 ttft_cdf.png                   cumulative distribution of TTFT, one curve per system and run
 itl_cdf.png                    cumulative distribution of inter-token latency, likewise
 """
@@ -30,7 +31,8 @@ def write_plots(out_dir: str, runs: Dict[str, List[RunResult]]) -> List[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for system, rs in runs.items():
         pts: List[Tuple[int, float]] = sorted(
-            (r.concurrency, summarize(r)["output_tok_s"] or 0.0) for r in rs if r.request_rate is None)
+            (r.concurrency, summarize(r)["output_tok_s"] or 0.0) for r in rs
+            if r.request_rate is None and r.label != "single")  # single stream: another workload
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
     ax.set_xscale("log", base=2)
@@ -52,7 +54,8 @@ def write_plots(out_dir: str, runs: Dict[str, List[RunResult]]) -> List[str]:
                 v = np.sort(np.asarray(samples(r)) * 1000.0)
                 if v.size:
                     ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{system} {r.label}")
-        ax.set_xlabel(xlabel)
+        ax.set_xscale("log")  # latency tails span orders of magnitude
+        ax.set_xlabel(xlabel + ", log scale")
         ax.set_ylabel("fraction of samples <= x")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)

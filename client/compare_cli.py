@@ -3,16 +3,17 @@
 For each pair (Tritium bf16 vs llama.cpp BF16, int8 vs Q8_0, int4-rtn vs Q4_0):
   1. the GGUF (default SmolLM2-135M-Instruct Q4_1) is requantized with `llama-quantize
      --allow-requantize` (cached) and the Tritium engine built with `tritium build` (cached);
-  2. llama-server (`-np P -c P*2048 -t T -tb T`: P slots of 2048 tokens, Tritium's max_seq_len)
-     and `tritium serve`'s tritonserver on that engine start on free ports, and the engine is also
-     loaded in this process (AsyncLLMEngine, T torch threads);
-  3. `tritium bench`'s suite runs on all three: warm-up, the workload (32 requests at concurrency
-     16), then 3 single streams of 128 tokens. Every run goes to each system before the next run
-     starts, the order flipping between runs and between pairs, so host drift favours neither;
-     the servers wait idle while another system is measured (their idle CPU is measured and
-     printed);
-  4. both servers stop (always: try/finally), and the next pair starts.
-It prints one table with every system's figures and the ratios: Tritium / llama-server,
+  2. llama-server (`-np P -c P*2048 -t T -tb T`: P slots of 2048 tokens, Tritium's max_seq_len;
+     one server per --llama-threads value T, default 1 and 2) and `tritium serve`'s tritonserver
+     on that engine start on free ports, and the engine is also loaded in this process
+     (AsyncLLMEngine, --threads torch threads);
+  3. `tritium bench`'s suite runs on every system: warm-up, the workload (32 requests at
+     concurrency 16), then 3 single streams of 128 tokens. Every run goes to each system before
+     the next run starts, the order flipping between runs and between pairs, so host drift
+     favours none; the servers wait idle while another system is measured (their idle CPU is
+     measured and printed);
+  4. the servers stop (always: try/finally), and the next pair starts.
+It prints one table with every system's figures and the ratios: Tritium / the fastest llama-server,
 tritium serve / in-process (server overhead) and each quantized pair / bf16.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -44,18 +46,25 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="suite repetitions per pair (default 1)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and in-process torch threads "
                                                           "(default 2)")
+    p.add_argument("--llama-threads", default="1,2",
+                   help="llama-server -t/-tb; a comma list runs one llama-server per value and the ratios use "
+                        "the fastest (default 1,2: -t 2 is faster on a quiet host, -t 1 on a busy one; see docs)")
+    p.add_argument("--llama-server-args", default="", metavar="ARGS",
+                   help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--concurrency", default="16", help="comma list (default 16)")
-    p.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-stream", type=int, default=3)
-    p.add_argument("--single-stream-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"),
+                   help="prompt words (default 12 384)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output tokens (default 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--single-stream", type=int, default=3, help="one-at-a-time requests (default 3)")
+    p.add_argument("--single-stream-tokens", type=int, default=128, help="their output tokens (default 128)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per system (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table to stderr)")
     p.add_argument("--plot", default=None, metavar="DIR", help="PNG plots per pair into DIR/<pair>/")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
 
@@ -64,6 +73,16 @@ def parse_pairs(text: str) -> list:
     if not pairs or any(x not in PAIRS for x in pairs) or len(set(pairs)) != len(pairs):
         raise ValueError(f"--pairs must be a comma list of distinct {', '.join(PAIRS)}, got {text!r}")
     return pairs
+
+
+def parse_threads(text: str) -> list:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"--llama-threads must be a comma list of distinct integers >= 1 (e.g. 1,2), got {text!r}")
+    return values
 
 
 def ensure_engine(kind: str, gguf: str, engines_dir: str, log) -> str:
@@ -83,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
     from tritium.client.llamacpp import ensure_llama_cpp, requantize
     from tritium.client.server import cache_dir
     pairs = parse_pairs(args.pairs)
-    if args.repeats < 1 or args.threads < 1:
-        raise ValueError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
+    for flag in ("repeats", "threads"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    args.llama_threads = parse_threads(args.llama_threads)
     opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
                         parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
                         args.warmup, progress=not args.no_progress)
@@ -113,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "gguf": args.gguf, "engines": engines, "threads": args.threads,
+                   "llama_threads": args.llama_threads,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
     print(format_table(report), file=out, flush=True)
     if args.json:
@@ -136,23 +158,29 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     repo = os.path.join(work, "repos", kind)
     write_repository(repo, MODEL, os.path.abspath(engine))
     parallel = max(16, max(opts.concurrencies))
-    llama = LlamaServer(src, gguf, parallel=parallel, threads=args.threads,
-                        log_file=os.path.join(logs, f"llama-server-{kind}.log"))
+    many = len(args.llama_threads) > 1
+    llamas = {(f"llama-server-t{t}" if many else "llama-server"):
+              LlamaServer(src, gguf, parallel=parallel, threads=t, extra_args=shlex.split(args.llama_server_args),
+                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"))
+              for t in args.llama_threads}
     triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
     inproc = None
     try:
-        llama.start()
+        for llama in llamas.values():
+            llama.start()
         triton.start(timeout=600)
-        targets = {"llama-server": OpenAIDriver(llama.url), "tritium-serve": TritonGrpcDriver(triton.grpc_url, MODEL)}
+        targets = {name: OpenAIDriver(llama.url) for name, llama in llamas.items()}
+        targets["tritium-serve"] = TritonGrpcDriver(triton.grpc_url, MODEL)
         if not args.no_in_process:
             targets["in-process"] = inproc = InProcessDriver(engine)
         for d in targets.values():
             d.check()
-        pgids = {"llama-server": llama.proc.pid, "tritium-serve": triton.proc.pid}
+        pgids = {name: llama.proc.pid for name, llama in llamas.items()}
+        pgids["tritium-serve"] = triton.proc.pid
         idle0 = {n: group_cpu_seconds(g) for n, g in pgids.items()}
         time.sleep(5.0)
         idle = {n: (group_cpu_seconds(g) - idle0[n]) / 5.0 for n, g in pgids.items()}
-        reps = []
+        reps, load = [], [os.getloadavg()[0]]
         for rep in range(args.repeats):
             o = dataclasses.replace(opts, tag=f"r{rep}")
             result, raw = run_suite(targets, o, order_offset=p_idx + rep)
@@ -160,9 +188,12 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
                 from tritium.client.bench_plots import write_plots
                 result["plots"] = write_plots(os.path.join(args.plot, f"{kind}-r{rep}"), raw)
             reps.append(result)
-        return {"reps": reps, "idle_server_cores": idle, "llama_server_cmd": " ".join(llama.cmd[1:])}
+        load.append(os.getloadavg()[0])  # the host's 1-minute load before and after: how busy it was
+        return {"reps": reps, "idle_server_cores": idle, "host_load": load,
+                "llama_server_cmd": [" ".join(x.cmd[1:]) for x in llamas.values()]}
     finally:
         if inproc is not None:
             inproc.close()
         triton.stop()
-        llama.stop()
+        for llama in llamas.values():
+            llama.stop()

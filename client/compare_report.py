@@ -31,22 +31,28 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                 figs[system][label] = {
                     "output_tok_s": _mean([s["output_tok_s"] for s in runs]),
                     "output_tok_s_repeats": [s["output_tok_s"] for s in runs],
+                    "output_tokens": runs[0].get("output_tokens"),
                     "ttft_p50_ms": _mean([(s["ttft_ms"] or {}).get("p50") for s in runs]),
                     "itl_p50_ms": _mean([(s["itl_ms"] or {}).get("p50") for s in runs]),
+                    "itl_p99_ms": _mean([(s["itl_ms"] or {}).get("p99") for s in runs]),
                     "e2e_p50_ms": _mean([(s["e2e_ms"] or {}).get("p50") for s in runs]),
                     "errors": sum(s["errors"] for s in runs),
                     "count_mismatches": sum(s["count_mismatches"] for s in runs),
                     "client_cores": _mean([s["client_cores"] for s in runs])}
         tok = {s: {lab: f["output_tok_s"] for lab, f in by.items()} for s, by in figs.items()}
-        ratios = {"tritium_vs_llama": {lab: _div(v, tok["llama-server"].get(lab))
-                                       for lab, v in tok["tritium-serve"].items()}}
+        llamas = [n for n in tok if n.startswith("llama-server")]
+        best = {lab: max((tok[n].get(lab) or 0.0 for n in llamas), default=None) for lab in tok["tritium-serve"]}
+        ratios = {"tritium_vs_llama": {lab: _div(v, best[lab]) for lab, v in tok["tritium-serve"].items()}}
         if "in-process" in tok:
             ratios["serve_vs_in_process"] = {lab: _div(v, tok["in-process"].get(lab))
                                              for lab, v in tok["tritium-serve"].items()}
         out["pairs"][kind] = {"weights": {"llama-server": PAIRS[kind][1], "tritium": WEIGHTS[kind]},
                               "figures": figs, "ratios": ratios,
                               "idle_server_cores": results[kind]["idle_server_cores"],
-                              "llama_server_args": results[kind]["llama_server_cmd"]}
+                              "host_load": results[kind].get("host_load"),
+                              "llama_server_args": results[kind]["llama_server_cmd"],
+                              "best_llama": {lab: next((n for n in llamas if tok[n].get(lab) == b), None)
+                                             for lab, b in best.items()}}
     if "bf16" in pairs and len(pairs) > 1:
         base = out["pairs"]["bf16"]["figures"]
         out["quantized_vs_bf16"] = {
@@ -65,27 +71,28 @@ def format_table(report: dict) -> str:
     """Plain-text table: one row per (pair, system), then the ratios."""
     pairs = report["pairs"]
     labels = list(next(iter(next(iter(pairs.values()))["figures"].values())))
-    head = f"{'pair':<5} {'system':<14} {'weights':<9}" + "".join(
-        f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>12}" for lab in labels) + "  errors"
+    head = f"{'pair':<5} {'system':<17} {'weights':<9}" + "".join(
+        f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>17}" for lab in labels) + "  errors"
     lines = [head]
     for kind, p in pairs.items():
         for system, by in p["figures"].items():
-            w = p["weights"]["llama-server" if system == "llama-server" else "tritium"]
-            row = f"{kind:<5} {system:<14} {w:<9}"
+            w = p["weights"]["llama-server" if system.startswith("llama-server") else "tritium"]
+            row = f"{kind:<5} {system:<17} {w:<9}"
             for lab in labels:
                 f = by[lab]
-                row += f" {_f(f['output_tok_s']):>12} {_f(f['ttft_p50_ms'], '{:.0f}'):>13} " \
-                       f"{_f(f['itl_p50_ms']):>12}"
+                itl = f"{_f(f['itl_p50_ms'])} / {_f(f.get('itl_p99_ms'), '{:.0f}')}"
+                row += f" {_f(f['output_tok_s']):>12} {_f(f['ttft_p50_ms'], '{:.0f}'):>13} {itl:>17}"
             errs = sum(f["errors"] for f in by.values())
             mism = sum(f["count_mismatches"] for f in by.values())
             lines.append(row + f"  {errs}" + (f" ({mism} token-count mismatches)" if mism else ""))
-    lines.append("(TTFT and ITL: p50; tok/s: output tokens/s, mean over repeats)")
+    lines.append("(tok/s: output tokens/s, mean over repeats; TTFT: p50; ITL: p50 / p99, a large p99 = stalls)")
     lines.append("ratios of output tok/s:")
     for kind, p in pairs.items():
         for name, by in p["ratios"].items():
-            what = {"tritium_vs_llama": "tritium serve / llama-server",
+            what = {"tritium_vs_llama": "tritium serve / best llama",
                     "serve_vs_in_process": "tritium serve / in-process"}[name]
-            lines.append(f"  {kind:<5} {what:<29} " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}" for lab, v in by.items()))
+            lines.append(f"  {kind:<5} {what:<27} " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}" for lab, v in by.items()))
+        lines.append(f"  {kind:<5} {'best llama':<27} " + ", ".join(f"{lab} {n}" for lab, n in p["best_llama"].items()))
     for system, by_kind in report.get("quantized_vs_bf16", {}).items():
         for kind, by in by_kind.items():
             lines.append(f"  {system} {kind} / bf16: " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}"
@@ -93,4 +100,8 @@ def format_table(report: dict) -> str:
     idle = ", ".join(f"{kind}: " + " / ".join(f"{s} {c:.3f}" for s, c in p["idle_server_cores"].items())
                      for kind, p in pairs.items())
     lines.append(f"idle servers' CPU (cores, 5 s before measuring): {idle}")
+    loads = ", ".join(f"{kind} {p['host_load'][0]:.1f} -> {p['host_load'][-1]:.1f}"
+                      for kind, p in pairs.items() if p.get("host_load"))
+    if loads:
+        lines.append(f"host 1-minute load average before -> after each pair (2 cores): {loads}")
     return "\n".join(lines)

@@ -103,12 +103,12 @@ class LlamaServer:
     """llama-server on a free loopback port; stop() always reaps it (SIGINT, then SIGKILL)."""
 
     def __init__(self, src_dir: str, model: str, parallel: int = 16, ctx_per_slot: int = 2048, threads: int = 2,
-                 log_file: Optional[str] = None, port: Optional[int] = None):
+                 log_file: Optional[str] = None, port: Optional[int] = None, extra_args: Optional[List[str]] = None):
         from tritium.client.server import free_port
         self.port = port or free_port()
         self.cmd = [binary(src_dir, "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads),
-                    "-tb", str(threads), "--no-webui"]
+                    "-tb", str(threads), "--no-webui", *(extra_args or [])]
         self.log_file = log_file
         self.proc: Optional[subprocess.Popen] = None
 

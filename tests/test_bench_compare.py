@@ -22,16 +22,17 @@ def _run(label, tok_s, ttft=100.0):
             "count_mismatches": 0, "client_cores": 0.01}
 
 
-def _pair(llama, serve, inproc):
+def _pair(llama, serve, inproc, llama_t1=None):
     """One pair's results over two repeats; each figure is (c16 tok/s, single tok/s) per repeat."""
     reps = []
+    systems = (("llama-server", llama), ("tritium-serve", serve), ("in-process", inproc))
+    if llama_t1 is not None:
+        systems = (("llama-server-t2", llama), ("llama-server-t1", llama_t1)) + systems[1:]
     for r in range(2):
         reps.append({"workload": {"num_requests": 32},
-                     "runs": {name: [_run("c16", v[r][0]), _run("single", v[r][1])]
-                              for name, v in (("llama-server", llama), ("tritium-serve", serve),
-                                              ("in-process", inproc))}})
+                     "runs": {name: [_run("c16", v[r][0]), _run("single", v[r][1])] for name, v in systems}})
     return {"reps": reps, "idle_server_cores": {"llama-server": 0.0, "tritium-serve": 0.01},
-            "llama_server_cmd": "-np 16"}
+            "llama_server_cmd": "-np 16", "host_load": [0.5, 2.5]}
 
 
 def test_summary_ratios_and_table():
@@ -48,9 +49,20 @@ def test_summary_ratios_and_table():
                                                                  "single": pytest.approx(50 / 50)}
     assert rep["quantized_vs_bf16"]["llama-server"]["int8"]["single"] == pytest.approx(80 / 60)
     table = format_table(rep)
-    assert "int8  tritium-serve  int8" in table and "200.0" in table
-    assert "tritium serve / llama-server  c16 1.45x, single 0.83x" in table
+    assert "int8  tritium-serve     int8" in table and "200.0" in table
+    assert "tritium serve / best llama  c16 1.45x, single 0.83x" in table
     assert "tritium-serve int8 / bf16: c16 1.25x, single 1.00x" in table
+    assert "bf16 0.5 -> 2.5" in table and "100.0 / 100" in table  # load; ITL p50 / p99
+
+
+def test_ratios_use_the_fastest_llama_server():
+    res = _pair([(100, 50), (120, 70)], [(150, 40), (170, 60)], [(160, 50), (180, 50)],
+                llama_t1=[(130, 20), (130, 20)])
+    rep = summary({"bf16": res}, ["bf16"])["pairs"]["bf16"]
+    assert rep["best_llama"] == {"c16": "llama-server-t1", "single": "llama-server-t2"}
+    assert rep["ratios"]["tritium_vs_llama"] == {"c16": pytest.approx(160 / 130), "single": pytest.approx(50 / 60)}
+    table = format_table({"pairs": {"bf16": rep}})
+    assert "bf16  llama-server-t1   BF16" in table and "best llama" in table
 
 
 def test_parse_pairs():
@@ -87,6 +99,7 @@ def test_llama_cpp_dir_without_build_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--pairs", "bf16,fp4"], "--pairs"), (["--repeats", "0"], "--repeats"),
+    (["--llama-threads", "0"], "--llama-threads"), (["--llama-threads", "1,x"], "--llama-threads"),
     (["--concurrency", "x"], "--concurrency"), (["--gguf", "/no/such.gguf"], "--gguf"),
     (["--gguf", __file__, "--llama-cpp-dir", "/no/such/dir"], "--llama-cpp-dir")])
 def test_compare_bad_flags_exit_2(capsys, argv, flag):
