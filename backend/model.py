@@ -2,7 +2,7 @@
 
 Installed as `<backend-dir>/tritium/model.py` (see tritium.client.server), so a model's
 config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Parameters:
-`engine_dir` (absolute, or relative to the model's folder; `~` and $VARS expand), and optional
+`engine_dir` (absolute, or relative to the model's folder; `~` expands; $VARS do not), and optional
 `num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device`,
 `max_queue_size` (waiting requests beyond which new ones fail as overloaded; default 1024),
 `num_threads` (torch intra-op threads; default every core) and `small_step_threads` (threads for
@@ -11,9 +11,10 @@ steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy).
 One AsyncLLMEngine per model instance runs its own background loop; every request that any
 execute() call hands over joins the running batch at the next engine step. The engine's one
 delivery thread turns each step's outputs into responses (triton_stream.py; tensor contract:
-triton_contract.py). A housekeeping thread polls cancellation of the open requests, copies the
-engine's stats into the gauges and flushes the metrics, every STATS_PERIOD_S: each of those is
-an IPC round trip to the server, kept off the per-token path.
+triton_contract.py). A housekeeping thread polls cancellation of the open requests every
+CANCEL_POLL_S (a cancelled request is aborted within about two engine steps, waiting or not), and
+copies the engine's stats into the gauges and flushes the metrics every STATS_PERIOD_S: each of
+those is an IPC round trip to the server, kept off the per-token path.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from tritium.backend.triton_stream import RequestState, RowStream
 
 _ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
 DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
-STATS_PERIOD_S = 0.05
+STATS_PERIOD_S = 0.05   # gauges and metric flushes
+CANCEL_POLL_S = 0.02    # is_cancelled() of every open request (one IPC round trip each)
 
 
 def _engine_kwargs(params: dict) -> dict:
@@ -109,9 +111,13 @@ class TritonPythonModel:
 
     # ---- housekeeping: cancellation, engine stats -> gauges, metric flushes ------------------
     def _stats_loop(self):
-        while not self._stop.wait(STATS_PERIOD_S):
+        last_stats = 0.0
+        while not self._stop.wait(CANCEL_POLL_S):
             self._poll_cancelled()
-            self._update_stats()
+            now = time.monotonic()
+            if now - last_stats >= STATS_PERIOD_S:
+                last_stats = now
+                self._update_stats()
 
     def _poll_cancelled(self):
         with self._rows_lock:

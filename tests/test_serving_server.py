@@ -152,14 +152,16 @@ def test_16_concurrent_streams_are_batched(server, oracle):
     time.sleep(0.3)  # metrics are flushed every 50 ms: let the previous test's counts land first
     before = scrape(server)
     prompts = [f"{PROMPTS[i % 3]} #{i}" for i in range(16)]
-    refs = [oracle(p, 24)[0] for p in prompts]
+    refs = [oracle(p, 96)[0] for p in prompts]  # long enough to overlap whatever the arrival spread
     got, errors = [None] * 16, []
     barrier = threading.Barrier(16)
+    clients = [client(server) for _ in range(16)]  # connections up before the requests start together
+    assert all(c.is_ready() for c in clients)
 
     def run(i):
         try:
             barrier.wait()
-            got[i] = [t for ch in client(server).stream(prompts[i], max_tokens=24, temperature=0.0)
+            got[i] = [t for ch in clients[i].stream(prompts[i], max_tokens=96, temperature=0.0)
                       for t in ch.token_ids]
         except Exception as e:  # reported below
             errors.append(e)
@@ -187,19 +189,38 @@ def _kv_used(server) -> float:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cancelled_stream_frees_kv_blocks(server, oracle, protocol):
+    """A stream closed after 3 chunks is aborted (fewer than its 200 tokens generated, its blocks
+    freed) while 6 others of 200 tokens run beside it (they also keep the steps long enough that
+    the tiny model cannot finish the cancelled one before the cancellation is seen)."""
     assert wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
+    time.sleep(0.3)  # metrics are flushed every 50 ms: let earlier counts land first
     gen_before = metric(scrape(server), "tritium_generation_tokens_total", model=NAME)
+    others, errors = [], []
+
+    def run_other(i):
+        try:
+            others.append(sum(len(ch.token_ids) for ch in client(server).stream(
+                f"{PROMPTS[2]} {i}", max_tokens=200, temperature=0.0, min_tokens=200)))
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run_other, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
     stream = client(server, protocol).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
     try:
         for _ in range(3):
             next(stream)
-        assert wait_for(lambda: _kv_used(server) > 0, 5), "the running request holds no KV blocks"
     finally:
         stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection closes
+    for t in threads:
+        t.join(120)
+    assert not errors and others == [200] * 6, (errors, others)
     assert wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
+    time.sleep(0.3)
     text = scrape(server)
     assert metric(text, "tritium_requests", model=NAME, state="running") == 0
-    assert metric(text, "tritium_generation_tokens_total", model=NAME) - gen_before < 200, "it was not cancelled"
+    cancelled = metric(text, "tritium_generation_tokens_total", model=NAME) - gen_before - 6 * 200
+    assert 3 <= cancelled < 200, f"the cancelled stream generated {cancelled} tokens: it was not cancelled"
     ref_ids, _, _ = oracle(PROMPTS[0], 8)
     assert client(server).generate(PROMPTS[0], max_tokens=8, temperature=0.0).token_ids == ref_ids
 
