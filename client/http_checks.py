@@ -23,7 +23,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class GuardLimits:
-    """Limits one request must respect; each has a `tritium serve` option of the same name."""
+    """Per-request limits; each is an option of `tritium serve` and of the guard (--max-body-bytes, ...)."""
     max_body_bytes: int = 4 * 1024 * 1024  # after decompression; below 2.51's 5 MB form crash
     max_json_depth: int = 64               # a Triton request needs < 10 (object, inputs, data, rank)
     max_header_bytes: int = 64 * 1024      # request line + headers
@@ -73,7 +73,7 @@ def parse_content_length(values) -> Optional[int]:
 def check_body_size(num_bytes: int, limits: GuardLimits) -> None:
     if num_bytes > limits.max_body_bytes:
         raise GuardError(413, f"request body of {num_bytes} bytes is over the limit of {limits.max_body_bytes} "
-                              f"bytes (tritium serve --max-body-bytes)")
+                              f"bytes (--max-body-bytes)")
 
 
 def decode_body(body: bytes, encoding: Optional[str], limits: GuardLimits) -> bytes:
@@ -96,7 +96,7 @@ def decode_body(body: bytes, encoding: Optional[str], limits: GuardLimits) -> by
             continue
         if len(out) > limits.max_body_bytes or d.unconsumed_tail:
             raise GuardError(413, f"decompressed request body is over the limit of {limits.max_body_bytes} bytes "
-                                  f"(tritium serve --max-body-bytes)")
+                                  f"(--max-body-bytes)")
         if d.eof:
             return out
     raise GuardError(400, f"request body is not valid {enc} data")
@@ -123,7 +123,7 @@ def check_json_depth(data: bytes, limits: GuardLimits) -> None:
     depth = json_depth(data)
     if depth > limits.max_json_depth:
         raise GuardError(400, f"JSON nesting depth {depth} is over the limit of {limits.max_json_depth} "
-                              f"(tritium serve --max-json-depth)")
+                              f"(--max-json-depth)")
 
 
 def json_part(body: bytes, header_length: Optional[str]) -> bytes:

@@ -307,16 +307,27 @@ async def serve(routes: List[Tuple[socket.socket, Tuple[str, int]]], limits: Gua
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tritium.client.http_guard", description=__doc__.splitlines()[0])
     p.add_argument("--route", action="append", required=True,
-                   help="FD=HOST:PORT: serve the inherited listening socket FD in front of HOST:PORT")
+                   help="FD=HOST:PORT (an inherited listening socket) or LISTEN_HOST:PORT=HOST:PORT: "
+                        "guard HOST:PORT from there; repeat for more ports")
     for f, v in GuardLimits().__dict__.items():
         p.add_argument("--" + f.replace("_", "-"), type=int, default=v)
     args = p.parse_args(argv)
     limits = GuardLimits(**{f: getattr(args, f) for f in GuardLimits().__dict__})
     routes = []
     for r in args.route:
-        fd, _, upstream = r.partition("=")
+        front, _, upstream = r.partition("=")
         host, _, port = upstream.rpartition(":")
-        routes.append((socket.socket(fileno=int(fd)), (host, int(port))))
+        if front.isdigit():
+            sock = socket.socket(fileno=int(front))
+        else:  # HOST:PORT to bind here (standalone use, e.g. docker/entrypoint.sh)
+            from tritium.client.launch_checks import listen_socket
+            fhost, _, fport = front.rpartition(":")
+            try:
+                sock = listen_socket("guard", fhost, int(fport))
+            except OSError as e:
+                print(f"tritium-guard: {e}", file=sys.stderr)
+                return 2
+        routes.append((sock, (host, int(port))))
     try:
         asyncio.run(serve(routes, limits))
     except KeyboardInterrupt:
