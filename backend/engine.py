@@ -97,10 +97,12 @@ class LLMEngine:
         params.validate(self.max_seq_len, vocab, len(ids))
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n must be in [1, {self.scheduler.max_num_seqs}] (max_num_seqs), got {params.n}")
-        need = cdiv(len(ids) + params.max_tokens, self.block_size)
+        shared = len(ids) // self.block_size  # the n samples share the prompt's full blocks
+        need = shared + params.n * (cdiv(len(ids) + params.max_tokens, self.block_size) - shared)
         if need > self.block_manager.num_blocks:
             raise ValueError(
-                f"request can never fit: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"request can never fit: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) x n "
+                f"({params.n}) needs "
                 f"{need} KV blocks of {self.block_size} tokens, the pool has {self.block_manager.num_blocks} "
                 f"(raise num_kv_blocks or lower max_tokens)")
         if (params.stop_list or params.bad_words) and self.tokenizer is None:

@@ -123,3 +123,44 @@ def test_hostile_sampling_parameters_are_clean_value_errors(text):
 def test_oversized_sampling_parameters_name_the_limit():
     with pytest.raises(ValueError, match="sampling_parameters has .* characters; at most"):
         parse_sampling_parameters(json.dumps({"stop": ["x" * 100] * 20_000}))
+
+
+class _SpyTokenizer:
+    """Records how many characters each encode() call was given."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def encode(self, text, *a, **kw):
+        self.calls.append(len(text))
+        return self.tok.encode(text, *a, **kw)
+
+
+def test_overlong_prompt_is_rejected_after_tokenizing_a_bounded_head(tiny_engine):
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.prompt_limits import encode_prompt, max_token_chars
+    eng = LLMEngine(tiny_engine("llama"))
+    chars = max_token_chars(eng.tokenizer)
+    assert all(len(eng.tokenizer.decode([i])) <= chars for i in range(eng.config.model.vocab_size))
+    spy = _SpyTokenizer(eng.tokenizer)
+    with pytest.raises(ValueError, match=f"max_seq_len is {eng.max_seq_len}"):
+        encode_prompt(spy, "hello world " * 200_000, eng.max_seq_len, chars)
+    assert max(spy.calls) <= (eng.max_seq_len + 2) * chars < 2_400_000
+    ok = "hello world " * 3
+    assert encode_prompt(spy, ok, eng.max_seq_len, chars) == eng.tokenizer.encode(ok).ids
+    # a long prompt that is only whitespace-light text of few tokens is not refused by the head rule
+    assert len(eng.tokenizer.encode("x" * 50).ids) < eng.max_seq_len
+
+
+def test_n_counts_in_the_can_never_fit_check(tiny_engine):
+    from tritium.backend.engine import LLMEngine
+    eng = LLMEngine(tiny_engine("llama"), num_kv_blocks=4)
+    bs = eng.block_size
+    prompt = list(range(1, bs + 1))  # one full block, shared by the samples
+    params = dict(max_tokens=bs, temperature=1.0, seed=0, ignore_eos=True)
+    # each sample needs one block of its own: n = 3 -> 1 + 3 = 4 blocks fit, n = 4 -> 5 do not
+    with pytest.raises(ValueError, match=r"can never fit.*x n \(4\)"):
+        eng.add_request("big", prompt_token_ids=prompt, params=SamplingParams(n=4, **params))
+    out = eng.generate(prompt_token_ids=[prompt], params=SamplingParams(n=3, **params))[0]
+    assert [len(o.token_ids) for o in out.outputs] == [bs] * 3
+    assert eng.stats()["kv_blocks_used"] == 0  # nothing leaked
