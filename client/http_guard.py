@@ -85,6 +85,7 @@ class Guard:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.num_connections += 1
         up: Optional[Tuple[asyncio.StreamReader, asyncio.StreamWriter]] = None
+        req_target = ""
         try:
             if self.num_connections > self.limits.max_connections:
                 raise GuardError(503, f"too many connections (limit {self.limits.max_connections})")
@@ -93,7 +94,7 @@ class Guard:
                 req, body = await self._read_request(reader, writer, HEADER_TIMEOUT_S if first else IDLE_TIMEOUT_S)
                 if req is None:
                     return
-                first = False
+                first, req_target = False, req.target
                 try:
                     fresh = up is None
                     if fresh:
@@ -112,7 +113,8 @@ class Guard:
                 if not keep:
                     return
         except GuardError as e:
-            print(f"tritium-guard: {e.status} {e.message}", file=sys.stderr, flush=True)
+            if not (e.status == 502 and req_target.startswith("/v2/health")):  # not every startup probe
+                print(f"tritium-guard: {e.status} {e.message}", file=sys.stderr, flush=True)
             try:
                 writer.write(error_response(e.status, e.message))
                 await writer.drain()

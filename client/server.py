@@ -33,6 +33,11 @@ from tritium.client.http_checks import GuardLimits
 from tritium.client.launch_checks import (check_port_free, listen_socket, new_shm_prefix, remove_shm_files,
                                           shm_backend_args, start_guard)
 
+# tritonserver's own grace period for unloading models on SIGINT. Unloading takes ~1.5 s here,
+# more on a busy machine: 5 s made a clean stop exit with code 1 under load. Below stop_timeout.
+EXIT_TIMEOUT_S = 15
+
+
 def _site_root() -> str:
     import pytriton  # nvidia-pytriton
     return os.path.dirname(os.path.dirname(os.path.abspath(pytriton.__file__)))
@@ -189,7 +194,7 @@ class TritonServer:
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                f"--metrics-address={self._triton_host}", f"--metrics-port={self.triton_metrics_port}",
                f"--exit-on-error={'true' if self.exit_on_error else 'false'}",
-               "--strict-readiness=true", "--exit-timeout-secs=5", f"--log-verbose={self.log_verbose}"]
+               "--strict-readiness=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={self.log_verbose}"]
         cmd += [f"--load-model={m}" for m in self.load_models]
         return cmd + shm_backend_args(self.shm_prefix) + self.extra_args
 
