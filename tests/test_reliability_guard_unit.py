@@ -106,3 +106,43 @@ def test_parse_head():
         with pytest.raises(GuardError) as e:
             parse_head(bad)
         assert e.value.status == 400
+
+
+def _guard(route: str):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "tritium.client.http_guard", "--route", route],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_standalone_guard_answers_for_a_missing_upstream_and_refuses_a_taken_port():
+    import http.client
+    import socket
+    import time
+    from tritium.client.server import free_port
+    port = free_port()
+    proc = _guard(f"127.0.0.1:{port}=127.0.0.1:1")  # nothing listens on port 1
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the guard did not start"
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v2/models/m/generate", body=b'{"text_input": "hi"}')
+        r = conn.getresponse()
+        assert r.status == 502 and "not reachable" in json.loads(r.read())["error"]
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v2/health/ready", headers={"X-Big": "a" * (LIMITS.max_header_bytes + 10)})
+        assert conn.getresponse().status == 431
+        conn.close()
+        taken = _guard(f"127.0.0.1:{port}=127.0.0.1:1")  # a second guard on the same port: port named, exit 2
+        out, _ = taken.communicate(timeout=60)
+        assert taken.returncode == 2 and f"port {port} on 127.0.0.1 is not available" in out, out
+    finally:
+        proc.terminate()
+        proc.wait(10)
