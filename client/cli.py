@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         return 130
     except (ValueError, OSError, KeyError) as e:
         msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
-        print(f"tritium {args.command}: error: {_one_line(msg)}", file=sys.stderr)
+        print(f"tritium {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except Exception as e:
         if os.environ.get("TRITIUM_DEBUG"):

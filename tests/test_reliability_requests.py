@@ -152,15 +152,16 @@ def test_overlong_prompt_is_rejected_after_tokenizing_a_bounded_head(tiny_engine
     assert len(eng.tokenizer.encode("x" * 50).ids) < eng.max_seq_len
 
 
-def test_n_counts_in_the_can_never_fit_check(tiny_engine):
+def test_n_samples_that_do_not_fit_together_run_one_at_a_time(tiny_engine):
+    """The "can never fit" check counts one sample, on purpose: samples that do not fit together
+    are preempted and recomputed in turn, so n does not make a request impossible."""
     from tritium.backend.engine import LLMEngine
-    eng = LLMEngine(tiny_engine("llama"), num_kv_blocks=4)
+    eng = LLMEngine(tiny_engine("llama"), num_kv_blocks=3)
     bs = eng.block_size
-    prompt = list(range(1, bs + 1))  # one full block, shared by the samples
+    prompt = list(range(1, bs + 1))  # one full block; each sample needs one more of its own
     params = dict(max_tokens=bs, temperature=1.0, seed=0, ignore_eos=True)
-    # each sample needs one block of its own: n = 3 -> 1 + 3 = 4 blocks fit, n = 4 -> 5 do not
-    with pytest.raises(ValueError, match=r"can never fit.*x n \(4\)"):
-        eng.add_request("big", prompt_token_ids=prompt, params=SamplingParams(n=4, **params))
-    out = eng.generate(prompt_token_ids=[prompt], params=SamplingParams(n=3, **params))[0]
-    assert [len(o.token_ids) for o in out.outputs] == [bs] * 3
-    assert eng.stats()["kv_blocks_used"] == 0  # nothing leaked
+    out = eng.generate(prompt_token_ids=[prompt], params=SamplingParams(n=4, **params))[0]
+    assert [len(o.token_ids) for o in out.outputs] == [bs] * 4  # 1 + 4 blocks wanted, 3 in the pool
+    assert eng.stats()["preemptions"] > 0 and eng.stats()["kv_blocks_used"] == 0
+    with pytest.raises(ValueError, match="can never fit"):  # one sample alone needs 4 blocks
+        eng.add_request("big", prompt_token_ids=prompt, params=SamplingParams(**{**params, "max_tokens": 3 * bs}))
