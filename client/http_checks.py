@@ -9,14 +9,15 @@ upstream after 2.51:
   - JSON nested ~200,000 levels deep (the JSON parser recurses per level;
     triton-inference-server/common#156): the guard rejects JSON nested deeper than
     `max_json_depth`.
-Pure functions on bytes, so they are unit-tested without sockets.
+Pure functions on bytes (and the HTTP/1.1 head parsing the guard needs), unit-tested without sockets.
 """
 from __future__ import annotations
 
+import json
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -135,3 +136,57 @@ def json_part(body: bytes, header_length: Optional[str]) -> bytes:
     if not v.isdigit() or int(v) > len(body):
         raise GuardError(400, f"bad Inference-Header-Content-Length {header_length!r} for a {len(body)}-byte body")
     return body[:int(v)]
+
+
+# ---- HTTP/1.1 message heads ------------------------------------------------------------------
+_REASONS = {400: "Bad Request", 413: "Payload Too Large", 415: "Unsupported Media Type",
+            431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
+            503: "Service Unavailable"}
+
+
+class Request:
+    """An HTTP/1.1 request head: method, target, version and headers in order."""
+
+    def __init__(self, method: str, target: str, version: str, headers: List[Tuple[str, str]]):
+        self.method, self.target, self.version, self.headers = method, target, version, headers
+
+    def get_all(self, name: str) -> List[str]:
+        return [v for k, v in self.headers if k.lower() == name]
+
+    def get(self, name: str) -> Optional[str]:
+        vals = self.get_all(name)
+        return vals[-1] if vals else None
+
+    @property
+    def keep_alive(self) -> bool:
+        conn = ",".join(self.get_all("connection")).lower()
+        return "keep-alive" in conn if self.version == "HTTP/1.0" else "close" not in conn
+
+
+def parse_head(head: bytes) -> Request:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[1].startswith("/") or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+        raise GuardError(400, "bad request line")
+    headers = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or line[0] in " \t":
+            raise GuardError(400, "bad header line")
+        headers.append((name, value.strip()))
+    return Request(parts[0], parts[1], parts[2], headers)
+
+
+def error_response(status: int, message: str) -> bytes:
+    body = json.dumps({"error": f"tritium guard: {message}"}).encode()
+    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def parse_response_head(head: bytes) -> Tuple[int, List[Tuple[str, str]]]:
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)]
+    return status, headers

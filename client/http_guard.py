@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import socket
 import sys
 from typing import List, Optional, Tuple
 
-from tritium.client.http_checks import (GuardError, GuardLimits, check_body_size, check_json_depth, decode_body,
-                                        forward_content_type, json_part, parse_content_length)
+from tritium.client.http_checks import (GuardError, GuardLimits, Request, check_body_size, check_json_depth,
+                                        decode_body, error_response, forward_content_type, json_part,
+                                        parse_content_length, parse_head, parse_response_head)
 
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
                "expect", "content-length", "content-encoding", "content-type", "host"}
-_REASONS = {400: "Bad Request", 413: "Payload Too Large", 415: "Unsupported Media Type",
-            431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
-            503: "Service Unavailable"}
 HEADER_TIMEOUT_S = 30.0   # a client must send its request head within this (slow-loris)
 IDLE_TIMEOUT_S = 120.0    # an idle keep-alive connection is closed after this
 BODY_TIMEOUT_S = 120.0
@@ -34,45 +31,6 @@ BODY_TIMEOUT_S = 120.0
 
 class _StaleUpstream(Exception):
     """The upstream connection was closed before any byte of the response came back."""
-
-
-class Request:
-    def __init__(self, method: str, target: str, version: str, headers: List[Tuple[str, str]]):
-        self.method, self.target, self.version, self.headers = method, target, version, headers
-
-    def get_all(self, name: str) -> List[str]:
-        return [v for k, v in self.headers if k.lower() == name]
-
-    def get(self, name: str) -> Optional[str]:
-        vals = self.get_all(name)
-        return vals[-1] if vals else None
-
-    @property
-    def keep_alive(self) -> bool:
-        conn = ",".join(self.get_all("connection")).lower()
-        return "keep-alive" in conn if self.version == "HTTP/1.0" else "close" not in conn
-
-
-def parse_head(head: bytes) -> Request:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[1].startswith("/") or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
-        raise GuardError(400, "bad request line")
-    headers = []
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or line[0] in " \t":
-            raise GuardError(400, "bad header line")
-        headers.append((name, value.strip()))
-    return Request(parts[0], parts[1], parts[2], headers)
-
-
-def error_response(status: int, message: str) -> bytes:
-    body = json.dumps({"error": f"tritium guard: {message}"}).encode()
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
 class Guard:
@@ -284,13 +242,6 @@ async def _linger(reader, writer, max_bytes: int = 64 * 2 ** 20, timeout: float 
                 return
             n += len(data)
     await asyncio.wait_for(drain(), timeout)
-
-
-def parse_response_head(head: bytes) -> Tuple[int, List[Tuple[str, str]]]:
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)]
-    return status, headers
 
 
 async def serve(routes: List[Tuple[socket.socket, Tuple[str, int]]], limits: GuardLimits) -> None:

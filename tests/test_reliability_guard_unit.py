@@ -9,7 +9,7 @@ import pytest
 
 from tritium.client.http_checks import (GuardError, GuardLimits, check_body_size, check_json_depth, decode_body,
                                         forward_content_type, json_depth, json_part, parse_content_length)
-from tritium.client.http_guard import parse_head
+from tritium.client.http_checks import parse_head
 
 LIMITS = GuardLimits()
 
