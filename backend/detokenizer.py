@@ -10,23 +10,31 @@ tokens) and emits only the part that can no longer change:
     remaining bytes are in the next token (it is released if later text follows it, or at the end);
   - a suffix that is a prefix of a stop string is held back until it either completes the stop
     string (then it is dropped) or stops matching.
+Stop strings are searched with one compiled pattern and held-back prefixes found in a set of
+all their proper prefixes, so a step costs the same for 1 or 32 stop strings (their number and
+length are capped by SamplingParams).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence as Seq, Tuple
+import re
+from typing import FrozenSet, List, Optional, Sequence as Seq
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def stop_prefix_overlap(text: str, stops: Seq[str]) -> int:
+def stop_prefixes(stops: Seq[str]) -> FrozenSet[str]:
+    """Every proper, non-empty prefix of the stop strings."""
+    return frozenset(s[:k] for s in stops for k in range(1, len(s)))
+
+
+def stop_prefix_overlap(text: str, stops: Seq[str], prefixes: Optional[FrozenSet[str]] = None) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+    prefixes = stop_prefixes(stops) if prefixes is None else prefixes
+    longest = max((len(s) for s in stops), default=1) - 1
+    for k in range(min(longest, len(text)), 0, -1):
+        if text[len(text) - k:] in prefixes:
+            return k
+    return 0
 
 
 class IncrementalDetokenizer:
@@ -36,6 +44,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Leftmost match; at one position the earlier stop string in the list wins.
+        self._stop_re = re.compile("|".join(re.escape(s) for s in self.stop)) if self.stop else None
+        self._prefixes = stop_prefixes(self.stop)
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: List[int] = []
         self.text = ""          # current full decode (after a stop match: cut before it)
@@ -53,16 +64,11 @@ class IncrementalDetokenizer:
         if check_stop and self.stop:
             # Emitted text is final, so only the held-back tail can start a match; the tail
             # is short (a partial stop string or an unfinished character).
-            start = self.emitted_len
-            first: Optional[Tuple[int, str]] = None
-            for s in self.stop:
-                pos = self.text.find(s, start)
-                if pos >= 0 and (first is None or pos < first[0]):
-                    first = (pos, s)
-            if first is not None:
-                self.text = self.text[:first[0]]
-                self.stop_matched = first[1]
-                return first[1]
+            m = self._stop_re.search(self.text, self.emitted_len)
+            if m is not None:
+                self.text = self.text[:m.start()]
+                self.stop_matched = m.group(0)
+                return self.stop_matched
         return None
 
     def delta(self, finished: bool) -> str:
@@ -72,7 +78,7 @@ class IncrementalDetokenizer:
             stripped = self.text.rstrip(REPLACEMENT_CHAR)
             end = len(stripped)
             if self.stop:
-                end -= stop_prefix_overlap(stripped, self.stop)
+                end -= stop_prefix_overlap(stripped, self.stop, self._prefixes)
         if end <= self.emitted_len:
             return ""
         out = self.text[self.emitted_len:end]

@@ -7,7 +7,7 @@ Each row of the batch carries its own SamplingParams. Processing order, per row:
      logit l becomes l / r if l > 0 else l * r;
   3. presence / frequency penalties (OpenAI API definition) over output tokens:
      l -= frequency_penalty * count + presence_penalty * (count > 0);
-  4. temperature 0 -> argmax (greedy); otherwise l / T, then
+  4. temperature 0 -> argmax (greedy); otherwise (l - max l) / T (finite for any T > 0), then
   5. top-k (keep the k largest), top-p (nucleus, Holtzman et al. 2020: the smallest set of most
      likely tokens whose mass reaches p), min-p (Nguyen et al. 2024: drop tokens with
      p < min_p * p_max); the survivors are renormalized by the softmax;
@@ -28,16 +28,14 @@ NEG_INF = float("-inf")
 
 
 def apply_bans(logits: torch.Tensor, seqs: Seq) -> None:
-    """Step 1, in place: bad words and min_tokens bans."""
+    """Step 1, in place: bad words and min_tokens bans (cost independent of the number of words)."""
     for r, seq in enumerate(seqs):
         req = seq.request
-        banned: List[int] = []
-        if seq.num_output_tokens < req.params.min_tokens:
-            banned += list(req.eos_token_ids) + list(req.stop_token_ids)
-        for word in req.bad_words_ids:
-            k = len(word) - 1
-            if k == 0 or (seq.num_tokens >= k and seq.token_ids[-k:] == word[:-1]):
-                banned.append(word[-1])
+        if req.min_tokens_bans is not None and seq.num_output_tokens < req.params.min_tokens:
+            logits[r, req.min_tokens_bans] = NEG_INF
+        if req.bad_words.always is not None:
+            logits[r, req.bad_words.always] = NEG_INF
+        banned = req.bad_words.context_bans(seq.token_ids)
         if banned:
             logits[r, banned] = NEG_INF
 
@@ -58,6 +56,19 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq) -> None:
             if out:
                 counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab).to(logits.dtype)
                 logits[r] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Step 4: (l - max l) / T per row, finite for any T > 0.
+
+    Dividing raw logits by a tiny T (1e-38, or 1.4e-45, the smallest float32) overflows to
+    +-inf and the softmax to NaN. Shifting by the row maximum first leaves the distribution
+    unchanged and keeps the top logit at 0, so a tiny T tends to greedy (ties share the mass)
+    as it should; T is clamped to the smallest normal float32 so that it never rounds to 0.
+    """
+    top = logits.max(dim=-1, keepdim=True).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully banned row stays -inf
+    return (logits - top) / temperature.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
 
 
 def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -95,7 +106,7 @@ class Sampler:
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         x = logits
-        need_bans = any(p.min_tokens or r.request.bad_words_ids for p, r in zip(params, seqs))
+        need_bans = any(p.min_tokens or r.request.bad_words for p, r in zip(params, seqs))
         need_penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                              for p in params)
         if need_bans or need_penalties:
@@ -109,7 +120,7 @@ class Sampler:
         tokens = x.max(dim=-1).indices
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            xs = x[rows] / torch.tensor([params[i].temperature for i in rows])[:, None]
+            xs = tempered(x[rows], torch.tensor([params[i].temperature for i in rows], dtype=torch.float32))
             xs = truncate(xs,
                           torch.tensor([max(params[i].top_k, 0) for i in rows]),
                           torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),

@@ -13,6 +13,12 @@ from typing import List, Optional, Union
 # Largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
 MAX_N = 64
+# Stop strings and bad words: a request may not make every step of the batch slower, nor pin
+# much memory (each stop string keeps a set of its prefixes, each bad word an index entry).
+MAX_NUM_STOP = 32
+MAX_NUM_BAD_WORDS = 256
+MAX_WORD_CHARS = 128          # per stop string / bad word
+MAX_NUM_STOP_TOKEN_IDS = 1024
 
 
 def _check_number(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
@@ -29,6 +35,17 @@ def _check_number(name: str, value, lo=None, hi=None, lo_open=False, hi_open=Fal
         raise ValueError(f"{name} must be in {rng}, got {value!r}")
     if hi is not None and (value >= hi if hi_open else value > hi):
         raise ValueError(f"{name} must be in {rng}, got {value!r}")
+
+
+def _check_words(name: str, words, max_num: int) -> None:
+    """A list of at most max_num non-empty strings of at most MAX_WORD_CHARS characters each."""
+    if len(words) > max_num:
+        raise ValueError(f"{name} has {len(words)} entries; at most {max_num} are allowed")
+    for w in words:
+        if not isinstance(w, str) or not w:
+            raise ValueError(f"{name} must be a list of non-empty strings, got {w!r}")
+        if len(w) > MAX_WORD_CHARS:
+            raise ValueError(f"{name} entries must have at most {MAX_WORD_CHARS} characters, got one of {len(w)}")
 
 
 @dataclass
@@ -88,17 +105,16 @@ class SamplingParams:
         _check_number("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens, integer=True)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        for s in self.stop_list:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        _check_words("stop (stop_words)", self.stop_list, MAX_NUM_STOP)
+        if isinstance(self.bad_words, str):
+            raise ValueError("bad_words must be a list of strings, not a single string")
+        _check_words("bad_words", self.bad_words, MAX_NUM_BAD_WORDS)
+        if len(self.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
+                             f"{MAX_NUM_STOP_TOKEN_IDS} are allowed")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entries must be token ids in [0, {vocab_size}), got {t!r}")
-        if isinstance(self.bad_words, str):
-            raise ValueError("bad_words must be a list of strings, not a single string")
-        for w in self.bad_words:
-            if not isinstance(w, str) or not w:
-                raise ValueError(f"bad_words must be a list of non-empty strings, got {w!r}")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, integer=True)
         _check_number("n", self.n, lo=1, hi=MAX_N, integer=True)

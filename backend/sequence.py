@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .bad_words import BadWordsIndex
 from .sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -111,6 +112,10 @@ class Request:
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.bad_words_ids: List[List[int]] = [list(b) for b in bad_words_ids]
+        self.bad_words = BadWordsIndex(self.bad_words_ids)
+        # Banned until min_tokens are out: built once, not every step.
+        ends = sorted(self.eos_token_ids | self.stop_token_ids)
+        self.min_tokens_bans = torch.tensor(ends, dtype=torch.long) if ends and params.min_tokens else None
         self.seqs: List[Sequence] = []
         for i in range(params.n):
             gen = None

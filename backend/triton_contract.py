@@ -110,6 +110,10 @@ def response_arrays(text: str, new_ids: List[int], finish_reason: Optional[str],
 
 
 def resolve_path(value: str, model_dir: str) -> str:
-    """A path parameter of config.pbtxt -> absolute path (`~`, $VARS, relative to the model folder)."""
-    path = os.path.expanduser(os.path.expandvars(value.strip()))
+    """A path parameter of config.pbtxt -> absolute path (`~` expands; relative to the model folder).
+
+    $VARS do not expand: the server's environment (tokens, keys) must not leak into a path that
+    load errors echo back to whoever asked to load the model.
+    """
+    path = os.path.expanduser(value.strip())
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(model_dir, path))

@@ -17,6 +17,8 @@ import numpy as np
 from tritium.backend.triton_contract import INPUTS
 
 DEFAULT_MAX_TOKENS = 16
+# Room for every key with 32 stop strings and 256 bad words at their longest, JSON-escaped.
+MAX_SAMPLING_PARAMETERS_CHARS = 1 << 20
 
 # vllm_backend's `sampling_parameters` keys we honour, mapped to SamplingParams fields.
 _JSON_KEYS = {
@@ -125,10 +127,17 @@ def _convert_json(key: str, kind: type, v):
 
 def parse_sampling_parameters(text: str) -> Dict[str, object]:
     """vllm_backend's `sampling_parameters` JSON -> SamplingParams kwargs; unknown keys are errors."""
+    if len(text) > MAX_SAMPLING_PARAMETERS_CHARS:
+        raise ValueError(f"sampling_parameters has {len(text)} characters; at most "
+                         f"{MAX_SAMPLING_PARAMETERS_CHARS} are allowed")
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"sampling_parameters must be a JSON object ({e.msg} at char {e.pos})") from None
+    except RecursionError:  # json recurses per nesting level: "[" * 5000
+        raise ValueError("sampling_parameters must be a JSON object (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
+        raise ValueError(f"sampling_parameters must be a JSON object ({e})") from None
     if not isinstance(d, dict):
         raise ValueError("sampling_parameters must be a JSON object")
     out: Dict[str, object] = {}

@@ -3,8 +3,8 @@
 
 The repository writer puts a two-line model.py in each model folder that imports the classes
 below, so the code lives in the installed package. Both read `tokenizer.json` from the
-`tokenizer_dir` parameter (the engine folder; `~`, $VARS and paths relative to the model
-folder expand). Encoding and decoding match the engine (special tokens added on encode,
+`tokenizer_dir` parameter (the engine folder; `~` and paths relative to the model folder
+expand, $VARS do not). Encoding and decoding match the engine (special tokens added on encode,
 skipped on decode).
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ import numpy as np
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def load_tokenizer_from_params(args: dict):
-    """tokenizers.Tokenizer from the model config's `tokenizer_dir` parameter."""
+def load_tokenizer_from_params(args: dict, with_max_seq_len: bool = False):
+    """tokenizers.Tokenizer from the model config's `tokenizer_dir` parameter; with
+    with_max_seq_len, (tokenizer, the engine's max_seq_len or None when there is no engine.json)."""
     from tokenizers import Tokenizer
     from tritium.backend.triton_contract import resolve_path
     cfg = json.loads(args["model_config"])
@@ -29,7 +30,15 @@ def load_tokenizer_from_params(args: dict):
     path = os.path.join(resolve_path(value, args["model_repository"]), "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer_dir: {path} not found")
-    return Tokenizer.from_file(path)
+    tok = Tokenizer.from_file(path)
+    if not with_max_seq_len:
+        return tok
+    try:
+        with open(os.path.join(os.path.dirname(path), "engine.json"), encoding="utf-8") as f:
+            max_seq_len = int(json.load(f)["limits"]["max_seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        max_seq_len = None
+    return tok, max_seq_len
 
 
 def _splits_cleanly(dec, ids: List[int], s: int) -> bool:
@@ -80,7 +89,15 @@ class PreprocessingModel:
     """text_input [B, 1] bytes -> input_ids [B, L] int32 (right padded with 0), input_lengths [B, 1]."""
 
     def initialize(self, args):
-        self.tokenizer = load_tokenizer_from_params(args)
+        from tritium.backend.prompt_limits import max_token_chars
+        self.tokenizer, self.max_seq_len = load_tokenizer_from_params(args, with_max_seq_len=True)
+        self.token_chars = max_token_chars(self.tokenizer)
+
+    def _encode(self, text: str) -> List[int]:
+        if self.max_seq_len is None:
+            return self.tokenizer.encode(text).ids
+        from tritium.backend.prompt_limits import encode_prompt
+        return encode_prompt(self.tokenizer, text, self.max_seq_len, self.token_chars)
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
@@ -98,7 +115,7 @@ class PreprocessingModel:
                         raise ValueError("text_input must be UTF-8 text") from None
                     if not s:
                         raise ValueError("text_input must not be empty")
-                    rows.append(self.tokenizer.encode(s).ids)
+                    rows.append(self._encode(s))
                 width = max(len(r) for r in rows)
                 ids = np.zeros((len(rows), width), dtype=np.int32)
                 for i, r in enumerate(rows):

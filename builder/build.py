@@ -11,7 +11,6 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -24,6 +23,7 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
+from .output_dir import check_output_dir, new_build_dir, replace_dir
 from .report import component_bytes, write_json
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,6 +90,7 @@ def sha256_files(paths, progress: bool) -> str:
 def build_engine(opts: BuildOptions) -> EngineConfig:
     """Build an engine per `opts`; returns the EngineConfig written to opts.output."""
     opts.validate()
+    out = check_output_dir(opts.output, opts.source)  # before any work: never overwrite a stranger's folder
     t0 = time.time()
     # Quantization contract (builder/quant_pipeline.py): validate_quant_args(opts) raises ValueError
     # before any work; quantize_engine_weights(cfg, tensors, opts) -> (tensors, QuantConfig,
@@ -125,10 +126,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     cfg = dataclasses.replace(cfg, build={**cfg.build, "source_sha256": source_hash})
     cfg.validate()
 
-    out = os.path.abspath(opts.output)
-    parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tritium-build-", dir=parent)
+    check_output_dir(opts.output, opts.source)  # again: the build took a while
+    tmp = new_build_dir(out)
     try:
         with tqdm(total=3, desc="writing engine", unit="step", disable=not opts.progress) as bar:
             save_file(tensors, os.path.join(tmp, cfg.weights_file(0)),
@@ -152,9 +151,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
             }
             write_json(os.path.join(tmp, BUILD_REPORT_FILE), report)
             bar.update()
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

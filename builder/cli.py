@@ -14,7 +14,8 @@ def register(sub) -> None:
                        description="Compile a Hugging Face checkpoint folder (config.json + *.safetensors + "
                                    "tokenizer) or a GGUF file into a versioned Tritium engine directory.")
     p.add_argument("source", help="checkpoint folder or .gguf file")
-    p.add_argument("-o", "--output", required=True, help="engine directory to write (replaced if it exists)")
+    p.add_argument("-o", "--output", required=True, help="engine directory to write: new, empty, or an earlier engine (replaced in one "
+                        "rename); any other folder is refused")
     p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES,
                    help="float dtype of weights and activations (default bfloat16)")
     p.add_argument("--max-batch-size", type=int, default=64, help="max concurrent sequences (default 64)")

@@ -117,17 +117,18 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
     """Write the five models for `name` into `repo_dir`; returns the model names.
 
     engine_dir is stored relative to the model folder when it lies inside repo_dir (so the
-    repository can move), else absolute; a path starting with `~` or `$` is stored as given.
+    repository can move), else absolute; a path starting with `~` is stored as given (the backend
+    expands `~` only; $VARS stay literal, see triton_contract.resolve_path).
     max_batch_size defaults to the engine's limits.max_batch_size (engine.json must exist then).
     """
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ValueError(f"--name must be letters, digits, '-', '_' or '.', got {name!r}")
     if max_batch_size is None:
-        max_batch_size = _read_max_batch(os.path.expanduser(os.path.expandvars(engine_dir)))
+        max_batch_size = _read_max_batch(os.path.expanduser(engine_dir))
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     stored = engine_dir
-    if not engine_dir.startswith(("~", "$")):
+    if not engine_dir.startswith("~"):
         abs_engine, abs_repo = os.path.abspath(engine_dir), os.path.abspath(repo_dir)
         inside = os.path.commonpath([abs_engine, abs_repo]) == abs_repo
         if relative if relative is not None else inside:

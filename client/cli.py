@@ -2,12 +2,15 @@
 
 Each module in SUBCOMMANDS exposes `register(subparsers)`, which adds its parser and sets
 `func=<callable(args) -> int>` as the parser default. User errors (ValueError, OSError and the
-engine/format errors derived from them) print one line and exit 2; no tracebacks.
+engine/format errors derived from them, and tritonclient's errors from a server) print one line
+and exit 2; anything else is a bug and prints one line too, exit 1 (TRITIUM_DEBUG=1 re-raises it
+with its traceback).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = [
@@ -43,7 +46,20 @@ def main(argv=None) -> int:
         msg = str(e) if not isinstance(e, KeyError) else f"missing key {e}"
         print(f"tritium {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if os.environ.get("TRITIUM_DEBUG"):
+            raise
+        if type(e).__name__ == "InferenceServerException":  # tritonclient: the server said no
+            print(f"tritium {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
+            return 2
+        print(f"tritium {args.command}: internal error: {type(e).__name__}: {_one_line(str(e))} "
+              f"(TRITIUM_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
     return int(rc or 0)
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split())
 
 
 if __name__ == "__main__":

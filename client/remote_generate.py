@@ -95,6 +95,9 @@ def run_remote(args: argparse.Namespace) -> int:
                 results[i] = f.result()
     except TritiumClientError as e:
         raise ValueError(f"server: {e}") from None
+    except ConnectionError as e:
+        raise OSError(str(e) if "cannot reach" in str(e) else
+                      f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
     except OSError as e:
         raise OSError(f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
     as_json = args.json or getattr(args, "input_file", None) is not None

@@ -36,6 +36,11 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--log-file", default=None, help="write the server log here (default: the cache folder)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness (default 600)")
+    from tritium.client.http_checks import GuardLimits
+    p.add_argument("--max-body-bytes", type=int, default=GuardLimits.max_body_bytes,
+                   help="HTTP guard: largest request body, after gzip/deflate (default %(default)s)")
+    p.add_argument("--max-json-depth", type=int, default=GuardLimits.max_json_depth,
+                   help="HTTP guard: deepest JSON nesting of a request (default %(default)s)")
     p.set_defaults(func=run)
 
 
@@ -70,13 +75,36 @@ def _port(v: int):
     return v or None  # 0 -> pick a free port
 
 
+def repository_models(repo: str) -> list:
+    """Model names in a repository folder (NAME/config.pbtxt); ValueError if there are none."""
+    if not os.path.isdir(repo):
+        raise ValueError(f"--repo {repo}: not a folder")
+    models = sorted(n for n in os.listdir(repo) if os.path.isfile(os.path.join(repo, n, "config.pbtxt")))
+    if not models:
+        raise ValueError(f"--repo {repo}: holds no model (no NAME/config.pbtxt); write one with "
+                         f"`tritium build SOURCE -o ENGINE_DIR --repo {repo} --name NAME`")
+    return models
+
+
+def _limits(args):
+    from tritium.client.http_checks import GuardLimits
+    for name in ("max_body_bytes", "max_json_depth"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return GuardLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth)
+
+
 def run(args: argparse.Namespace) -> int:
     from tritium.client.server import TritonServer, cache_dir
+    limits = _limits(args)
+    ports = dict(http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
+                 metrics_port=_port(args.metrics_port))
+    if args.repo:
+        repository_models(args.repo)  # before anything starts
     repo = args.repo if args.repo else default_repository()
     log_file = args.log_file or os.path.join(cache_dir(), "tritonserver.log")
     open(log_file, "w").close()
-    srv = TritonServer(repo, http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
-                       metrics_port=_port(args.metrics_port), host=args.host, log_file=log_file)
+    srv = TritonServer(repo, host=args.host, log_file=log_file, guard_limits=limits, **ports)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -93,11 +121,13 @@ def run(args: argparse.Namespace) -> int:
             return 130
         if srv.proc.poll() is not None or not srv.is_ready():
             raise RuntimeError(getattr(srv, "_ready_error", "tritonserver did not become ready"))
-        models = sorted(n for n in os.listdir(repo) if os.path.isfile(os.path.join(repo, n, "config.pbtxt")))
+        models = ready_models(srv)
+        if not models:
+            raise RuntimeError(f"tritonserver is up but serves no model (log: {log_file})")
         print(f"tritonserver ready: HTTP http://{srv.http_url}  gRPC {srv.grpc_url}  metrics {srv.metrics_url}")
         print(f"models: {', '.join(models)}")
         llm = next((m for m in models if not m.endswith(("_preprocessing", "_postprocessing", "_ensemble", "_bls"))),
-                   models[0] if models else DEFAULT_NAME)
+                   models[0])
         print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --stream "Hello"')
         print("Ctrl-C stops the server.", flush=True)
         while not stop.is_set():
@@ -114,6 +144,17 @@ def run(args: argparse.Namespace) -> int:
         srv.stop()
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def ready_models(srv) -> list:
+    """Names of the models this server reports READY (its repository index, through our own guard)."""
+    import json
+    import urllib.request
+    req = urllib.request.Request(f"http://{srv.http_url}/v2/repository/index", data=b"{}",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        index = json.loads(r.read())
+    return sorted({m["name"] for m in index if m.get("state") == "READY"})
 
 
 def _wait(srv, timeout: float, stop: threading.Event) -> None:

@@ -12,6 +12,9 @@ Tritium cache:
 
 The server runs with this interpreter's bin/ first on PATH (the stub imports numpy and tritium
 from the Python it finds there) and with the wheel's nvidia_pytriton.libs on LD_LIBRARY_PATH.
+By default the public HTTP port is served by the HTTP guard (client/http_guard.py), which
+keeps single requests that crash tritonserver 2.51's HTTP frontend away from it; tritonserver's
+own HTTP service then listens on a free loopback port (`triton_http_url`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,14 @@ import sys
 import time
 import urllib.request
 from typing import List, Optional
+
+from tritium.client.http_checks import GuardLimits
+from tritium.client.launch_checks import (check_port_free, listen_socket, new_shm_prefix, remove_shm_files,
+                                          shm_backend_args, start_guard)
+
+# tritonserver's own grace period for unloading models on SIGINT. Unloading takes ~1.5 s here,
+# more on a busy machine: 5 s made a clean stop exit with code 1 under load. Below stop_timeout.
+EXIT_TIMEOUT_S = 15
 
 
 def _site_root() -> str:
@@ -121,14 +132,16 @@ class TritonServer:
     with TritonServer(repo) as srv: ... srv.http_url / srv.grpc_url / srv.metrics_url
     Models load at start (explicit model control, --load-model=*), so load/unload via the
     repository API works too. stop() sends SIGINT, then SIGKILL to the process group after
-    `stop_timeout` seconds, so no stub survives.
+    `stop_timeout` seconds, so no stub survives, and removes the server's shared-memory files.
+    start() raises OSError naming the port if one is taken. http_guard False exposes
+    tritonserver's HTTP port directly (for comparisons only: a single request can crash it).
     """
 
     def __init__(self, repo: str, http_port: Optional[int] = None, grpc_port: Optional[int] = None,
                  metrics_port: Optional[int] = None, host: str = "127.0.0.1", log_file: Optional[str] = None,
                  backend_dir: Optional[str] = None, load_models: Optional[List[str]] = None,
                  exit_on_error: bool = True, extra_args: Optional[List[str]] = None, log_verbose: int = 0,
-                 stop_timeout: float = 20.0):
+                 stop_timeout: float = 20.0, http_guard: bool = True, guard_limits: Optional[GuardLimits] = None):
         if not os.path.isdir(repo):
             raise FileNotFoundError(f"--repo {repo}: not a directory")
         self.repo = os.path.abspath(repo)
@@ -143,12 +156,28 @@ class TritonServer:
         self.extra_args = list(extra_args or [])
         self.log_verbose = log_verbose
         self.stop_timeout = stop_timeout
+        self.http_guard = http_guard
+        self.guard_limits = guard_limits
+        # With the guard, tritonserver's HTTP and metrics services listen here (loopback only) instead.
+        self.triton_http_port = free_port("127.0.0.1") if http_guard else self.http_port
+        self.triton_metrics_port = free_port("127.0.0.1") if http_guard else self.metrics_port
+        self.shm_prefix = new_shm_prefix()
         self.proc: Optional[subprocess.Popen] = None
+        self.guard_proc: Optional[subprocess.Popen] = None
         self._log_fh = None
 
     @property
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"
+
+    @property
+    def triton_http_url(self) -> str:
+        """tritonserver's own HTTP address (the guard's upstream; equals http_url without a guard)."""
+        return f"{self._triton_host}:{self.triton_http_port}"
+
+    @property
+    def _triton_host(self) -> str:
+        return "127.0.0.1" if self.http_guard else self.host
 
     @property
     def grpc_url(self) -> str:
@@ -161,22 +190,38 @@ class TritonServer:
     def command(self) -> List[str]:
         cmd = [wheel_paths()["binary"], f"--model-repository={self.repo}",
                f"--backend-directory={self.backend_dir}", "--model-control-mode=explicit",
-               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--http-address={self._triton_host}", f"--http-port={self.triton_http_port}",
                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               f"--metrics-address={self._triton_host}", f"--metrics-port={self.triton_metrics_port}",
                f"--exit-on-error={'true' if self.exit_on_error else 'false'}",
-               "--strict-readiness=true", "--exit-timeout-secs=5", f"--log-verbose={self.log_verbose}"]
+               "--strict-readiness=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={self.log_verbose}"]
         cmd += [f"--load-model={m}" for m in self.load_models]
-        return cmd + self.extra_args
+        return cmd + shm_backend_args(self.shm_prefix) + self.extra_args
 
     def start(self, wait: bool = True, timeout: float = 300.0) -> "TritonServer":
         if self.backend_dir is None:
             self.backend_dir = prepare_backend_dir()
         install_tritium_backend(self.backend_dir)
-        out = subprocess.DEVNULL
-        if self.log_file:
-            self._log_fh = open(self.log_file, "ab")
-            out = self._log_fh
+        # Fail before launching, with the port named, rather than leave it to the server log.
+        check_port_free("gRPC", self.host, self.grpc_port)
+        routes = []
+        try:
+            if self.http_guard:  # hold the public ports now: no other server can take them from here on
+                routes.append((listen_socket("HTTP", self.host, self.http_port), self.triton_http_url))
+                routes.append((listen_socket("metrics", self.host, self.metrics_port),
+                               f"127.0.0.1:{self.triton_metrics_port}"))
+            else:
+                check_port_free("HTTP", self.host, self.http_port)
+                check_port_free("metrics", self.host, self.metrics_port)
+            out = subprocess.DEVNULL
+            if self.log_file:
+                self._log_fh = open(self.log_file, "ab")
+                out = self._log_fh
+            if routes:
+                self.guard_proc = start_guard(routes, self.guard_limits, self._log_fh)
+        finally:
+            for sock, _ in routes:
+                sock.close()  # the guard holds its own copies
         # Own process group: stop() can reap the Python backend stubs along with the server.
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=server_env(),
                                      start_new_session=True)
@@ -196,8 +241,12 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} before it was ready"
                                    + self._log_hint())
+            if self.guard_proc is not None and self.guard_proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the HTTP guard exited with code {self.guard_proc.returncode}" + self._log_hint())
             if self.is_ready():
                 return
             time.sleep(0.25)
@@ -228,10 +277,21 @@ class TritonServer:
         except (ProcessLookupError, PermissionError):
             pass
         rc = self.proc.wait()
+        self._stop_guard()
+        remove_shm_files(self.shm_prefix)
         if self._log_fh:
             self._log_fh.close()
             self._log_fh = None
         return rc
+
+    def _stop_guard(self) -> None:
+        if self.guard_proc is not None and self.guard_proc.poll() is None:
+            self.guard_proc.terminate()
+            try:
+                self.guard_proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.guard_proc.kill()
+                self.guard_proc.wait()
 
     def __enter__(self):
         return self.start() if self.proc is None else self

@@ -164,13 +164,20 @@ class TritiumClient:
         try:
             client.start_stream(callback=lambda result, error: results.put((result, error)),
                                 stream_timeout=self.timeout)
-            client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
-                                      enable_empty_final_response=True)
+            try:
+                client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
+                                          enable_empty_final_response=True)
+            except InferenceServerException as e:
+                # The stream already failed (e.g. nothing listens at the URL): its callback holds the cause.
+                try:
+                    _, error = results.get(timeout=5)
+                except queue.Empty:
+                    error = e
+                raise self._grpc_error(error) from None
             while True:
                 result, error = results.get(timeout=self.timeout)
                 if error is not None:
-                    raise TritiumClientError(error.message() if isinstance(error, InferenceServerException)
-                                             else str(error))
+                    raise self._grpc_error(error)
                 resp = result.get_response()
                 final = resp.parameters.get("triton_final_response")
                 if resp.outputs:
@@ -182,6 +189,15 @@ class TritiumClient:
             # Closing early (a consumer that stops iterating) cancels the request on the server.
             client.stop_stream(cancel_requests=not done)
             client.close()
+
+    def _grpc_error(self, error) -> Exception:
+        """ConnectionError when the server cannot be reached, else TritiumClientError (its message)."""
+        from tritonclient.utils import InferenceServerException
+        if not isinstance(error, InferenceServerException):
+            return TritiumClientError(str(error))
+        if "UNAVAILABLE" in str(error.status() or ""):
+            return ConnectionError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
+        return TritiumClientError(error.message())
 
     # ---- HTTP --------------------------------------------------------------------------------
     def _http(self, req: dict, stream: bool) -> Iterator[Chunk]:
