@@ -16,6 +16,7 @@ from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, num_blocks_for_budget
+from .prompt_limits import encode_prompt, max_token_chars
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
@@ -90,6 +91,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0
         self.thread_policy: Optional[ThreadPolicy] = None  # None: torch's thread count as it is
+        self._token_chars: Optional[int] = None  # prompt_limits.max_token_chars, computed on first use
 
     # ------------------------------------------------------------------ requests
     def _validate(self, request_id, prompt, prompt_token_ids, params, priority) -> List[int]:
@@ -111,7 +113,9 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
-            ids = self.tokenizer.encode(prompt).ids
+            if self._token_chars is None:
+                self._token_chars = max_token_chars(self.tokenizer)
+            ids = encode_prompt(self.tokenizer, prompt, self.max_seq_len, self._token_chars)
         else:
             ids = list(prompt_token_ids)
             for t in ids:

@@ -26,6 +26,7 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
+from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.triton_contract import resolve_path
 from tritium.backend.triton_metrics import TritiumMetrics
 from tritium.backend.triton_request import batch_size_of, error_prefix, parse_row
@@ -99,6 +100,7 @@ class TritonPythonModel:
                 f"{' '.join(str(e).split())}") from None
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self._token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         self.metrics = TritiumMetrics(pb_utils, name, version)
         self._rows_lock = threading.Lock()
         self._rows = set()  # open RowStreams, polled for cancellation
@@ -173,7 +175,8 @@ class TritonPythonModel:
                 if p.prompt is not None:
                     if self.tokenizer is None:
                         raise ValueError("text_input needs an engine with a tokenizer; send input_ids instead")
-                    ids = self.tokenizer.encode(p.prompt).ids
+                    ids = encode_prompt(self.tokenizer, p.prompt, self.config.limits.max_seq_len,
+                                        self._token_chars)
                 else:
                     ids = p.prompt_token_ids
                 sp = SamplingParams(**p.params)
