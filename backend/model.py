@@ -38,15 +38,21 @@ STATS_PERIOD_S = 0.05   # gauges and metric flushes
 CANCEL_POLL_S = 0.02    # is_cancelled() of every open request (one IPC round trip each)
 
 
-def _engine_kwargs(params: dict) -> dict:
-    kw = {}
-    for name in _ENGINE_INT_PARAMS:
+def _int_params(params: dict, names) -> dict:
+    """The integer parameters among `names` that config.pbtxt sets (name -> value)."""
+    out = {}
+    for name in names:
         v = params.get(name, "").strip()
         if v:
             try:
-                kw[name] = int(v)
+                out[name] = int(v)
             except ValueError:
                 raise ValueError(f"parameter {name} must be an integer, got {v!r}") from None
+    return out
+
+
+def _engine_kwargs(params: dict) -> dict:
+    kw = _int_params(params, _ENGINE_INT_PARAMS)
     v = params.get("enable_prefix_caching", "").strip().lower()
     if v:
         if v not in ("true", "false", "1", "0"):
@@ -61,14 +67,7 @@ def _thread_policy(params: dict):
     """Parameters num_threads (default: every core) and small_step_threads (default: one fewer):
     see ThreadPolicy."""
     from tritium.backend.engine import ThreadPolicy
-    vals = {}
-    for name in ("num_threads", "small_step_threads"):
-        v = params.get(name, "").strip()
-        if v:
-            try:
-                vals[name] = int(v)
-            except ValueError:
-                raise ValueError(f"parameter {name} must be an integer >= 1, got {v!r}") from None
+    vals = _int_params(params, ("num_threads", "small_step_threads"))
     threads = vals.get("num_threads", os.cpu_count() or 1)
     return ThreadPolicy(threads, vals.get("small_step_threads", max(1, threads - 1)))
 
