@@ -4,8 +4,9 @@ CUDA tensors go to the Triton kernels; CPU tensors to torch (the references or l
 forms of them) and, for bfloat16 on CPUs with AVX512-BF16, to the native kernels of cpu_native
 (decode attention, and the element-wise steps of decode-sized batches); the quantized linear
 classes add torch's packed int4/int8 GEMMs and the native int8 GEMM on CPU.
-`TRITIUM_KERNELS=reference|triton` forces the torch or the Triton side; forcing triton for CPU
-tensors needs `TRITON_INTERPRET=1` (Triton's interpreter).
+`TRITIUM_KERNELS=reference|triton` forces the CPU path or the Triton side (TRITIUM_NATIVE_CPU=0
+keeps the CPU path on torch alone); forcing triton for CPU tensors needs `TRITON_INTERPRET=1`
+(Triton's interpreter).
 The Triton modules are imported lazily: `@triton.jit` fixes compiled-vs-interpreted at import,
 and CPU-only installs need not have triton at all.
 """
