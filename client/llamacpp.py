@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -141,17 +140,8 @@ class LlamaServer:
     def stop(self) -> Optional[int]:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        return self.proc.wait()
+        from tritium.client.server import stop_process_group
+        return stop_process_group(self.proc, 15)
 
     def __enter__(self):
         return self.start()

@@ -126,6 +126,22 @@ def server_env() -> dict:
     return env
 
 
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGINT the process group led by `proc`, wait up to `timeout` s, then SIGKILL what is left
+    (children a crash or a timeout left behind); returns proc's exit code."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.wait()
+
+
 class TritonServer:
     """A tritonserver child process on chosen (or free) ports.
 
@@ -263,20 +279,7 @@ class TritonServer:
         """SIGINT, wait, then SIGKILL the whole process group; returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # stubs left behind by a crash or a timeout
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        rc = self.proc.wait()
+        rc = stop_process_group(self.proc, self.stop_timeout)
         self._stop_guard()
         remove_shm_files(self.shm_prefix)
         if self._log_fh:

@@ -150,16 +150,11 @@ def kv_blocks_used(metrics_url: str) -> float:
 
 def group_rss_bytes(pgids) -> int:
     """Resident memory of every process in the given process groups (tritonserver, its stubs, the guard)."""
+    from tritium.client.proc_cpu import group_processes
     total = 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    for pid, _ in group_processes(set(pgids)):
         try:
-            with open(f"/proc/{d}/stat") as f:
-                pgid = int(f.read().rsplit(")", 1)[1].split()[2])
-            if pgid not in pgids:
-                continue
-            with open(f"/proc/{d}/status") as f:
+            with open(f"/proc/{pid}/status") as f:
                 rss = next(line for line in f if line.startswith("VmRSS:"))
             total += int(rss.split()[1]) * 1024
         except (OSError, ValueError, IndexError, StopIteration):
