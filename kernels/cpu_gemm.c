@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_simd.h"
+
 #define MR 8   /* rows of x per pass: MR partial + MR total accumulators stay in registers */
 #define NB 16  /* output channels per parallel work item */
 
@@ -71,8 +73,7 @@ void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < whole; i += 32)
         _mm512_storeu_si512((void *)(out + i), (__m512i)cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)(w + i))));
     for (int64_t i = whole; i < n; i++) { /* tail: int8 -> float32 -> bf16, exact */
-        union { float f; uint32_t u; } v = {(float)w[i]};
-        out[i] = (uint16_t)(v.u >> 16);
+        out[i] = f32_to_bf16((float)w[i]);
     }
 }
 
@@ -109,8 +110,7 @@ void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *ze
             const int q = (k & 1) ? (b >> 4) : (b & 0x0F);
             const int64_t g = g_idx ? g_idx[k] : k / G;
             const float v = fmaf((float)(q - 8), scale[g * N + n], zero[g * N + n]);
-            union { float f; uint32_t u; } u = {v};
-            out[n * K + k] = (uint16_t)((u.u + 0x7fffu + ((u.u >> 16) & 1u)) >> 16);
+            out[n * K + k] = f32_to_bf16(v);
         }
     }
 }
