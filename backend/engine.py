@@ -15,6 +15,7 @@ import torch
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .prompt_limits import encode_prompt, max_token_chars
 from .sampling_params import SamplingParams
@@ -54,7 +55,6 @@ class LLMEngine:
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None):
-        from .loader import load_engine
         cfg, model, tokenizer = load_engine(engine_dir, device)
         self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                     enable_prefix_caching, kv_cache_memory_bytes)
@@ -288,10 +288,3 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[f"{base}{i}"] for i in range(len(items))]
 
-
-def __getattr__(name):
-    # AsyncLLMEngine lives in async_engine.py (it imports this module); re-exported lazily.
-    if name == "AsyncLLMEngine":
-        from .async_engine import AsyncLLMEngine
-        return AsyncLLMEngine
-    raise AttributeError(name)

@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from .attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .models.decoder import TORCH_DTYPES
 from .sampler import Sampler

@@ -1,6 +1,6 @@
-"""Quantized linear layers (weight-only INT8 / FP8 / INT4), registered into LINEAR_REGISTRY.
+"""Quantized linear layers (weight-only INT8 / FP8 / INT4); models.linear.make_linear picks them by method.
 
-Buffers are named as the engine stores them (see QuantConfig.layouts and builder/quantize_*.py):
+Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
     int8: qweight int8 (N, K), scales float32 (N,)
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,)
     int4: qweight uint8 (N, K//2), scales/zeros (K//G, N) stored float16, held float32, optional g_idx int32 (K,)
@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from tritium.kernels import cpu_native, ops
-
-from .models.linear import register_linear
-
+from tritium.kernels.quant_layouts import dequantize_int4, unpack_int4
 
 # From this many rows on, Int8Linear on CPU runs the native AVX512-BF16 kernel (kernels/cpu_gemm.c)
 # instead of torch's _weight_int8pack_mm: about 1.5x faster at 16-64 rows, slower for one row.
@@ -157,7 +155,6 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32) if act_order else None)
 
     def _pack(self):
-        from tritium.builder.quantize_int4 import unpack_int4  # pure layout helper, no heavy deps
         # bf16 always: torch's fp32 int4 path is a scalar loop (~100x slower for M > 1), and bf16
         # activation rounding (2^-9) is far below the 4-bit weight error.
         cdtype = torch.bfloat16
@@ -175,7 +172,6 @@ class Int4Linear(_QuantLinearBase):
             return ("packed", packed, sz, perm)
         except RuntimeError:
             # Shapes the packed kernel rejects (tiny test models): keep one dense copy instead.
-            from tritium.builder.quantize_int4 import dequantize_int4
             w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx, cdtype)
             return ("dense", w, None, None)
 
@@ -185,7 +181,6 @@ class Int4Linear(_QuantLinearBase):
             y = ops.linear_w4a16(x2, self.qweight, self.scales, self.zeros, self.group_size, self.g_idx)
             return self._finish(y, x)
         if x.is_cuda:
-            from tritium.builder.quantize_int4 import dequantize_int4
             w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, self.g_idx, x.dtype)
             return self._finish(x2 @ w.t(), x)
         kind, w, sz, perm = self._get_packed()
@@ -202,9 +197,6 @@ class Int4Linear(_QuantLinearBase):
         return self._finish(y, x)
 
 
-register_linear("int8", Int8Linear)
-register_linear("fp8", Fp8Linear)
-register_linear("int4", Int4Linear)
 
 
 def quantized_weight_bytes(module: nn.Module) -> Optional[int]:

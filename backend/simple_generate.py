@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from .models.decoder import DecoderLM
 
 

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 
 CALIBRATION_MODULES = (
     "argparse", "subprocess", "threading", "logging", "json", "unittest.case", "functools",

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
 
 from .quant_eval import kv_cache_dtype

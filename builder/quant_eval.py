@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 
 KV_TORCH_DTYPES = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
 LOGITS_CHUNK = 512  # rows of logits materialised at once (vocab-sized rows are large)

@@ -10,8 +10,8 @@ from typing import Tuple
 
 import torch
 
-FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
-              "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
+from tritium.kernels.quant_layouts import FP8_LAYOUT, dequantize_rowwise  # noqa: F401
+
 FP8_E4M3_MAX = 448.0
 
 
@@ -43,4 +43,4 @@ def quantize_fp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_fp8: float weight (N, K)."""
-    return (qweight.float() * scales.float()[:, None]).to(dtype)
+    return dequantize_rowwise(qweight, scales, dtype)

@@ -1,13 +1,7 @@
 """INT4 weights: group-wise asymmetric round-to-nearest, packing, and the inverse.
 
-Layout (the engine's `int4` layout; the Triton W4A16 kernel and torch's CPU kernel read it):
-    qweight  uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high nibble = odd k
-    scales   float16 (K // G, N)  (float32 from quantize_int4; the builder stores float16 and the
-    zeros    float16 (K // G, N)   runtime upcasts to float32 at load)
-    g_idx    int32   (K,)         optional (GPTQ act-order): group of input channel k
-    w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
-An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
-(scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
+The layout it writes (the engine's `int4` layout) is defined in tritium.kernels.quant_layouts.
+quantize_int4 returns float32 scales and zeros; the builder stores them as float16.
 """
 from __future__ import annotations
 
@@ -15,9 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
-               "scales float16 (K//G, N); zeros float16 (K//G, N) (upcast to float32 at load); optional g_idx int32 (K,); "
-               "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
+from tritium.kernels.quant_layouts import INT4_LAYOUT, dequantize_int4, group_index, pack_int4, unpack_int4  # noqa: F401
 
 # Group sizes torch's packed CPU kernel and the Triton kernel both accept.
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
@@ -33,17 +25,8 @@ def choose_group_size(in_features: int, requested: int) -> Optional[int]:
     return None
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q: integer (N, K) codes in 0..15 -> uint8 (N, K//2), even k in the low nibble."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, K//2) -> uint8 codes (N, K)."""
-    lo = qweight & 0x0F
-    hi = qweight >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
 
 
 def int4_params(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -104,18 +87,4 @@ def quantize_int4(w: torch.Tensor, group_size: int,
     return pack_int4(q), scale.t().contiguous(), zero.t().contiguous()
 
 
-def group_index(k: int, group_size: int, g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Group of each input channel: g_idx if given, else k // group_size."""
-    if g_idx is not None:
-        return g_idx.long()
-    return torch.arange(k) // group_size
 
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, g_idx: Optional[torch.Tensor] = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of quantize_int4 (and of GPTQ's output): float weight (N, K)."""
-    q = unpack_int4(qweight).float()
-    g = group_index(q.shape[1], group_size, g_idx).to(qweight.device)
-    w = (q - 8.0) * scales.float()[g].t() + zeros.float()[g].t()
-    return w.to(dtype)

@@ -14,9 +14,8 @@ from typing import Tuple
 
 import torch
 
-INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
-               "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
-               "+ head_mean_logits, both float32, (K,) and (N,)")
+from tritium.kernels.quant_layouts import INT8_LAYOUT, dequantize_rowwise  # noqa: F401
+
 
 
 def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -46,4 +45,4 @@ def quantize_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_int8: float weight (N, K)."""
-    return (qweight.float() * scales.float()[:, None]).to(dtype)
+    return dequantize_rowwise(qweight, scales, dtype)

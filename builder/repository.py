@@ -6,7 +6,7 @@
     NAME_ensemble/        text -> text: preprocessing -> NAME -> postprocessing, streaming
     NAME_bls/             BLS model that relays NAME's stream (template for custom logic)
 
-Tensor names follow backend/triton_contract.py (tensorrtllm_backend's ensemble contract).
+Tensor names follow backend/triton_backend/contract.py (tensorrtllm_backend's ensemble contract).
 The python models get a two-line model.py importing their class from the installed package.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from tritium.backend.triton_contract import INPUTS, OUTPUTS, TensorSpec
+from tritium.backend.triton_backend.contract import INPUTS, OUTPUTS, TensorSpec
 
 # Inputs of the ensemble / BLS that map 1:1 to the LLM model (everything except the prompt ids).
 _PASSTHROUGH = [s for s in INPUTS if s.name not in ("text_input", "input_ids", "input_lengths")]
@@ -118,7 +118,7 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
 
     engine_dir is stored relative to the model folder when it lies inside repo_dir (so the
     repository can move), else absolute; a path starting with `~` is stored as given (the backend
-    expands `~` only; $VARS stay literal, see triton_contract.resolve_path).
+    expands `~` only; $VARS stay literal, see triton_backend.contract.resolve_path).
     max_batch_size defaults to the engine's limits.max_batch_size (engine.json must exist then).
     """
     if not name or not all(c.isalnum() or c in "-_." for c in name):
@@ -144,17 +144,17 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
     _write(os.path.join(repo_dir, names["pre"], "config.pbtxt"),
            preprocessing_config(names["pre"], tok_dir, max_batch_size))
     _write(os.path.join(repo_dir, names["pre"], "1", "model.py"),
-           _SHIM.format(module="tritium.backend.triton_tokenizer_models", cls="PreprocessingModel"))
+           _SHIM.format(module="tritium.backend.triton_backend.tokenizer_models", cls="PreprocessingModel"))
     _write(os.path.join(repo_dir, names["post"], "config.pbtxt"),
            postprocessing_config(names["post"], tok_dir, max_batch_size))
     _write(os.path.join(repo_dir, names["post"], "1", "model.py"),
-           _SHIM.format(module="tritium.backend.triton_tokenizer_models", cls="PostprocessingModel"))
+           _SHIM.format(module="tritium.backend.triton_backend.tokenizer_models", cls="PostprocessingModel"))
     _write(os.path.join(repo_dir, names["ens"], "config.pbtxt"),
            ensemble_config(names["ens"], name, names["pre"], names["post"], max_batch_size))
     _write(os.path.join(repo_dir, names["ens"], "1", ".gitkeep"), "")
     _write(os.path.join(repo_dir, names["bls"], "config.pbtxt"), bls_config(names["bls"], name, max_batch_size))
     _write(os.path.join(repo_dir, names["bls"], "1", "model.py"),
-           _SHIM.format(module="tritium.backend.triton_bls", cls="BLSModel"))
+           _SHIM.format(module="tritium.backend.triton_backend.bls", cls="BLSModel"))
     return list(names.values())
 
 

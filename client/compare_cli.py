@@ -26,11 +26,8 @@ import sys
 import time
 
 from tritium.client.bench_workload import WorkloadSpec, parse_concurrency
+from tritium.client.compare_report import PAIRS, format_table, summary
 
-# Tritium engine kind -> (tritium build options, llama-quantize type)
-PAIRS = {"bf16": ({"dtype": "bfloat16", "quantization": "none"}, "BF16"),
-         "int8": ({"dtype": "bfloat16", "quantization": "int8"}, "Q8_0"),
-         "int4": ({"dtype": "bfloat16", "quantization": "int4-rtn"}, "Q4_0")}
 MODEL = "smollm2"
 
 
@@ -130,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
     for p_idx, kind in enumerate(pairs):
         log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
         results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work)
-    from tritium.client.compare_report import format_table, summary
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "gguf": args.gguf, "engines": engines, "threads": args.threads,

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from tritium.client.compare_cli import PAIRS
+# kind -> (tritium build options, the matching llama.cpp weight type)
+PAIRS = {"bf16": ({"dtype": "bfloat16", "quantization": "none"}, "BF16"),
+         "int8": ({"dtype": "bfloat16", "quantization": "int8"}, "Q8_0"),
+         "int4": ({"dtype": "bfloat16", "quantization": "int4-rtn"}, "Q4_0")}
 
 WEIGHTS = {"bf16": "bf16", "int8": "int8", "int4": "int4-rtn"}
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Tuple
 
-FILE_KEYS = {"prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+from tritium.client.generate_inputs import parse_prompt_ids, read_input_file
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,32 +48,6 @@ def _params(args, overrides: dict):
         logprobs=args.logprobs, n=args.n)
 
 
-def read_input_file(path: str) -> List[Tuple[dict, dict]]:
-    """[(prompt kwargs, param overrides)] from a JSONL file; errors name the line and key."""
-    reqs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            unknown = sorted(set(obj) - FILE_KEYS)
-            if unknown:
-                raise ValueError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(FILE_KEYS))}")
-            if ("prompt" in obj) == ("prompt_ids" in obj):
-                raise ValueError(f"{where}: give exactly one of 'prompt' and 'prompt_ids'")
-            prompt = {"prompt": obj["prompt"]} if "prompt" in obj else {"prompt_token_ids": obj["prompt_ids"]}
-            reqs.append((prompt, {k: v for k, v in obj.items() if k not in ("prompt", "prompt_ids")}))
-    if not reqs:
-        raise ValueError(f"{path}: no requests")
-    return reqs
-
-
 def _result(out, comp, logprobs: bool, n: int) -> dict:
     d = {"text": comp.text, "token_ids": comp.token_ids, "prompt_token_ids": out.prompt_token_ids,
          "finish_reason": comp.finish_reason}
@@ -85,7 +58,7 @@ def _result(out, comp, logprobs: bool, n: int) -> dict:
     return d
 
 
-def run_engine(args: argparse.Namespace, prompt_ids_parser) -> int:
+def run_engine(args: argparse.Namespace) -> int:
     """The --engine path of `tritium generate`."""
     from tritium.backend.engine import LLMEngine
     if args.input_file is not None:
@@ -93,7 +66,7 @@ def run_engine(args: argparse.Namespace, prompt_ids_parser) -> int:
             raise ValueError("--input-file replaces PROMPT and --prompt-ids; give only one")
         items = read_input_file(args.input_file)
     elif args.prompt is not None or args.prompt_ids is not None:
-        prompt = ({"prompt_token_ids": prompt_ids_parser(args.prompt_ids)} if args.prompt_ids is not None
+        prompt = ({"prompt_token_ids": parse_prompt_ids(args.prompt_ids)} if args.prompt_ids is not None
                   else {"prompt": args.prompt})
         items = [(prompt, {})]
     else:

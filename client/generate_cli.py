@@ -25,16 +25,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def parse_prompt_ids(s: str):
-    try:
-        ids = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
-    if not ids:
-        raise ValueError("--prompt-ids is empty")
-    return ids
-
-
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "url", None):
         from tritium.client.remote_generate import run_remote
@@ -43,4 +33,4 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--engine ENGINE_DIR is required")
     # In-process: the in-flight LLMEngine (runtime issue); see client/engine_generate.py.
     from tritium.client.engine_generate import run_engine
-    return run_engine(args, parse_prompt_ids)
+    return run_engine(args)

@@ -13,6 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from tritium.client.generate_inputs import parse_prompt_ids, read_input_file
+
 DEFAULT_MODEL = "smollm2"
 
 
@@ -61,14 +63,12 @@ def _result(c, n: int, logprobs: bool) -> dict:
 
 def run_remote(args: argparse.Namespace) -> int:
     """Send the request(s); print text (streamed live with --stream) or JSON lines (--json, --input-file)."""
-    from tritium.client.generate_cli import parse_prompt_ids
     from tritium.client.triton_client import TritiumClient, TritiumClientError
     if getattr(args, "stats", False):
         raise ValueError("--stats reports an in-process engine; for a server read its /metrics endpoint")
     if getattr(args, "input_file", None):
         if args.prompt is not None or getattr(args, "prompt_ids", None):
             raise ValueError("--input-file replaces PROMPT and --prompt-ids; give only one")
-        from tritium.client.engine_generate import read_input_file
         items = [((p.get("prompt"), p.get("prompt_token_ids")), o) for p, o in read_input_file(args.input_file)]
     elif args.prompt is not None or getattr(args, "prompt_ids", None):
         ids = parse_prompt_ids(args.prompt_ids) if getattr(args, "prompt_ids", None) else None

@@ -7,7 +7,7 @@ Tritium cache:
     backends/python/   libtriton_python.so + triton_python_backend_utils.py + the stub for this
                        Python (copies: Triton refuses a backend library that is a symlink leading
                        outside the backend directory)
-    backends/tritium/  model.py = tritium/backend/model.py (refreshed on every start), which makes
+    backends/tritium/  model.py = tritium/backend/triton_backend/model.py (refreshed on every start), which makes
                        `backend: "tritium"` a Python-based backend
 
 The server runs with this interpreter's bin/ first on PATH (the stub imports numpy and tritium
@@ -94,9 +94,9 @@ def prepare_backend_dir(dest: Optional[str] = None) -> str:
 
 
 def backend_model_source() -> str:
-    """Path of tritium/backend/model.py in the installed package."""
+    """Path of tritium/backend/triton_backend/model.py in the installed package."""
     import importlib.util
-    spec = importlib.util.find_spec("tritium.backend")
+    spec = importlib.util.find_spec("tritium.backend.triton_backend")
     return os.path.join(list(spec.submodule_search_locations)[0], "model.py")
 
 

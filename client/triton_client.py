@@ -8,7 +8,7 @@
 
 gRPC uses tritonclient's bidirectional stream (the only way to talk to a decoupled model);
 HTTP uses Triton's generate / generate_stream (server-sent events) endpoints. Both speak the
-tensor contract of tritium.backend.triton_contract, so they work with the NAME, NAME_ensemble
+tensor contract of tritium.backend.triton_backend.contract, so they work with the NAME, NAME_ensemble
 and NAME_bls models alike.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from tritium.backend.triton_contract import INPUTS
+from tritium.backend.triton_backend.contract import INPUTS
 
 _SPEC = {s.name: s for s in INPUTS}
 _NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_,

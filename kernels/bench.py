@@ -51,7 +51,7 @@ def _paged(b: int, ctx: int, block_size: int, dtype, device, kv_dtype=None):
 
 def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, float, float, str]]:
     """(label, kernel thunk, reference thunk, bytes moved, flops, flop kind) per benchmark."""
-    from tritium.backend.attention_metadata import AttentionMetadata
+    from tritium.kernels.attention_metadata import AttentionMetadata
     from tritium.kernels import elementwise_triton as ew, gemm_ref, kv_write_triton as kvw, quant_gemm as qg
     from tritium.kernels import paged_decode as pd, prefill_attention as pa
     from tritium.kernels.kv_write import kv_write_ref

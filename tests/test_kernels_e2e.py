@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_env import new_rng
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.config import EngineConfig, KVCacheConfig, Limits, ModelConfig, RopeConfig
 from tritium.backend.models.decoder import DecoderLM
 

@@ -4,7 +4,7 @@ arithmetic (softmax ignores a per-query shift of all scores; the weights sum to 
 FP8 storage the K offset removes the error a large constant part of K causes."""
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
 from tritium.backend.simple_generate import alloc_kv_caches
 from tritium.builder.kv_scales import kv_head_offsets, kv_head_scales

@@ -4,7 +4,7 @@ by q and k cause."""
 import pytest
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.config import EngineConfig, EngineFormatError
 from tritium.backend.loader import load_engine
 from tritium.backend.models.kv_rotation import hadamard, rotate, rotation_supported

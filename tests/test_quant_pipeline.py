@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.config import EngineConfig, LayerQuant, QuantConfig
 from tritium.backend.loader import load_engine
 from tritium.backend.models.decoder import DecoderLM

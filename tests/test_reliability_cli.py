@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tritium.backend.triton_contract import resolve_path
+from tritium.backend.triton_backend.contract import resolve_path
 from tritium.client.cli import main
 
 

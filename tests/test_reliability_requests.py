@@ -15,7 +15,7 @@ from tritium.backend.sampler import Sampler
 from tritium.backend.sampling_params import (MAX_NUM_BAD_WORDS, MAX_NUM_STOP, MAX_NUM_STOP_TOKEN_IDS, MAX_WORD_CHARS,
                                              SamplingParams)
 from tritium.backend.sequence import Request
-from tritium.backend.triton_request import parse_row, parse_sampling_parameters
+from tritium.backend.triton_backend.request import parse_row, parse_sampling_parameters
 
 TINY_TEMPERATURES = [1e-38, 1.4e-45, 1e-300, 1e-7]
 

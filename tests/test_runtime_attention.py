@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from tritium.backend.attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.paged_attention import paged_attention_cpu, paged_attention_ref
 

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from tritium.backend.triton_contract import INPUTS, OUTPUTS, token_logprobs
-from tritium.backend.triton_request import batch_size_of, parse_row, parse_sampling_parameters
+from tritium.backend.triton_backend.contract import INPUTS, OUTPUTS, token_logprobs
+from tritium.backend.triton_backend.request import batch_size_of, parse_row, parse_sampling_parameters
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,8 +152,8 @@ def test_bad_name_rejected(tmp_path):
 # ---- stateless streaming detokenization (postprocessing model) ---------------------------------
 def test_decode_delta_joins_to_full_decode():
     from tiny_models import train_tokenizer
-    from tritium.backend.triton_contract import NUM_CONTEXT_IDS
-    from tritium.backend.triton_tokenizer_models import decode_delta
+    from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS
+    from tritium.backend.triton_backend.tokenizer_models import decode_delta
     tok = train_tokenizer(1000)
     rng = np.random.default_rng(0)
     texts = ["naïve café — 日本語のテキスト 🙂🚀 ok", "Ünïcödé ∑ λ → 🙃 end"]

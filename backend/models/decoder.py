@@ -18,7 +18,7 @@ from torch import nn
 from tritium.kernels import ops
 from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
-from ..attention_metadata import AttentionMetadata
+from tritium.kernels.attention_metadata import AttentionMetadata
 from ..config import EngineConfig
 from .kv_rotation import rotate
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear

@@ -1,4 +1,4 @@
-"""Linear layers the model is built from. Quantized variants register here by method name.
+"""Linear layers the model is built from: dense here, quantized ones from tritium.backend.quant.
 
 Every linear module maps x (..., in_features) -> (..., out_features) and owns its tensors as
 buffers, named as they are stored in the engine's safetensors (e.g. `weight`, `bias`).
@@ -9,6 +9,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
+
+from ..quant import Fp8Linear, Int4Linear, Int8Linear
 
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
@@ -68,21 +70,15 @@ class DenseLinear(nn.Module):
 
 
 # method name (LayerQuant.method) -> constructor with DenseLinear's signature
-LINEAR_REGISTRY: Dict[str, Callable[..., nn.Module]] = {"none": DenseLinear}
-
-
-def register_linear(method: str, ctor: Callable[..., nn.Module]) -> None:
-    LINEAR_REGISTRY[method] = ctor
+LINEAR_CLASSES: Dict[str, Callable[..., nn.Module]] = {
+    "none": DenseLinear, "int8": Int8Linear, "fp8": Fp8Linear, "int4": Int4Linear}
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                 layer_quant: Optional[object] = None) -> nn.Module:
     """Build the linear layer that `layer_quant` (a LayerQuant or None) asks for."""
     method = getattr(layer_quant, "method", "none") if layer_quant is not None else "none"
-    if method not in LINEAR_REGISTRY:
-        # Quantized layers live in tritium.backend.quant; importing it registers them.
-        from .. import quant  # noqa: F401  (import registers the quantized classes)
-    if method not in LINEAR_REGISTRY:
+    if method not in LINEAR_CLASSES:
         raise ValueError(f"linear quantization method {method!r} not supported; "
-                         f"supported: {', '.join(sorted(LINEAR_REGISTRY))}")
-    return LINEAR_REGISTRY[method](in_features, out_features, bias, dtype, layer_quant)
+                         f"supported: {', '.join(sorted(LINEAR_CLASSES))}")
+    return LINEAR_CLASSES[method](in_features, out_features, bias, dtype, layer_quant)

@@ -10,8 +10,8 @@ steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy).
 
 One AsyncLLMEngine per model instance runs its own background loop; every request that any
 execute() call hands over joins the running batch at the next engine step. The engine's one
-delivery thread turns each step's outputs into responses (triton_stream.py; tensor contract:
-triton_contract.py). A housekeeping thread polls cancellation of the open requests every
+delivery thread turns each step's outputs into responses (stream.py; tensor contract:
+contract.py). A housekeeping thread polls cancellation of the open requests every
 CANCEL_POLL_S (a cancelled request is aborted within about two engine steps, waiting or not), and
 copies the engine's stats into the gauges and flushes the metrics every STATS_PERIOD_S: each of
 those is an IPC round trip to the server, kept off the per-token path.
@@ -26,11 +26,14 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
+from tritium.backend.async_engine import AsyncLLMEngine
+from tritium.backend.engine import ThreadPolicy
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
-from tritium.backend.triton_contract import resolve_path
-from tritium.backend.triton_metrics import TritiumMetrics
-from tritium.backend.triton_request import batch_size_of, error_prefix, parse_row
-from tritium.backend.triton_stream import RequestState, RowStream
+from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.triton_backend.contract import resolve_path
+from tritium.backend.triton_backend.metrics import TritiumMetrics
+from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
+from tritium.backend.triton_backend.stream import RequestState, RowStream
 
 _ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
 DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
@@ -66,7 +69,6 @@ def _engine_kwargs(params: dict) -> dict:
 def _thread_policy(params: dict):
     """Parameters num_threads (default: every core) and small_step_threads (default: one fewer):
     see ThreadPolicy."""
-    from tritium.backend.engine import ThreadPolicy
     vals = _int_params(params, ("num_threads", "small_step_threads"))
     threads = vals.get("num_threads", os.cpu_count() or 1)
     return ThreadPolicy(threads, vals.get("small_step_threads", max(1, threads - 1)))
@@ -74,7 +76,6 @@ def _thread_policy(params: dict):
 
 class TritonPythonModel:
     def initialize(self, args):
-        from tritium.backend.engine import AsyncLLMEngine
         self.model_config = json.loads(args["model_config"])
         name, version = args["model_name"], args["model_version"]
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
@@ -165,7 +166,6 @@ class TritonPythonModel:
 
     def _parse(self, arrays: dict):
         """All rows of a request -> list of (ParsedRequest, prompt ids, SamplingParams)."""
-        from tritium.backend.sampling_params import SamplingParams
         batch = batch_size_of(arrays)
         rows = []
         for r in range(batch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 
-from tritium.backend.triton_contract import OUTPUTS
+from tritium.backend.triton_backend.contract import OUTPUTS
 
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
 

@@ -15,6 +15,9 @@ from typing import List, Optional
 
 import numpy as np
 
+from tritium.backend.prompt_limits import encode_prompt, max_token_chars
+from tritium.backend.triton_backend.contract import resolve_path
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -22,7 +25,6 @@ def load_tokenizer_from_params(args: dict, with_max_seq_len: bool = False):
     """tokenizers.Tokenizer from the model config's `tokenizer_dir` parameter; with
     with_max_seq_len, (tokenizer, the engine's max_seq_len or None when there is no engine.json)."""
     from tokenizers import Tokenizer
-    from tritium.backend.triton_contract import resolve_path
     cfg = json.loads(args["model_config"])
     value = cfg.get("parameters", {}).get("tokenizer_dir", {}).get("string_value", "")
     if not value.strip():
@@ -89,14 +91,12 @@ class PreprocessingModel:
     """text_input [B, 1] bytes -> input_ids [B, L] int32 (right padded with 0), input_lengths [B, 1]."""
 
     def initialize(self, args):
-        from tritium.backend.prompt_limits import max_token_chars
         self.tokenizer, self.max_seq_len = load_tokenizer_from_params(args, with_max_seq_len=True)
         self.token_chars = max_token_chars(self.tokenizer)
 
     def _encode(self, text: str) -> List[int]:
         if self.max_seq_len is None:
             return self.tokenizer.encode(text).ids
-        from tritium.backend.prompt_limits import encode_prompt
         return encode_prompt(self.tokenizer, text, self.max_seq_len, self.token_chars)
 
     def execute(self, requests):

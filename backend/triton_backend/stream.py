@@ -11,7 +11,7 @@ import threading
 import time
 from typing import List, Optional
 
-from tritium.backend.triton_contract import NUM_CONTEXT_IDS, response_arrays, token_logprobs
+from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, response_arrays, token_logprobs
 
 
 class RequestState:

@@ -2,7 +2,7 @@
 
 Follows tensorrtllm_backend's ensemble names (text_input, max_tokens, stream, ..., text_output,
 output_ids, ...) so its existing clients work unchanged, and also accepts vllm_backend's
-`sampling_parameters` JSON string (parsed in triton_request.py). Pure numpy: no
+`sampling_parameters` JSON string (parsed in request.py). Pure numpy: no
 triton_python_backend_utils import, so it is unit-tested without a server.
 
 Every input carries a batch dimension (max_batch_size > 0). A request with batch B > 1 is

@@ -1,4 +1,4 @@
-"""Parse one Triton request of the `tritium` backend into engine inputs (see triton_contract.py).
+"""Parse one Triton request of the `tritium` backend into engine inputs (see contract.py).
 
 Each batch row becomes a ParsedRequest: the prompt (text or ids), SamplingParams keyword
 arguments, and the stream / echo / logprob flags. Bad input raises ValueError naming the Triton
@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from tritium.backend.triton_contract import INPUTS
+from tritium.backend.triton_backend.contract import INPUTS
 
 DEFAULT_MAX_TOKENS = 16
 # Room for every key with 32 stop strings and 256 bad words at their longest, JSON-escaped.

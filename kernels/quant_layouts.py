@@ -1,0 +1,66 @@
+"""The packed weight layouts of quantized engines: the contract between the builder that writes
+them and the kernels and runtime that read them.
+
+    int4: qweight uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high = odd k
+          scales  float16 (K // G, N)  (the runtime upcasts to float32 at load)
+          zeros   float16 (K // G, N)
+          g_idx   int32   (K,)         optional (GPTQ act-order): the group of input channel k
+          w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
+          An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
+          (scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
+    int8: qweight int8 (N, K), scales float32 (N,), each a bfloat16 value:  w[n, k] = q[n, k] * scales[n]
+    fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,):  w[n, k] = float(q[n, k]) * scales[n]
+
+This module holds only the layouts and their exact inverses (no quantizer), so the runtime and
+the kernels can read engines without importing the builder.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
+               "scales float16 (K//G, N); zeros float16 (K//G, N) (upcast to float32 at load); optional g_idx int32 (K,); "
+               "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
+INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
+               "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
+               "+ head_mean_logits, both float32, (K,) and (N,)")
+FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
+              "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: integer (N, K) codes in 0..15 -> uint8 (N, K//2), even k in the low nibble."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, K//2) -> uint8 codes (N, K)."""
+    lo = qweight & 0x0F
+    hi = qweight >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def group_index(k: int, group_size: int, g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Group of each input channel: g_idx if given, else k // group_size."""
+    if g_idx is not None:
+        return g_idx.long()
+    return torch.arange(k) // group_size
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, g_idx: Optional[torch.Tensor] = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weight (N, K) of the int4 layout (computed in float32, returned in `dtype`)."""
+    q = unpack_int4(qweight).float()
+    g = group_index(q.shape[1], group_size, g_idx).to(qweight.device)
+    w = (q - 8.0) * scales.float()[g].t() + zeros.float()[g].t()
+    return w.to(dtype)
+
+
+def dequantize_rowwise(qweight: torch.Tensor, scales: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weight (N, K) of the int8 or fp8 layout: q * scales[n]."""
+    return (qweight.float() * scales.float()[:, None]).to(dtype)
