@@ -227,7 +227,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
         req, p = seq.request, seq.request.params
         seq.token_ids.append(tok)
-        seq.num_new_tokens_out.append(tok)
+        seq.unreported_token_ids.append(tok)
         self.num_generated_tokens += 1
         m = req.metrics
         m.first_token_time = m.first_token_time or now
@@ -261,10 +261,10 @@ class LLMEngine:
                 delta = text = ""
             comps.append(CompletionOutput(
                 index=seq.index, text=text, text_delta=delta, token_ids=seq.output_token_ids,
-                new_token_ids=seq.num_new_tokens_out, finish_reason=seq.finish_reason,
+                new_token_ids=seq.unreported_token_ids, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 cum_logprob=seq.cum_logprob if seq.logprobs is not None else None))
-            seq.num_new_tokens_out = []
+            seq.unreported_token_ids = []
         return RequestOutput(req.request_id, req.prompt_token_ids, req.is_finished, comps,
                              req.metrics.to_dict())
 

@@ -13,7 +13,6 @@ On CUDA they call tritium.kernels.ops.linear_w4a16 / linear_w8a16 / linear_fp8 w
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import torch
 from torch import nn
@@ -195,12 +194,3 @@ class Int4Linear(_QuantLinearBase):
             xc = xc[:, perm]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc.contiguous(), w, self.group_size, sz)
         return self._finish(y, x)
-
-
-
-
-def quantized_weight_bytes(module: nn.Module) -> Optional[int]:
-    """Bytes held by a quantized linear's engine buffers (None for other modules)."""
-    if not isinstance(module, _QuantLinearBase):
-        return None
-    return sum(b.numel() * b.element_size() for b in module._buffers.values() if b is not None)

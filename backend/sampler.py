@@ -122,7 +122,7 @@ class Sampler:
             rows = [i for i, g in enumerate(greedy) if not g]
             xs = tempered(x[rows], torch.tensor([params[i].temperature for i in rows], dtype=torch.float32))
             xs = truncate(xs,
-                          torch.tensor([max(params[i].top_k, 0) for i in rows]),
+                          torch.tensor([params[i].top_k or 0 for i in rows]),
                           torch.tensor([params[i].top_p for i in rows], dtype=torch.float32),
                           torch.tensor([params[i].min_p for i in rows], dtype=torch.float32))
             probs = xs.softmax(dim=-1)

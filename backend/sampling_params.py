@@ -50,16 +50,17 @@ def _check_words(name: str, words, max_num: int) -> None:
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters (the Engine API contract; see notes/COMMON.md).
+    """Per-request decoding parameters (the engine API's contract).
 
-    temperature 0 means greedy. top_k 0 (or -1) disables top-k. `stop` strings end the output
+    temperature 0 means greedy. top_k None disables top-k; the wire formats' "off" values, 0
+    (TensorRT-LLM) and -1 (vLLM), are read as None. `stop` strings end the output
     and are not emitted; `stop_token_ids` (and the model's EOS unless ignore_eos) end it too.
     `bad_words` are strings never generated. `logprobs` N returns the sampled token's logprob
     plus the top N (N = 0: sampled only). `n` independent samples share the prompt's KV blocks.
     """
     max_tokens: int = 16
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: Optional[int] = None
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -74,9 +75,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     n: int = 1
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+    def __post_init__(self):
+        if type(self.top_k) is int and self.top_k in (0, -1):
+            self.top_k = None
 
     def validate(self, max_seq_len: int, vocab_size: int, prompt_len: int) -> None:
         """Check every field; raise ValueError naming the first bad one and its allowed range."""
@@ -92,7 +93,9 @@ class SamplingParams:
         _check_number("temperature", self.temperature, lo=0.0)
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite and >= 0, got inf")
-        _check_number("top_k", self.top_k, lo=-1, integer=True)
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, or 0, -1 or null for off, got {self.top_k!r}")
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)

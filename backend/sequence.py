@@ -47,7 +47,7 @@ class Sequence:
         self.logprobs: Optional[List[dict]] = [] if request.params.logprobs is not None else None
         self.cum_logprob = 0.0
         self.detok = None                          # IncrementalDetokenizer, set by the engine
-        self.num_new_tokens_out: List[int] = []    # tokens appended since the last output
+        self.unreported_token_ids: List[int] = []    # tokens appended since the last output
 
     @property
     def num_tokens(self) -> int:
@@ -158,4 +158,3 @@ class RequestOutput:
     finished: bool
     outputs: List[CompletionOutput] = field(default_factory=list)
     metrics: Dict[str, Any] = field(default_factory=dict)
-    error: Optional[str] = None  # set when the request failed (e.g. it can never fit)

@@ -60,39 +60,6 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
     return best[1], best[2], losses
 
 
-def awq_clip_params(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 10,
-                    min_ratio: float = 0.5, keep_rows: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """AWQ's weight clipping search: per (output row, group), shrink the group's [min, max]
-    about its centre to the ratio minimising that group's output error mean_t (x_g . (w_g - q_g))^2
-    on calibration inputs x (n_tokens, K) (the inputs the scaled weight w (N, K) will see).
-    Rows < keep_rows keep min/max (the paper's code does not clip q/k, whose errors the
-    softmax amplifies). Returns (scale, zero), each (N, K // group_size)."""
-    n, k = w.shape
-    ng = k // group_size
-    wg = w.float().reshape(n, ng, group_size)
-    xg = x.float().reshape(-1, ng, group_size)
-    wmin, wmax = wg.amin(-1), wg.amax(-1)
-    centre, half = (wmax + wmin) / 2, (wmax - wmin) / 2
-    best_err = torch.full_like(wmin, float("inf"))
-    best_s, best_z = torch.empty_like(wmin), torch.empty_like(wmin)
-    for i in range(grid):
-        r = 1.0 - (1.0 - min_ratio) * i / max(grid - 1, 1)
-        scale = (2 * r * half / 15.0).clamp_min(1e-10)
-        zero = centre - r * half + 8.0 * scale
-        q = int4_codes(wg, scale[..., None], zero[..., None])
-        d = (q - 8.0) * scale[..., None] + zero[..., None] - wg
-        # per group g: (t, G) @ (G, n) -> squared output error, mean over tokens -> (N, ng)
-        err = torch.bmm(xg.transpose(0, 1), d.permute(1, 2, 0)).pow_(2).mean(1).t()
-        if i == 0:
-            ref_s, ref_z = scale.clone(), zero.clone()
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_s = torch.where(better, scale, best_s)
-        best_z = torch.where(better, zero, best_z)
-    best_s[:keep_rows], best_z[:keep_rows] = ref_s[:keep_rows], ref_z[:keep_rows]
-    return best_s, best_z
-
-
 def awq_clip_rows_int8(w: torch.Tensor, hessian: torch.Tensor,
                        ratios=(1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75, 0.7)) -> torch.Tensor:
     """AWQ's weight clipping search on the symmetric per-row INT8 grid: each row's clip range

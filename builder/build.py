@@ -32,7 +32,7 @@ TOOL_VERSION = "0.1.0"
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Everything `tritium build` was asked to do (quantization fields are issue 5's)."""
+    """Everything `tritium build` was asked to do."""
     source: str
     output: str
     dtype: str = "bfloat16"

@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow *.bin/*.pt checkpoints (unpickling can run arbitrary code)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    # Quantization (issue 5; builder/quant_pipeline.py).
+    # Quantization (builder/quant_pipeline.py).
     p.add_argument("--quantization", default="none", choices=SUPPORTED_QUANTIZATION,
                    help="weight quantization (default none)")
     p.add_argument("--group-size", type=int, default=None,

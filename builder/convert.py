@@ -5,7 +5,7 @@ disagree with its config fails with the tensor name and both shapes.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Iterator, Tuple
 
 import torch
 
@@ -58,7 +58,3 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
         if not has("lm_head.weight"):
             raise CheckpointError(f"{source}: tensor 'lm_head.weight' missing and tie_word_embeddings is false")
         yield "lm_head.weight", g("lm_head.weight", (m.vocab_size, h))
-
-
-def count_parameters(tensors: Dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() for t in tensors.values())

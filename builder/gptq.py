@@ -16,13 +16,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from .quantize_int4 import int4_codes, int4_params, int4_params_mse, pack_int4
+from tritium.kernels.quant_layouts import pack_int4
 
-# On a layer whose source is already on a block grid (source_grid.py), GPTQ with act-order runs
-# with static groups (True) or in plain column order (False). On SmolLM2's Q4_1 GGUF both wrote
-# weights bit-identical to RTN (the grid is exact, so there is no error to feed back); static
-# groups are kept as they retain act-order's column order where the grid is not exact (bf16).
-GPTQ_STATIC_ON_SOURCE_GRID = True
+from .quantize_int4 import int4_codes, int4_params, int4_params_mse
 
 
 class HessianAccumulator:

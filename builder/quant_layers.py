@@ -10,17 +10,16 @@ from typing import Dict, Optional
 
 import torch
 
-from .awq import awq_clip_params, awq_search_scale, pooled_head_stat
+from tritium.kernels.quant_layouts import dequantize_int4
+
+from .awq import awq_search_scale, pooled_head_stat
 from .gptq import gptq_quantize
 from .gptq_fp8 import gptq_fp8_quantize
 from .quantize_fp8 import dequantize_fp8, quantize_fp8
-from .quantize_int4 import dequantize_int4, quantize_int4
+from .quantize_int4 import quantize_int4
 from .quantize_int8 import dequantize_int8, quantize_int8
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# AWQ's clipping search (awq_clip_params) measured worse on SmolLM2 (+17.5% vs +12.4% ppl without
-# it), so it is off by default; scale search + folding + min/max groups is what was measured best.
-AWQ_CLIP = False
 
 
 def linear_in_features(m, lin: str) -> int:
@@ -47,9 +46,6 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size,
                                        act_order=lq.act_order or lq.static_groups,
                                        static_groups=lq.static_groups)
-    elif method == "int4-awq" and AWQ_CLIP:
-        params = awq_clip_params(w, stats["x_scaled"], lq.group_size, keep_rows=stats.get("keep_rows", 0))
-        q, s, z = quantize_int4(w, lq.group_size, params)
     else:
         q, s, z = quantize_int4(w, lq.group_size)
     # Stored as float16 (half the bytes of float32; 11-bit mantissa, far finer than a 4-bit step).
@@ -80,16 +76,12 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
         s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
                                        lq.group_size)
         alphas[lin] = alpha
-        st["x_scaled"] = st["x"] / s  # what the folded layer sees; AWQ's clip search uses it
         return s
 
     def fold_norm(norm_name, s):
         t = new[pre + norm_name]
         new[pre + norm_name] = (t.float() / s).to(t.dtype)
 
-    for lin in LINEARS:
-        stats[lin]["x_scaled"] = stats[lin]["x"]
-    stats["qkv_proj"]["keep_rows"] = nq + nkv  # q and k rows are not clipped
     s = search("qkv_proj")
     if s is not None:
         W["qkv_proj"] = W["qkv_proj"] * s

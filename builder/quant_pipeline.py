@@ -16,7 +16,6 @@ import dataclasses
 import fnmatch
 import os
 import time
-from types import SimpleNamespace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -26,6 +25,7 @@ from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTA
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, LayerQuant,
                                     QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
+from tritium.kernels.quant_layouts import FP8_LAYOUT, INT4_LAYOUT, INT8_LAYOUT
 
 KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
@@ -34,10 +34,8 @@ from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_h
 from .quant_eval import encode_text, evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, linear_in_features, quantize_layer
-from .quantize_fp8 import FP8_LAYOUT, has_float8
-from .quantize_int4 import INT4_LAYOUT, SUPPORTED_GROUP_SIZES
-from .quantize_int8 import INT8_LAYOUT
-from .gptq import GPTQ_STATIC_ON_SOURCE_GRID
+from .quantize_fp8 import has_float8
+from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .source_grid import linear_source_blocks, plan_group_size
 
 DEFAULT_GROUP_SIZE = 128
@@ -46,23 +44,35 @@ DEFAULT_EVAL_TOKENS = 2048
 CALIBRATED = ("int4-awq", "int4-gptq")
 HESSIAN_METHODS = ("int4-gptq", "fp8")  # calibrated methods that collect GPTQ Hessians
 
-_DEFAULTS = dict(quantization="none", group_size=None, kv_cache_dtype="auto", kv_rotation="auto", calibration_text=None,
-                 calibration_samples=DEFAULT_CALIBRATION_SAMPLES, exclude_modules=None, progress=True,
-                 source=None, act_order=True, eval_tokens=DEFAULT_EVAL_TOKENS, group_size_explicit=None)
+@dataclasses.dataclass
+class QuantOptions:
+    """The quantization fields of a build (the flags of `tritium build`, see builder/cli.py)."""
+    quantization: str = "none"
+    group_size: int = DEFAULT_GROUP_SIZE
+    group_size_explicit: bool = False   # --group-size was given (else per-layer source grids may win)
+    kv_cache_dtype: str = "auto"
+    kv_rotation: str = "auto"
+    calibration_text: Optional[str] = None
+    calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
+    exclude_modules: Optional[str] = None
+    progress: bool = True
+    source: Optional[str] = None
+    act_order: bool = True
+    eval_tokens: int = DEFAULT_EVAL_TOKENS
 
-
-def _options(opts=None, **kw) -> SimpleNamespace:
-    d = dict(_DEFAULTS)
-    if opts is not None:
-        d.update({k: getattr(opts, k) for k in _DEFAULTS if hasattr(opts, k)})
-    d.update({k: v for k, v in kw.items() if v is not None})
-    if d["group_size_explicit"] is None:  # remembered across re-parsing of an options object
-        d["group_size_explicit"] = d["group_size"] is not None
-    if d["group_size"] is None:
-        d["group_size"] = DEFAULT_GROUP_SIZE
-    if d["calibration_samples"] is None:
-        d["calibration_samples"] = DEFAULT_CALIBRATION_SAMPLES
-    return SimpleNamespace(**d)
+    @classmethod
+    def of(cls, opts=None, **kw) -> "QuantOptions":
+        """From a BuildOptions (or any object with these fields) and/or keywords; a None value
+        (from either) keeps the default. A QuantOptions without keywords is returned as is."""
+        if isinstance(opts, cls) and not kw:
+            return opts
+        names = [f.name for f in dataclasses.fields(cls)]
+        given = {k: getattr(opts, k) for k in names if opts is not None and hasattr(opts, k)}
+        given.update(kw)
+        given = {k: v for k, v in given.items() if v is not None and k in names}
+        if "group_size_explicit" not in given:
+            given["group_size_explicit"] = "group_size" in given
+        return cls(**given)
 
 
 def _excluded(name: str, patterns: Optional[str]) -> bool:
@@ -72,7 +82,7 @@ def _excluded(name: str, patterns: Optional[str]) -> bool:
 
 def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> None:
     """Check quantization options before any work; raises ValueError naming the flag."""
-    o = _options(opts, **kw)
+    o = QuantOptions.of(opts, **kw)
     if o.quantization not in SUPPORTED_QUANTIZATION:
         raise ValueError(f"--quantization {o.quantization!r} not supported; allowed: "
                          f"{', '.join(SUPPORTED_QUANTIZATION)}")
@@ -147,11 +157,10 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
             act_order = bool(o.act_order and o.quantization == "int4-gptq")
             on_grid = name in blocks and g == blocks[name][1]
             # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
-            # static groups (act-order column order, params fixed per original block, no g_idx)
-            # or plain column order, whichever gptq.GPTQ_STATIC_ON_SOURCE_GRID says measured better.
+            # static groups (act-order's column order, parameters fixed per source block, no g_idx).
             plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
                                     group_reason=reason,
-                                    static_groups=act_order and on_grid and GPTQ_STATIC_ON_SOURCE_GRID)
+                                    static_groups=act_order and on_grid)
     if kind == "int4":
         for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
             plan[name] = LayerQuant("none" if _excluded(name, o.exclude_modules) else "int8")
@@ -190,7 +199,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     """Quantize a float engine state dict per `opts` (BuildOptions or keywords, see module doc).
 
     Returns (new tensors, QuantConfig with per-layer choices and layouts, KVCacheConfig, report)."""
-    o = _options(opts, **kw)
+    o = QuantOptions.of(opts, **kw)
     validate_quant_args(o, cfg)
     t0 = time.time()
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
@@ -200,54 +209,14 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     tokenizer = tokenizer or load_source_tokenizer(o.source)
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding.
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None)
-    needs_calib = calibrated or o.kv_cache_dtype != "auto"
-    cal_text = _read_text(o.calibration_text, "--calibration-text") if o.calibration_text else None
-    cal_src = o.calibration_text or "python-stdlib-docstrings:" + ",".join(calib.CALIBRATION_MODULES)
-    calibration_info: dict = {}
-    new = dict(tensors)
     model = _float_model(cfg, tensors, model_factory)
-    layer_reports: dict = {}
-    kv_scales: dict = {}
-    if needs_calib:
-        if tokenizer is None:
-            raise ValueError("calibration needs the source's tokenizer (tokenizer.json or a GGUF vocabulary)")
-        text = cal_text if cal_text is not None else calib.default_calibration_text()
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        samples = calib.calibration_samples(ids, o.calibration_samples)
-        calibration_info = {**calib.text_provenance(text, cal_src), "samples": len(samples),
-                            "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
-        runner = calib.LayerwiseRunner(model, samples)
-    # int4-awq / int4-gptq quantize the int8 LM head with their own method: it needs the final
-    # hidden states of the quantized model, so the last layer is run forward too.
-    head_calibrated = o.quantization in CALIBRATED and head_name(plan, cfg.model.tie_word_embeddings) is not None
-    for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
-                  disable=not o.progress):
-        layer = model.layers[i]
-        stats = None
-        if calibrated:
-            stats = _collect_layer_inputs(runner, i, o.quantization)
-        rep = quantize_layer(cfg, i, layer, new, plan, o.quantization, stats)
-        layer_reports.update(rep)
-        if needs_calib and (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
-            kv_stats: dict = {}
-            handle = None
-            if o.kv_cache_dtype != "auto":
-                hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i)
-                handle = layer.qkv_proj.register_forward_hook(hook)
-            # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
-            runner.run_layer(i, advance=True)
-            if handle is not None:
-                handle.remove()
-                for key in ("k", "v"):
-                    x = torch.cat(kv_stats[key])
-                    offset = kv_head_offsets(x)
-                    kv_scales[f"layers.{i}.{key}_offset"] = offset
-                    x = x - offset
-                    if kv_rotation == "hadamard":
-                        x = rotate(x)  # the scales fit what the cache stores
-                    kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
+    runner, calibration_info = None, {}
+    if calibrated or o.kv_cache_dtype != "auto":
+        runner, calibration_info = _calibration_runner(model, tokenizer, o)
+    new = dict(tensors)
+    layer_reports, kv_scales, head_stats = _quantize_layers(cfg, model, new, plan, o, runner, calibrated,
+                                                            kv_rotation)
     # int4 builds: per-row int8 embedding / LM head, the head rounded by the build's method
-    head_stats = collect_head_stats(runner) if head_calibrated else None
     layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
                                              head_stats))
     new.update(kv_scales)
@@ -259,9 +228,70 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                        layouts={k: v for k, v in layouts.items() if k in used},
                        calibration=calibration_info)
     kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype, rotation=kv_rotation)
+    report = _report(o, tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
+    if tokenizer is not None and o.eval_tokens:
+        report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
+    return new, qcfg, kvcfg, report
+
+
+def _calibration_runner(model, tokenizer, o: QuantOptions):
+    """(LayerwiseRunner over the calibration samples, the calibration's provenance for engine.json)."""
+    if tokenizer is None:
+        raise ValueError("calibration needs the source's tokenizer (tokenizer.json or a GGUF vocabulary)")
+    text = (_read_text(o.calibration_text, "--calibration-text") if o.calibration_text
+            else calib.default_calibration_text())
+    source = o.calibration_text or "python-stdlib-docstrings:" + ",".join(calib.CALIBRATION_MODULES)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    samples = calib.calibration_samples(ids, o.calibration_samples)
+    info = {**calib.text_provenance(text, source), "samples": len(samples),
+            "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
+    return calib.LayerwiseRunner(model, samples), info
+
+
+def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOptions, runner,
+                     calibrated: bool, kv_rotation: str):
+    """Quantize the decoder layers in order (into `new`); with a runner, each quantized layer is
+    re-run so layer i+1 calibrates on its outputs and the KV cache scales come from its K/V.
+    Returns (per-layer reports, KV scale / offset tensors, LM head statistics or None)."""
+    layer_reports: dict = {}
+    kv_scales: dict = {}
+    # int4-awq / int4-gptq quantize the int8 LM head with their own method: it needs the final
+    # hidden states of the quantized model, so the last layer is run forward too.
+    head_calibrated = o.quantization in CALIBRATED and head_name(plan, cfg.model.tie_word_embeddings) is not None
+    for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
+                  disable=not o.progress):
+        layer = model.layers[i]
+        stats = _collect_layer_inputs(runner, i, o.quantization) if calibrated else None
+        layer_reports.update(quantize_layer(cfg, i, layer, new, plan, o.quantization, stats))
+        if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
+            continue
+        kv_stats: dict = {}
+        handle = None
+        if o.kv_cache_dtype != "auto":
+            hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i)
+            handle = layer.qkv_proj.register_forward_hook(hook)
+        # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
+        runner.run_layer(i, advance=True)
+        if handle is not None:
+            handle.remove()
+            for key in ("k", "v"):
+                x = torch.cat(kv_stats[key])
+                offset = kv_head_offsets(x)
+                kv_scales[f"layers.{i}.{key}_offset"] = offset
+                x = x - offset
+                if kv_rotation == "hadamard":
+                    x = rotate(x)  # the scales fit what the cache stores
+                kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
+    head_stats = collect_head_stats(runner) if head_calibrated else None
+    return layer_reports, kv_scales, head_stats
+
+
+def _report(o: QuantOptions, float_tensors: dict, new: dict, layer_reports: dict, calibrated: bool,
+            kv_rotation: str, seconds: float) -> dict:
+    """The quantization part of build_report.json (the held-out evaluation is added after)."""
     report = {"method": o.quantization, "kv_cache_dtype": o.kv_cache_dtype,
-              "quantize_seconds": round(time.time() - t0, 2),
-              "weight_bytes": _nbytes(new), "float_weight_bytes": _nbytes(tensors),
+              "quantize_seconds": round(seconds, 2),
+              "weight_bytes": _nbytes(new), "float_weight_bytes": _nbytes(float_tensors),
               "layers": layer_reports}
     report["weight_bytes_ratio"] = report["weight_bytes"] / report["float_weight_bytes"]
     if o.quantization == "fp8":
@@ -271,9 +301,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
         report["kv_offsets"] = KV_OFFSET_METHOD
         report["kv_rotation"] = kv_rotation
-    if tokenizer is not None and o.eval_tokens:
-        report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
-    return new, qcfg, kvcfg, report
+    return report
 
 
 def _nbytes(tensors) -> int:

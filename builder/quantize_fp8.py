@@ -10,7 +10,7 @@ from typing import Tuple
 
 import torch
 
-from tritium.kernels.quant_layouts import FP8_LAYOUT, dequantize_rowwise  # noqa: F401
+from tritium.kernels.quant_layouts import dequantize_rowwise
 
 FP8_E4M3_MAX = 448.0
 

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from tritium.kernels.quant_layouts import INT4_LAYOUT, dequantize_int4, group_index, pack_int4, unpack_int4  # noqa: F401
+from tritium.kernels.quant_layouts import pack_int4
 
 # Group sizes torch's packed CPU kernel and the Triton kernel both accept.
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)

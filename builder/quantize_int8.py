@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from tritium.kernels.quant_layouts import INT8_LAYOUT, dequantize_rowwise  # noqa: F401
+from tritium.kernels.quant_layouts import dequantize_rowwise
 
 
 

@@ -12,7 +12,7 @@ sends them as a seeded Poisson process), then 3 requests one at a time with 128 
 after a 12-word (~16-token) prompt. Reports output tok/s, requests/s, TTFT, inter-token latency,
 TPOT and end-to-end latency (p50/p90/p99), errors, token counts and the client's CPU use.
 
-`tritium bench --engine DIR --hf-baselines` is the older offline comparison of the engine with
+`tritium bench --engine DIR --hf-baselines` is the offline comparison of the engine with
 Hugging Face transformers `generate` (see tritium/client/bench_hf.py).
 """
 from __future__ import annotations

@@ -188,8 +188,6 @@ class _InProcessSession:
             params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
             for out in self.engine.generate(request_id, prompt=req.prompt, params=params):
                 t = now()
-                if out.error:
-                    res.error = out.error
                 n = len(out.outputs[0].new_token_ids) if out.outputs else 0
                 if n:
                     res.chunk_times.append(t)

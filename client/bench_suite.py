@@ -17,7 +17,7 @@ from tritium.client.bench_workload import WorkloadSpec, make_requests, single_st
 
 @dataclass
 class SuiteOptions:
-    """What to run (defaults: the issue's workload, 32 requests at concurrency 16, and 3 single streams)."""
+    """What to run (defaults: the standard workload, 32 requests at concurrency 16, and 3 single streams)."""
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     concurrencies: List[int] = field(default_factory=lambda: [16])  # one run per level
     request_rate: Optional[float] = None   # Poisson arrivals per second; None = all requests at once

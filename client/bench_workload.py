@@ -13,7 +13,7 @@ import functools
 import os
 import random
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 PROSE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_prose.txt")
 
@@ -106,7 +106,3 @@ def parse_concurrency(text: str) -> List[int]:
         raise ValueError(f"--concurrency must be a comma-separated list of integers >= 1 (e.g. 1,4,16,64), "
                          f"got {text!r}")
     return values
-
-
-def total_output_tokens(requests: Sequence[BenchRequest]) -> int:
-    return sum(r.max_tokens for r in requests)

@@ -31,6 +31,6 @@ def run(args: argparse.Namespace) -> int:
         return run_remote(args)
     if not args.engine:
         raise ValueError("--engine ENGINE_DIR is required")
-    # In-process: the in-flight LLMEngine (runtime issue); see client/engine_generate.py.
+    # In-process: the in-flight LLMEngine; see client/engine_generate.py.
     from tritium.client.engine_generate import run_engine
     return run_engine(args)

@@ -3,7 +3,6 @@ raw over gRPC (any tensor dtype) or HTTP (generate endpoint JSON), plus server R
 from __future__ import annotations
 
 import json
-import os
 import queue
 import random
 import re

@@ -28,10 +28,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     @classmethod
     def build(cls, query_lens: List[int], seq_lens: List[int], block_tables: List[List[int]],
               block_size: int, device="cpu") -> "AttentionMetadata":

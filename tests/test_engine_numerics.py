@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tritium.backend.loader import load_engine
-from tritium.backend.simple_generate import generate_simple, prompt_logits
+from simple_generate import generate_simple, prompt_logits
 
 FAMILY_NAMES = ["llama", "mistral", "qwen2"]
 PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],

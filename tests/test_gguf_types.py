@@ -17,7 +17,7 @@ from gguf import GGUFWriter
 from gguf import quants as gq
 
 from tritium.backend.loader import load_engine
-from tritium.backend.simple_generate import prompt_logits
+from simple_generate import prompt_logits
 from tritium.builder.build import BuildOptions, build_engine
 
 TYPES = {"self_attn.q_proj": Q.F16, "self_attn.k_proj": Q.Q8_0, "self_attn.v_proj": Q.Q4_0,

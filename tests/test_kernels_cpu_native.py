@@ -103,7 +103,7 @@ def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
     from types import SimpleNamespace
 
     from tritium.backend import quant
-    from tritium.builder.quantize_int4 import dequantize_int4
+    from tritium.kernels.quant_layouts import dequantize_int4
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     n, k, g = 40, 128, 32

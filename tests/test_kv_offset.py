@@ -6,7 +6,7 @@ import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
-from tritium.backend.simple_generate import alloc_kv_caches
+from simple_generate import alloc_kv_caches
 from tritium.builder.kv_scales import kv_head_offsets, kv_head_scales
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.paged_attention import paged_attention_ref

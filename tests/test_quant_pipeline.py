@@ -14,7 +14,7 @@ from tritium.backend.config import EngineConfig, LayerQuant, QuantConfig
 from tritium.backend.loader import load_engine
 from tritium.backend.models.decoder import DecoderLM
 from tritium.builder.quantize_fp8 import dequantize_fp8
-from tritium.builder.quantize_int4 import dequantize_int4
+from tritium.kernels.quant_layouts import dequantize_int4
 from tritium.builder.quantize_int8 import dequantize_int8
 
 # Dims that int4 groups divide: hidden, q dim (heads x head_dim) and intermediate all 96 -> group 32.

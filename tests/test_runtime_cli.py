@@ -45,16 +45,20 @@ def test_stop_logprobs_and_n(tiny_engine, capsys):
     eng = tiny_engine("llama")
     rc, (full,), _ = run_cli(capsys, "generate", "--engine", eng, "The quick brown fox", "--json",
                              "--max-tokens", "20", "--ignore-eos")
+    assert rc == 0
     text = full["text"]
     start = next(i for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2])
     stop = text[start:start + 2]
     rc, (cut,), _ = run_cli(capsys, "generate", "--engine", eng, "The quick brown fox", "--json", "--max-tokens",
                             "20", "--ignore-eos", "--stop", "never-there", "--stop", stop, "--logprobs", "2")
+    assert rc == 0
     assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
     assert len(cut["logprobs"]) == len(cut["token_ids"]) and len(cut["logprobs"][0]["top_logprobs"]) == 2
     rc, objs, _ = run_cli(capsys, "generate", "--engine", eng, "Hello", "--json", "--n", "3", "--temperature",
                           "1", "--seed", "1", "--max-tokens", "6")
+    assert rc == 0
     assert [o["index"] for o in objs] == [0, 1, 2]
+    assert len({tuple(o["token_ids"]) for o in objs}) > 1   # independent samples, not one copied
 
 
 @pytest.mark.parametrize("argv,field", [

@@ -1,6 +1,6 @@
 """LLMEngine on tiny random models: batched == alone (greedy), under preemption and small prefill
 chunks; prefix caching counted; no leaked block after random add/abort/step; n > 1; stops; bad input.
-The oracle for "alone" is the lead's single-sequence loop (backend/simple_generate.py)."""
+The oracle for "alone" is the single-sequence loop of tests/simple_generate.py."""
 import random
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
-from tritium.backend.simple_generate import generate_simple
+from simple_generate import generate_simple
 
 
 # Tiny models: intra-op threads only add barrier waits (see conftest.one_thread).
@@ -171,7 +171,7 @@ def test_stop_strings_and_token_ids(tiny_engine):
 
 
 def test_logprobs_match_model_logits(tiny_engine):
-    from tritium.backend.simple_generate import prompt_logits
+    from simple_generate import prompt_logits
     engine = LLMEngine(tiny_engine("llama"), device="cpu", num_kv_blocks=64)
     prompt = [5, 6, 7, 8]
     (out,) = engine.generate(prompt_token_ids=[prompt],

@@ -84,7 +84,7 @@ def test_preempts_itself_when_it_is_the_newest():
     assert out.seqs == [a] and out.preempted == [b]
 
 
-def test_priority_orders_the_waiting_queue_and_picks_victims():
+def test_priority_orders_the_waiting_queue():
     bm, sched = make(budget=100, max_num_seqs=2)
     low = add(sched, "low", 4, priority=5)
     high = add(sched, "high", 4, priority=-1)
@@ -92,6 +92,23 @@ def test_priority_orders_the_waiting_queue_and_picks_victims():
     out = sched.schedule()
     assert out.seqs == [high, mid]      # max_num_seqs 2: low waits
     assert sched.waiting == [low]
+
+
+def test_preemption_picks_the_lowest_priority_victim_not_the_newest():
+    bm, sched = make(num_blocks=4, block_size=4, budget=64)
+    low = add(sched, "low", 7, priority=5)     # arrives first
+    high = add(sched, "high", 8, priority=-1)  # arrives second: the newest
+    out = sched.schedule()
+    assert out.seqs == [high, low]
+    finish_step(bm, out)     # high: 9 tokens (its 9th needs a third block), low: 8 tokens (fits)
+    assert bm.num_free_blocks == 0
+    out = sched.schedule()
+    # FCFS would preempt `high` (the newest, so it would give up its own place); by priority the
+    # victim is `low`, and high runs on in low's freed block.
+    assert out.preempted == [low]
+    assert out.seqs == [high] and out.num_new_tokens == [1] and len(high.block_table) == 3
+    assert low.status == SequenceStatus.WAITING and low.block_table == []
+    assert sched.waiting == [low] and sched.num_preemptions == 1
 
 
 def test_max_num_seqs_counts_forked_samples():

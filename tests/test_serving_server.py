@@ -23,6 +23,8 @@ from serving_utils import metric, raw_grpc, scrape, wait_for
 pytestmark = pytest.mark.slow
 
 NAME = "tiny"
+SMALL_KV = "tiny_small_kv"   # the same engine with a 4-block KV pool, so concurrent requests preempt
+SMALL_KV_BLOCKS = 4
 PROMPTS = ["Hello world, this is a test", "naïve café — 日本語のテキスト 🙂", "The quick brown fox"]
 
 
@@ -35,8 +37,11 @@ def built(tiny_checkpoint, tmp_path_factory):
     rc = main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--max-batch-size", "32",
                "--quiet", "--repo", repo, "--name", NAME])
     assert rc == 0
-    # Broken models for the load-failure test (loaded on demand, not at start).
     from tritium.builder.repository import llm_config
+    os.makedirs(os.path.join(repo, SMALL_KV, "1"))
+    with open(os.path.join(repo, SMALL_KV, "config.pbtxt"), "w") as f:
+        f.write(llm_config(SMALL_KV, engine, 4, {"num_kv_blocks": SMALL_KV_BLOCKS}))
+    # Broken models for the load-failure test (loaded on demand, not at start).
     for bad, eng in (("bad_path", str(root / "no_such_engine")), ("bad_config", str(root / "corrupt"))):
         os.makedirs(os.path.join(repo, bad, "1"))
         with open(os.path.join(repo, bad, "config.pbtxt"), "w") as f:
@@ -51,7 +56,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 def server(built):
     from tritium.client.server import TritonServer
     engine, repo, root = built
-    models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls"]
+    models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls", SMALL_KV]
     srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=models)
     srv.start(timeout=240)
     yield srv
@@ -285,14 +290,15 @@ def test_load_failures_give_one_line_reason(server, built):
 def test_metrics_families_are_sane(server):
     for protocol in ("grpc", "http"):  # some traffic, so the test also stands alone
         list(client(server, protocol).stream(PROMPTS[0], max_tokens=4, temperature=0.0))
-    time.sleep(0.3)  # gauges refresh every 100 ms
+    assert wait_for(lambda: _kv_used(server) == 0), "KV blocks still used after every request finished"
+    time.sleep(0.3)  # gauges refresh every 50 ms
     text = scrape(server)
     lab = dict(model=NAME, version="1")
     for h in ("tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
               "tritium_request_latency_seconds"):
         count = metric(text, h + "_count", **lab)
         assert count > 0
-        assert metric(text, h + "_sum", **lab) >= 0
+        assert metric(text, h + "_sum", **lab) > 0
         assert metric(text, h + "_bucket", le="+Inf", **lab) == count
     # each request's first token comes no later than its last one
     assert metric(text, "tritium_time_to_first_token_seconds_sum", **lab) <= metric(
@@ -300,13 +306,52 @@ def test_metrics_families_are_sane(server):
     assert metric(text, "tritium_prompt_tokens_total", **lab) > 0
     assert metric(text, "tritium_generation_tokens_total", **lab) >= metric(
         text, "tritium_request_latency_seconds_count", **lab)
-    assert metric(text, "tritium_preemptions_total", **lab) >= 0
+    # this model's pool is sized from memory: nothing in this module comes near it
+    assert metric(text, "tritium_preemptions_total", **lab) == 0
     assert metric(text, "tritium_engine_healthy", **lab) == 1
     assert metric(text, "tritium_rejected_requests_total", reason="overloaded", **lab) == 0
-    used, free, cached = (metric(text, "tritium_kv_cache_blocks", state=s, **lab) for s in ("used", "free", "cached"))
-    assert used >= 0 and free > 0 and cached >= 0
+    free, cached = (metric(text, "tritium_kv_cache_blocks", state=s, **lab) for s in ("free", "cached"))
+    assert free > 0 and cached > 0   # idle: prompts' full blocks stay cached for prefix reuse
     for s in ("running", "waiting"):
-        assert metric(text, "tritium_requests", state=s, **lab) >= 0
+        assert metric(text, "tritium_requests", state=s, **lab) == 0
+
+
+def test_preemption_under_kv_pressure_is_counted_and_leaks_nothing(server, oracle):
+    """Four concurrent requests that each fit the 4-block pool alone but not together: requests
+    are preempted and recomputed, every answer still equals the greedy oracle, the counter shows
+    it, and once idle every block is back (free or cached)."""
+    lab = dict(model=SMALL_KV, version="1")
+    prompts = [f"{PROMPTS[2]} {i}" for i in range(4)]
+    budget = SMALL_KV_BLOCKS * 16   # block_size 16
+    want = []
+    for p in prompts:
+        _, _, n_prompt = oracle(p, 1)
+        want.append(oracle(p, budget - n_prompt - 2))
+        assert len(want[-1][0]) > 16, "the oracle stopped early: the requests would not fill the pool"
+    got, errors = [None] * 4, []
+    barrier = threading.Barrier(4)
+
+    def run(i):
+        try:
+            c = client(server, model=SMALL_KV)
+            barrier.wait()
+            got[i] = c.generate(prompts[i], max_tokens=budget - want[i][2] - 2, temperature=0.0).token_ids
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert got == [w[0] for w in want]
+    time.sleep(0.3)
+    text = scrape(server)
+    assert metric(text, "tritium_preemptions_total", **lab) > 0
+    used, free, cached = (metric(text, "tritium_kv_cache_blocks", state=s, **lab) for s in ("used", "free", "cached"))
+    assert used == 0 and used + free + cached == SMALL_KV_BLOCKS
+    for s in ("running", "waiting"):
+        assert metric(text, "tritium_requests", state=s, **lab) == 0
 
 
 def test_generate_cli_url(server, oracle, capsys):

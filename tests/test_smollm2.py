@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tritium.backend.loader import load_engine
-from tritium.backend.simple_generate import generate_simple, prompt_logits
+from simple_generate import generate_simple, prompt_logits
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,6 @@ import threading
 # Latency buckets in seconds: 1 ms .. 60 s, roughly x2.5 apart (CPU decode steps are ~10-100 ms).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
-METRIC_NAMES = (
-    "tritium_time_to_first_token_seconds", "tritium_inter_token_latency_seconds",
-    "tritium_request_latency_seconds", "tritium_prompt_tokens_total", "tritium_generation_tokens_total",
-    "tritium_preemptions_total", "tritium_kv_cache_blocks", "tritium_requests", "tritium_engine_steps_total",
-    "tritium_rejected_requests_total", "tritium_engine_healthy",
-)
-
 
 class TritiumMetrics:
     """Owns the metric families of one model instance; thread-safe updates."""

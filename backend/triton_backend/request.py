@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -164,6 +164,26 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     for name in arrays:
         if name not in known:
             raise ValueError(f"unknown input {name!r}; allowed: {', '.join(sorted(known))}")
+    params = _sampling_params(arrays, row, batch)
+    _add_word_lists(params, arrays, row, batch)
+    _add_stop_ids(params, arrays, row, batch, vocab_size)
+    flags = {}
+    for tname in ("stream", "exclude_input_in_output", "return_log_probs"):
+        a = _row(arrays, tname, row, batch)
+        flags[tname] = None if a is None else _scalar(tname, a, bool)
+    return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
+    if return_log_probs and params.get("logprobs") is None:
+        params["logprobs"] = 0
+    prompt, prompt_ids = _prompt(arrays, row, batch, vocab_size)
+    return ParsedRequest(
+        prompt=prompt, prompt_token_ids=prompt_ids, params=params,
+        stream=bool(flags["stream"]),
+        exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
+        return_log_probs=return_log_probs)
+
+
+def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dict[str, object]:
+    """SamplingParams kwargs from `sampling_parameters` JSON, then the scalar tensors (which win)."""
     params: Dict[str, object] = {}
     sp = _row(arrays, "sampling_parameters", row, batch)
     if sp is not None:
@@ -186,7 +206,11 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
                   "frequency_penalty"):
         if isinstance(params.get(fname), float):
             _check_finite(fname, params[fname])
+    return params
 
+
+def _add_word_lists(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int) -> None:
+    """stop_words and bad_words tensors, appended to the JSON's `stop` and `bad_words`."""
     for tname, fname in (("stop_words", "stop"), ("bad_words", "bad_words")):
         a = _row(arrays, tname, row, batch)
         if a is None:
@@ -195,6 +219,10 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
         words = [w for w in words if w]  # empty strings are padding in tensorrtllm_backend clients
         params[fname] = list(params.get(fname, [])) + words
 
+
+def _add_stop_ids(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int,
+                  vocab_size: Optional[int]) -> None:
+    """end_id joins stop_token_ids; end_id and pad_id must be token ids."""
     stop_ids = list(params.get("stop_token_ids", []))
     for tname in ("end_id", "pad_id"):
         a = _row(arrays, tname, row, batch)
@@ -208,17 +236,11 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     if stop_ids:
         params["stop_token_ids"] = stop_ids
 
-    flags = {}
-    for tname in ("stream", "exclude_input_in_output", "return_log_probs"):
-        a = _row(arrays, tname, row, batch)
-        flags[tname] = None if a is None else _scalar(tname, a, bool)
-    return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
-    if return_log_probs and params.get("logprobs") is None:
-        params["logprobs"] = 0
 
-    prompt, prompt_ids = None, None
+def _prompt(arrays: Dict[str, np.ndarray], row: int, batch: int,
+            vocab_size: Optional[int]) -> Tuple[Optional[str], Optional[List[int]]]:
+    """(text prompt, None) from text_input, or (None, ids) from input_ids cut to input_lengths."""
     t = _row(arrays, "text_input", row, batch)
-    ids = _row(arrays, "input_ids", row, batch)
     if t is not None:
         flat = np.asarray(t).reshape(-1)
         if flat.size != 1:
@@ -226,30 +248,26 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
         prompt = _text("text_input", flat[0])
         if not prompt:
             raise ValueError("text_input must not be empty")
-    elif ids is not None:
-        ids = np.asarray(ids).reshape(-1)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be an integer tensor, got {ids.dtype}")
-        lens = _row(arrays, "input_lengths", row, batch)
-        if lens is not None:
-            n = _scalar("input_lengths", lens, int)
-            if not 0 <= n <= ids.size:
-                raise ValueError(f"input_lengths must be in [0, {ids.size}], got {n}")
-            ids = ids[:n]
-        prompt_ids = [int(i) for i in ids]
-        if not prompt_ids:
-            raise ValueError("input_ids must not be empty")
-        bad = [i for i in prompt_ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
-        if bad:
-            raise ValueError(f"input_ids entry {bad[0]} is outside [0, {vocab_size})")
-    else:
+        return prompt, None
+    ids = _row(arrays, "input_ids", row, batch)
+    if ids is None:
         raise ValueError("text_input is required (or input_ids)")
-
-    return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params,
-        stream=bool(flags["stream"]),
-        exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
-        return_log_probs=return_log_probs)
+    ids = np.asarray(ids).reshape(-1)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must be an integer tensor, got {ids.dtype}")
+    lens = _row(arrays, "input_lengths", row, batch)
+    if lens is not None:
+        n = _scalar("input_lengths", lens, int)
+        if not 0 <= n <= ids.size:
+            raise ValueError(f"input_lengths must be in [0, {ids.size}], got {n}")
+        ids = ids[:n]
+    prompt_ids = [int(i) for i in ids]
+    if not prompt_ids:
+        raise ValueError("input_ids must not be empty")
+    bad = [i for i in prompt_ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+    if bad:
+        raise ValueError(f"input_ids entry {bad[0]} is outside [0, {vocab_size})")
+    return None, prompt_ids
 
 
 def error_prefix(batch: int, row: int) -> str:

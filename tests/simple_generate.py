@@ -1,5 +1,5 @@
 """A minimal single-sequence decode loop over the paged model: the reference the batched
-runtime is checked against, and what `tritium generate` used before the in-flight engine."""
+runtime is checked against (test-only)."""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
-from .models.decoder import DecoderLM
+from tritium.backend.models.decoder import DecoderLM
 
 
 def alloc_kv_caches(model: DecoderLM, num_blocks: int, device=None) -> list:
