@@ -16,9 +16,8 @@ import sys
 import threading
 
 DEFAULT_NAME = "smollm2"
-# bf16, not INT4, on purpose: measured on this CPU, torch's packed int4 GEMM
-# (_weight_int4pack_mm_for_cpu) beats bf16 at batch 1 (~2x decode) but is 3-5x slower than the
-# bf16 GEMM at 16+ rows, and a server decodes batches and runs prefills. Serve an INT4 engine with
+# bf16 by default: on CPU the int8 / int4 engines decode one stream faster but serve batches no
+# faster than bf16 (docs/benchmarks.md), and a server runs batches. Serve a quantized engine with
 # `tritium build ... --quantization int4-gptq --repo DIR --name NAME` + `tritium serve --repo DIR`.
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_QUANTIZATION = "none"
