@@ -2,7 +2,8 @@
 
 Each row of the batch carries its own SamplingParams. Processing order, per row:
   1. bans: bad words (last token of a bad-word sequence whose prefix was just generated) and,
-     until min_tokens are out, EOS and stop token ids -> logit -inf;
+     until min_tokens are out, EOS and stop token ids -> logit -inf; then logit_bias (OpenAI API
+     definition: the bias is added to the token's logit before sampling);
   2. repetition penalty (Keskar et al., "CTRL", 2019) over prompt + output tokens: a seen token's
      logit l becomes l / r if l > 0 else l * r;
   3. presence / frequency penalties (OpenAI API definition) over output tokens:
@@ -38,6 +39,10 @@ def apply_bans(logits: torch.Tensor, seqs: Seq) -> None:
         banned = req.bad_words.context_bans(seq.token_ids)
         if banned:
             logits[r, banned] = NEG_INF
+        bias = req.params.logit_bias
+        if bias:
+            ids = torch.tensor([int(t) for t in bias], dtype=torch.long)
+            logits[r, ids] += torch.tensor([float(b) for b in bias.values()], dtype=logits.dtype)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: Seq) -> None:
@@ -106,7 +111,7 @@ class Sampler:
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         x = logits
-        need_bans = any(p.min_tokens or r.request.bad_words for p, r in zip(params, seqs))
+        need_bans = any(p.min_tokens or p.logit_bias or r.request.bad_words for p, r in zip(params, seqs))
         need_penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                              for p in params)
         if need_bans or need_penalties:

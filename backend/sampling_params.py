@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 # Largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -19,6 +19,7 @@ MAX_NUM_STOP = 32
 MAX_NUM_BAD_WORDS = 256
 MAX_WORD_CHARS = 128          # per stop string / bad word
 MAX_NUM_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300          # entries of logit_bias (OpenAI's own limit)
 
 
 def _check_number(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
@@ -57,6 +58,7 @@ class SamplingParams:
     and are not emitted; `stop_token_ids` (and the model's EOS unless ignore_eos) end it too.
     `bad_words` are strings never generated. `logprobs` N returns the sampled token's logprob
     plus the top N (N = 0: sampled only). `n` independent samples share the prompt's KV blocks.
+    `logit_bias` {token id: bias in [-100, 100]} is added to those logits before sampling.
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -74,6 +76,7 @@ class SamplingParams:
     bad_words: List[str] = field(default_factory=list)
     logprobs: Optional[int] = None
     n: int = 1
+    logit_bias: Optional[Dict[int, float]] = None
 
     def __post_init__(self):
         if type(self.top_k) is int and self.top_k in (0, -1):
@@ -121,6 +124,26 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, integer=True)
         _check_number("n", self.n, lo=1, hi=MAX_N, integer=True)
+        if self.logit_bias is not None:
+            self._check_logit_bias(vocab_size)
+
+    def _check_logit_bias(self, vocab_size: int) -> None:
+        """{token id: bias}; ids may arrive as strings (JSON object keys); normalized in place."""
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be an object {{token id: bias}}, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        clean = {}
+        for k, v in self.logit_bias.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+            if isinstance(k, bool) or not 0 <= tok < vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {k!r}")
+            _check_number(f"logit_bias[{k}]", v, lo=-100.0, hi=100.0)
+            clean[tok] = float(v)
+        self.logit_bias = clean
 
     @property
     def stop_list(self) -> List[str]:

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from tritium.client.generate_inputs import parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,18 @@ def _result(out, comp, logprobs: bool, n: int) -> dict:
     return d
 
 
+def _apply_chat_template(args: argparse.Namespace, items: list) -> list:
+    """--chat: each text prompt becomes a user message, rendered with the engine's chat template."""
+    from tritium.backend.chat_template import ChatTemplate
+    tpl = ChatTemplate.from_engine_dir(args.engine)  # NoChatTemplateError (a ValueError) names the engine
+    out = []
+    for prompt, overrides in items:
+        if "prompt" not in prompt:
+            raise ValueError("--chat needs text prompts (an --input-file line has prompt_ids)")
+        out.append(({"prompt": tpl.render(chat_messages(args, prompt["prompt"]))}, overrides))
+    return out
+
+
 def run_engine(args: argparse.Namespace) -> int:
     """The --engine path of `tritium generate`."""
     from tritium.backend.engine import LLMEngine
@@ -71,6 +83,8 @@ def run_engine(args: argparse.Namespace) -> int:
         items = [(prompt, {})]
     else:
         raise ValueError("give a PROMPT, --prompt-ids or --input-file")
+    if getattr(args, "chat", False):
+        items = _apply_chat_template(args, items)
     engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
     for i, (prompt, overrides) in enumerate(items):

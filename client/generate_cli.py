@@ -10,6 +10,10 @@ def register(sub) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument("--engine", help="engine directory (from `tritium build`)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids; replaces the text prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="PROMPT (and each --input-file prompt) is a user message: the engine's chat template "
+                        "turns it into the prompt (with --url: the server's engine's template)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -26,6 +30,10 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
+    if args.chat and args.prompt_ids:
+        raise ValueError("--chat takes a text PROMPT (a user message), not --prompt-ids")
     if getattr(args, "url", None):
         from tritium.client.remote_generate import run_remote
         return run_remote(args)

@@ -1,9 +1,15 @@
 """Prompt inputs of `tritium generate`, shared by the in-process and the server paths:
---prompt-ids and --input-file F.jsonl."""
+--prompt-ids, --input-file F.jsonl and --chat / --system."""
 from __future__ import annotations
 
 import json
 from typing import List, Tuple
+
+
+def chat_messages(args, text: str) -> list:
+    """--chat: the messages for one user prompt (after --system when given)."""
+    msgs = [{"role": "system", "content": args.system}] if getattr(args, "system", None) is not None else []
+    return msgs + [{"role": "user", "content": text}]
 
 
 def parse_prompt_ids(s: str):

@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from tritium.client.generate_inputs import parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
 
 DEFAULT_MODEL = "smollm2"
 
@@ -75,13 +75,19 @@ def run_remote(args: argparse.Namespace) -> int:
         items = [((None if ids else args.prompt, ids), {})]
     else:
         raise ValueError("give a PROMPT, --prompt-ids or --input-file")
+    if getattr(args, "chat", False):  # the server renders its engine's chat template (the `messages` input)
+        if any(p is None for (p, _), _ in items):
+            raise ValueError("--chat needs text prompts (an --input-file line has prompt_ids)")
+        items = [((None, None, json.dumps(chat_messages(args, p), ensure_ascii=False)), o) for (p, _), o in items]
+    else:
+        items = [((p, ids, None), o) for (p, ids), o in items]
     client = TritiumClient(args.url, protocol=args.protocol, model=args.model)
     n = getattr(args, "n", 1) or 1
     want_lp = getattr(args, "logprobs", None) is not None
     try:
         if args.stream and len(items) == 1 and not args.json:
-            (prompt, ids), o = items[0]
-            for c in client.stream(prompt, input_ids=ids, **request_params(args, o)):
+            (prompt, ids, msgs), o = items[0]
+            for c in client.stream(prompt, input_ids=ids, messages=msgs, **request_params(args, o)):
                 sys.stdout.write(c.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -89,8 +95,9 @@ def run_remote(args: argparse.Namespace) -> int:
         # All requests go out together, so the server batches them in flight; results in input order.
         results = [None] * len(items)
         with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
-            futures = [pool.submit(client.generate_all, prompt, input_ids=ids, **request_params(args, o))
-                       for (prompt, ids), o in items]
+            futures = [pool.submit(client.generate_all, prompt, input_ids=ids, messages=msgs,
+                                   **request_params(args, o))
+                       for (prompt, ids, msgs), o in items]
             for i, f in enumerate(futures):
                 results[i] = f.result()
     except TritiumClientError as e:

@@ -1,14 +1,16 @@
-"""`tritium serve [--repo DIR] [--http-port N] [--grpc-port N] [--metrics-port N]`.
+"""`tritium serve [--repo DIR] [--http-port N] [--grpc-port N] [--metrics-port N] [--openai-port N]`.
 
 Starts the real tritonserver (nvidia-pytriton wheel) with the `tritium` backend installed
 beside the python backend, waits until every model is ready, prints the endpoints, and stops
-cleanly (no child left) on Ctrl-C, SIGINT or SIGTERM. With no --repo it builds the default
+cleanly (no child left) on Ctrl-C, SIGINT or SIGTERM. Beside it, in this process, the
+OpenAI-compatible API (client/openai_server.py) listens on --openai-port. With no --repo it builds the default
 SmolLM2-135M-Instruct engine once into the Tritium cache, writes a repository next to it and
 serves that.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -21,6 +23,8 @@ DEFAULT_NAME = "smollm2"
 # `tritium build ... --quantization int4-gptq --repo DIR --name NAME` + `tritium serve --repo DIR`.
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_QUANTIZATION = "none"
+# The question of the printed hints: SmolLM2-135M-Instruct answers it correctly (docs/openai.md).
+HINT_QUESTION = "What is the capital of France?"
 
 
 def register(sub) -> None:
@@ -32,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0 = any free port)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0 = any free port)")
     p.add_argument("--metrics-port", type=int, default=8002, help="metrics port (default 8002; 0 = any free)")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
+                        "served beside tritonserver (default 9000; 0 = any free port; -1 = off)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--log-file", default=None, help="write the server log here (default: the cache folder)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness (default 600)")
@@ -93,13 +100,38 @@ def _limits(args):
     return GuardLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth)
 
 
+def _openai_server(args):
+    """The OpenAI API's server with its port bound now (a taken port fails before tritonserver starts)."""
+    if args.openai_port == -1:
+        return None
+    if args.openai_port < -1 or args.openai_port > 65535:
+        raise ValueError(f"--openai-port must be in [0, 65535], or -1 for off; got {args.openai_port}")
+    try:
+        from tritium.client.openai_server import OpenAIServer
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise OSError("the OpenAI API needs fastapi and uvicorn: pip install 'tritium[serve]' "
+                      "(or --openai-port -1 to serve without it)") from None
+    return OpenAIServer("", host=args.host, port=args.openai_port)
+
+
 def run(args: argparse.Namespace) -> int:
-    from tritium.client.server import TritonServer, cache_dir
     limits = _limits(args)
     ports = dict(http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
                  metrics_port=_port(args.metrics_port))
     if args.repo:
         repository_models(args.repo)  # before anything starts
+    openai = _openai_server(args)
+    try:
+        return _serve(args, ports, limits, openai)
+    finally:
+        if openai is not None:
+            openai.stop()
+
+
+def _serve(args, ports, limits, openai) -> int:
+    from tritium.client.server import TritonServer, cache_dir
     repo = args.repo if args.repo else default_repository()
     log_file = args.log_file or os.path.join(cache_dir(), "tritonserver.log")
     open(log_file, "w").close()
@@ -127,7 +159,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"models: {', '.join(models)}")
         llm = next((m for m in models if not m.endswith(("_preprocessing", "_postprocessing", "_ensemble", "_bls"))),
                    models[0])
-        print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --stream "Hello"')
+        if openai is not None:
+            openai.triton_url = srv.grpc_url
+            openai.start()
+            print(f"OpenAI API: {openai.url}")
+            body = json.dumps({"model": llm, "messages": [{"role": "user", "content": HINT_QUESTION}],
+                               "max_tokens": 48, "temperature": 0})
+            print(f"try: curl -s {openai.url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+        print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --chat --stream "{HINT_QUESTION}"')
         print("Ctrl-C stops the server.", flush=True)
         while not stop.is_set():
             if srv.proc.poll() is not None:
@@ -140,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         raise OSError(str(e)) from None
     finally:
+        if openai is not None:
+            openai.stop()  # first: its open requests end as cancelled, not as errors
         srv.stop()
         for s, h in old.items():
             signal.signal(s, h)

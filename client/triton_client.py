@@ -47,6 +47,8 @@ class Chunk:
     log_probs: List[float] = field(default_factory=list)
     cum_log_prob: Optional[float] = None
     sequence_index: int = 0
+    # per new token {"id", "token", "logprob", "top": [...]}, when logprobs were asked for
+    logprobs_detail: List[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +90,22 @@ def _as_array(name: str, value) -> np.ndarray:
     return arr
 
 
+def grpc_inputs(req: dict, grpc_module) -> list:
+    """InferInputs of tritonclient.grpc (or .grpc.aio: pass the module) for a build_request() dict."""
+    inputs = []
+    for name, value in req.items():
+        arr = _as_array(name, value)
+        inp = grpc_module.InferInput(name, list(arr.shape), _WIRE[_SPEC[name].data_type])
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
+def chunk_from_result(result) -> Chunk:
+    """A Chunk from one tritonclient InferResult."""
+    return _chunk_from_arrays(result.as_numpy)
+
+
 def _chunk_from_arrays(get) -> Chunk:
     def scalar(name, conv):
         a = get(name)
@@ -96,11 +114,13 @@ def _chunk_from_arrays(get) -> Chunk:
     ids = get("output_ids")
     lps = get("output_log_probs")
     fr = scalar("finish_reason", lambda v: v.decode() if isinstance(v, bytes) else str(v))
+    detail = scalar("logprobs_detail", lambda v: json.loads(v.decode("utf-8") if isinstance(v, bytes) else v))
     return Chunk(text=text, token_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
                  finish_reason=fr or None, num_input_tokens=scalar("num_input_tokens", int),
                  num_output_tokens=scalar("num_output_tokens", int),
                  log_probs=[] if lps is None else [float(x) for x in lps.reshape(-1)],
-                 cum_log_prob=scalar("cum_log_probs", float), sequence_index=scalar("sequence_index", int) or 0)
+                 cum_log_prob=scalar("cum_log_probs", float), sequence_index=scalar("sequence_index", int) or 0,
+                 logprobs_detail=detail or [])
 
 
 class TritiumClient:
@@ -152,12 +172,7 @@ class TritiumClient:
     def _grpc(self, req: dict) -> Iterator[Chunk]:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
-        inputs = []
-        for name, value in req.items():
-            arr = _as_array(name, value)
-            inp = grpcclient.InferInput(name, list(arr.shape), _WIRE[_SPEC[name].data_type])
-            inp.set_data_from_numpy(arr)
-            inputs.append(inp)
+        inputs = grpc_inputs(req, grpcclient)
         results: "queue.Queue" = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         done = False

@@ -11,6 +11,7 @@ in `batch_index` (and its sample in `sequence_index` when num_return_sequences >
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -51,6 +52,9 @@ INPUTS = (
     TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), doc="default true: text_output has no prompt"),
     TensorSpec("return_log_probs", "TYPE_BOOL", (1,), doc="fill cum_log_probs / output_log_probs"),
     TensorSpec("sampling_parameters", "TYPE_STRING", (1,), doc="vllm_backend JSON; tensors override it"),
+    TensorSpec("messages", "TYPE_STRING", (1,),
+               doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
+                   'replaces text_input'),
 )
 
 OUTPUTS = (
@@ -66,6 +70,9 @@ OUTPUTS = (
     TensorSpec("sequence_index", "TYPE_INT32", (-1,), doc="sample index when num_return_sequences > 1"),
     TensorSpec("context_ids", "TYPE_INT32", (-1,),
                doc="up to 8 ids sent before output_ids (lets a stateless postprocessor detokenize)"),
+    TensorSpec("logprobs_detail", "TYPE_STRING", (-1,),
+               doc='JSON, one entry per new token: {"id", "token", "logprob", "top": [{"id", "token", '
+                   '"logprob"}]} (needs return_log_probs; top holds sampling_parameters.logprobs entries)'),
 )
 
 # How many already-sent ids ride along in context_ids: a UTF-8 character (at most 4 bytes, so
@@ -93,9 +100,14 @@ def token_logprobs(logprobs, token_ids: List[int]) -> List[float]:
 
 def response_arrays(text: str, new_ids: List[int], finish_reason: Optional[str], cum_log_prob: Optional[float],
                     log_probs: List[float], num_input_tokens: int, num_output_tokens: int, batch_index: int,
-                    sequence_index: int, context_ids: List[int]) -> Dict[str, np.ndarray]:
-    """numpy arrays (batch dimension 1) for one response, keyed by output name."""
-    return {
+                    sequence_index: int, context_ids: List[int],
+                    logprobs_detail: Optional[str] = None) -> Dict[str, np.ndarray]:
+    """numpy arrays (batch dimension 1) for one response, keyed by output name.
+
+    logprobs_detail (a JSON string) is sent only when given, so a repository written before it
+    existed keeps working for every request that does not ask for logprobs.
+    """
+    arrays = {
         "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
         "output_ids": np.array([new_ids], dtype=np.int32).reshape(1, -1),
         "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
@@ -107,6 +119,20 @@ def response_arrays(text: str, new_ids: List[int], finish_reason: Optional[str],
         "sequence_index": np.array([[sequence_index]], dtype=np.int32),
         "context_ids": np.array([context_ids], dtype=np.int32).reshape(1, -1),
     }
+    if logprobs_detail is not None:
+        arrays["logprobs_detail"] = np.array([[logprobs_detail.encode("utf-8")]], dtype=np.object_)
+    return arrays
+
+
+def logprobs_detail(entries, decode) -> str:
+    """JSON of the engine's per-token logprob entries ({"token_id", "logprob", "top_logprobs"}),
+    each token id also as text (decode: id -> str)."""
+    out = []
+    for e in entries:
+        out.append({"id": int(e["token_id"]), "token": decode(int(e["token_id"])), "logprob": float(e["logprob"]),
+                    "top": [{"id": int(t["token_id"]), "token": decode(int(t["token_id"])),
+                             "logprob": float(t["logprob"])} for t in e.get("top_logprobs") or []]})
+    return json.dumps(out, ensure_ascii=False)
 
 
 def resolve_path(value: str, model_dir: str) -> str:

@@ -27,6 +27,7 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from tritium.backend.async_engine import AsyncLLMEngine
+from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.engine import ThreadPolicy
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
@@ -100,6 +101,11 @@ class TritonPythonModel:
                 f"{' '.join(str(e).split())}") from None
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        self.chat_template, self._chat_template_error = None, None
+        try:
+            self.chat_template = ChatTemplate.from_engine_dir(engine_dir)
+        except ValueError as e:  # no template (or a broken one): chat requests fail with this message
+            self._chat_template_error = f"model '{name}': {e}"
         self._token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         self.metrics = TritiumMetrics(pb_utils, name, version)
         self._rows_lock = threading.Lock()
@@ -171,6 +177,10 @@ class TritonPythonModel:
         for r in range(batch):
             try:
                 p = parse_row(arrays, r, batch, self.config.model.vocab_size)
+                if p.messages is not None:
+                    if self.chat_template is None:
+                        raise NoChatTemplateError(self._chat_template_error)
+                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True)
                 if p.prompt is not None:
                     if self.tokenizer is None:
                         raise ValueError("text_input needs an engine with a tokenizer; send input_ids instead")
@@ -178,6 +188,8 @@ class TritonPythonModel:
                                         self._token_chars)
                 else:
                     ids = p.prompt_token_ids
+                if p.params.get("max_tokens", 0) is None:  # sampling_parameters max_tokens null
+                    p.params["max_tokens"] = max(1, self.config.limits.max_seq_len - len(ids))
                 sp = SamplingParams(**p.params)
                 sp.validate(self.config.limits.max_seq_len, self.config.model.vocab_size, len(ids))
             except ValueError as e:

@@ -14,11 +14,13 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from tritium.backend.chat_template import normalize_messages
 from tritium.backend.triton_backend.contract import INPUTS
 
 DEFAULT_MAX_TOKENS = 16
 # Room for every key with 32 stop strings and 256 bad words at their longest, JSON-escaped.
 MAX_SAMPLING_PARAMETERS_CHARS = 1 << 20
+MAX_MESSAGES_CHARS = 16 << 20
 
 # vllm_backend's `sampling_parameters` keys we honour, mapped to SamplingParams fields.
 _JSON_KEYS = {
@@ -28,6 +30,7 @@ _JSON_KEYS = {
     "frequency_penalty": ("frequency_penalty", float), "min_tokens": ("min_tokens", int),
     "n": ("n", int), "stop": ("stop", list), "stop_token_ids": ("stop_token_ids", list),
     "bad_words": ("bad_words", list), "ignore_eos": ("ignore_eos", bool), "logprobs": ("logprobs", int),
+    "logit_bias": ("logit_bias", dict),
 }
 # Scalar tensors -> (SamplingParams field, python type).
 _TENSOR_PARAMS = {
@@ -42,12 +45,13 @@ _TENSOR_PARAMS = {
 @dataclass
 class ParsedRequest:
     """One batch row, ready for the engine."""
-    prompt: Optional[str]                 # text prompt, or None when prompt_token_ids is given
+    prompt: Optional[str]                 # text prompt, or None when prompt_token_ids / messages is given
     prompt_token_ids: Optional[List[int]]
     params: Dict[str, object] = field(default_factory=dict)  # SamplingParams keyword arguments
     stream: bool = False
     exclude_input_in_output: bool = True
     return_log_probs: bool = False
+    messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
 
 
 def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
@@ -100,6 +104,10 @@ def _text(name: str, v) -> str:
 def _convert_json(key: str, kind: type, v):
     """vllm_backend sends numbers as strings ("0.7"); accept both, reject anything else by name."""
     where = f"sampling_parameters.{key}"
+    if kind is dict:
+        if not isinstance(v, dict):
+            raise ValueError(f"{where} must be an object, got {v!r}")
+        return v
     if kind is list:
         if key == "stop" and isinstance(v, str):
             return [v]
@@ -145,8 +153,24 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
         if key not in _JSON_KEYS:
             raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(sorted(_JSON_KEYS))}")
         fname, kind = _JSON_KEYS[key]
+        if key == "max_tokens" and v is None:  # null: up to the end of the context (set once the prompt is known)
+            out[fname] = None
+            continue
         out[fname] = _convert_json(key, kind, v)
     return out
+
+
+def parse_messages(text: str) -> List[dict]:
+    """The `messages` input: a JSON list of {role, content} objects (checked by chat_template)."""
+    if len(text) > MAX_MESSAGES_CHARS:
+        raise ValueError(f"messages has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"messages must be a JSON list ({e.msg} at char {e.pos})") from None
+    except (RecursionError, ValueError):
+        raise ValueError("messages must be a JSON list of {role, content} objects") from None
+    return normalize_messages(d)
 
 
 def _check_finite(name: str, v: float) -> None:
@@ -174,12 +198,26 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
     if return_log_probs and params.get("logprobs") is None:
         params["logprobs"] = 0
-    prompt, prompt_ids = _prompt(arrays, row, batch, vocab_size)
+    messages = _messages(arrays, row, batch)
+    prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
     return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params,
+        prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
         return_log_probs=return_log_probs)
+
+
+def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[List[dict]]:
+    """The chat `messages` of this row (None without them); they replace text_input / input_ids."""
+    m = _row(arrays, "messages", row, batch)
+    if m is None:
+        return None
+    if _row(arrays, "text_input", row, batch) is not None or _row(arrays, "input_ids", row, batch) is not None:
+        raise ValueError("give one of text_input, input_ids and messages")
+    flat = np.asarray(m).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"messages must hold exactly one JSON string per batch row, got {flat.size}")
+    return parse_messages(_text("messages", flat[0]))
 
 
 def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dict[str, object]:
@@ -251,7 +289,7 @@ def _prompt(arrays: Dict[str, np.ndarray], row: int, batch: int,
         return prompt, None
     ids = _row(arrays, "input_ids", row, batch)
     if ids is None:
-        raise ValueError("text_input is required (or input_ids)")
+        raise ValueError("text_input is required (or input_ids, or messages)")
     ids = np.asarray(ids).reshape(-1)
     if ids.dtype.kind not in "iu":
         raise ValueError(f"input_ids must be an integer tensor, got {ids.dtype}")

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import List, Optional
 
-from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, response_arrays, token_logprobs
+from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, logprobs_detail, response_arrays, token_logprobs
 
 
 class RequestState:
@@ -71,6 +71,7 @@ class RowStream:
                  prompt_ids: List[int], n: int, arrival: float, on_done):
         self.state, self.engine, self.metrics = state, engine, metrics
         self.row, self.rid, self.p, self.n = row, rid, parsed, n
+        self.tokenizer = tokenizer
         self.num_input = len(prompt_ids)
         self.arrival = arrival
         self.on_done = on_done  # called once when the row is over (finished, failed or cancelled)
@@ -83,6 +84,9 @@ class RowStream:
         self.done = [False] * n
         self.token_times = [[] for _ in range(n)]
         self.over = False
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def _finish(self) -> None:
         if not self.over:
@@ -146,9 +150,14 @@ class RowStream:
         lps = token_logprobs(c.logprobs, list(c.token_ids)) if p.return_log_probs else []
         new_lps = lps[len(lps) - len(gen_ids):] if lps and gen_ids else []
         cum: Optional[float] = c.cum_logprob if p.return_log_probs else None
+        detail = None
+        if p.return_log_probs:
+            entries = list(c.logprobs or [])
+            entries = entries[len(entries) - len(gen_ids):] if gen_ids else []
+            detail = logprobs_detail(entries, self._token_text)
         arrays = response_arrays(
             text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
             cum_log_prob=cum, log_probs=new_lps, num_input_tokens=self.num_input,
             num_output_tokens=len(c.token_ids), batch_index=self.row, sequence_index=c.index,
-            context_ids=prev_ids[-NUM_CONTEXT_IDS:])
+            context_ids=prev_ids[-NUM_CONTEXT_IDS:], logprobs_detail=detail)
         self.state.send(arrays, stream_done=finished)

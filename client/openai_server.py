@@ -1,0 +1,249 @@
+"""An OpenAI-compatible HTTP API (FastAPI) in front of a Triton server that serves Tritium models.
+
+    GET  /v1/models                 the served LLM models (backend `tritium`)
+    GET  /v1/models/{model}
+    POST /v1/completions            prompt(s) -> text; `stream: true` = server-sent events
+    POST /v1/chat/completions       messages -> the engine's chat template (rendered by the backend)
+    GET  /health                    200 when tritonserver answers
+
+Every prompt becomes one Triton request over tritonclient gRPC streaming (openai_triton.py), so
+in-flight batching, cancellation and metrics stay Triton's. A client that goes away (a closed
+stream, or a dropped connection while a non-streamed answer is being generated) cancels its
+Triton requests. Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
+400 a bad parameter (named in `param`), 404 an unknown model or route, 413 a body over the limit,
+503 Triton unreachable or the engine overloaded, 500 a bug (one line, never a traceback).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tritium.client.openai_protocol import (OpenAIError, error_from_triton, parse_chat_request,
+                                            parse_completion_request)
+from tritium.client.openai_responses import AnswerBuilder
+from tritium.client.openai_triton import TritonBridge, TritonRequestError, merged
+
+log = logging.getLogger("tritium.openai")
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DISCONNECT_POLL_S = 0.1
+_END = object()
+
+
+def _sse(d) -> bytes:
+    return b"data: " + json.dumps(d, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+async def _read_json(request, max_body_bytes: int) -> dict:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_body_bytes:
+            raise OpenAIError(413, f"request body is larger than {max_body_bytes} bytes")
+    try:
+        d = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OpenAIError(400, f"the request body must be JSON ({e})") from None
+    except (RecursionError, ValueError):
+        raise OpenAIError(400, "the request body must be JSON (nested too deeply or a number too large)") from None
+    if not isinstance(d, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    return d
+
+
+async def _unless_disconnected(request, aw: Awaitable):
+    """Await `aw`, but cancel it (OpenAIError 499) if the HTTP client goes away meanwhile."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise OpenAIError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    """The FastAPI app; `triton_url` is tritonserver's gRPC HOST:PORT."""
+    bridge = TritonBridge(triton_url)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await bridge.close()
+
+    app = FastAPI(title="Tritium OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.bridge = bridge
+
+    def error_response(e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request, e: OpenAIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, e):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(OpenAIError(e.status_code, msg, code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request, e):
+        return error_response(OpenAIError(400, f"invalid request: {e.errors()[:1]}"))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, e):
+        log.error("internal error on %s: %s: %s", request.url.path, type(e).__name__, e)
+        return error_response(OpenAIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        await bridge.models(refresh=True)
+        return {"status": "ok"}
+
+    def model_card(name: str, created: float) -> dict:
+        return {"id": name, "object": "model", "created": int(created), "owned_by": "tritium"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        models = await bridge.models(refresh=True)
+        return {"object": "list", "data": [model_card(n, c) for n, c in sorted(models.items())]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        await bridge.check_model(model)
+        return model_card(model, (await bridge.models())[model])
+
+    async def generate(request: Request, parsed, max_tokens_name: str):
+        await bridge.check_model(parsed.model)
+        builder = AnswerBuilder(parsed)
+        chunks = merged([bridge.stream(parsed.model, r) for r in parsed.requests])
+        kind = parsed.kind
+
+        async def next_item():
+            try:
+                return await chunks.__anext__()
+            except StopAsyncIteration:
+                return _END
+            except TritonRequestError as e:
+                raise error_from_triton(str(e), kind, max_tokens_name) from None
+
+        if not parsed.stream:
+            async def collect():
+                while (item := await next_item()) is not _END:
+                    builder.add(*item)
+            try:
+                await _unless_disconnected(request, collect())
+            finally:
+                await chunks.aclose()
+            return JSONResponse(builder.answer())
+
+        # Streamed: wait for the first response before the 200 goes out, so that a bad parameter
+        # (found by the backend) is still a plain 400.
+        try:
+            first = await _unless_disconnected(request, next_item())
+        except BaseException:
+            await chunks.aclose()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                for d in builder.first_chunks():
+                    yield _sse(d)
+                item = first
+                while item is not _END:
+                    builder.add(*item)
+                    for d in builder.stream_chunks(*item):
+                        yield _sse(d)
+                    item = await next_item()
+                u = builder.usage_chunk()
+                if u is not None:
+                    yield _sse(u)
+            except OpenAIError as e:  # after the 200: the error travels as an event
+                yield _sse(e.body())
+            finally:
+                await chunks.aclose()  # also on a client disconnect: cancels the Triton requests
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = parse_completion_request(await _read_json(request, max_body_bytes))
+        return await generate(request, parsed, "max_tokens")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _read_json(request, max_body_bytes)
+        parsed = parse_chat_request(body)
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        return await generate(request, parsed, name)
+
+    return app
+
+
+class OpenAIServer:
+    """uvicorn serving create_app() on a socket bound up front (so a taken port fails at once,
+    with its number), in this thread (run) or a background one (start / stop)."""
+
+    def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = 9000,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning"):
+        from tritium.client.launch_checks import listen_socket
+        self.sock = listen_socket("OpenAI", host, port)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+        self.triton_url = triton_url
+        self.max_body_bytes = max_body_bytes
+        self.log_level = log_level
+        self._server = None
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def _make(self):
+        import uvicorn
+        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes), log_level=self.log_level,
+                             access_log=False, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(cfg)
+        return self._server
+
+    def run(self) -> None:
+        """Serve until SIGINT / SIGTERM (uvicorn's handlers)."""
+        self._make().run(sockets=[self.sock])
+
+    def start(self, timeout: float = 30.0) -> "OpenAIServer":
+        import threading
+        server = self._make()
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [self.sock]},
+                                        name="tritium-openai", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the OpenAI server did not start on {self.host}:{self.port}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.sock.close()
