@@ -104,8 +104,6 @@ def _openai_server(args):
     """The OpenAI API's server with its port bound now (a taken port fails before tritonserver starts)."""
     if args.openai_port == -1:
         return None
-    if args.openai_port < -1 or args.openai_port > 65535:
-        raise ValueError(f"--openai-port must be in [0, 65535], or -1 for off; got {args.openai_port}")
     try:
         from tritium.client.openai_server import OpenAIServer
         import fastapi  # noqa: F401
@@ -120,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     limits = _limits(args)
     ports = dict(http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
                  metrics_port=_port(args.metrics_port))
+    if args.openai_port < -1 or args.openai_port > 65535:
+        raise ValueError(f"--openai-port must be in [0, 65535], or -1 for off; got {args.openai_port}")
     if args.repo:
         repository_models(args.repo)  # before anything starts
     openai = _openai_server(args)

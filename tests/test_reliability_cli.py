@@ -40,6 +40,7 @@ def test_generate_url_unreachable_in_a_fresh_process():
     (["serve", "--repo", "/no/such/repo"], "/no/such/repo"),
     (["serve", "--repo", ".", "--max-body-bytes", "0"], "--max-body-bytes"),
     (["serve", "--repo", ".", "--http-port", "70000"], "port"),
+    (["serve", "--repo", ".", "--openai-port", "70000"], "--openai-port"),
 ])
 def test_bad_arguments(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITIUM_CACHE", str(tmp_path / "cache"))
@@ -50,7 +51,7 @@ def test_bad_arguments(argv, needle, capsys, tmp_path, monkeypatch):
 def test_serve_empty_repository_starts_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITIUM_CACHE", str(tmp_path / "cache"))
     (tmp_path / "repo" / "not_a_model").mkdir(parents=True)
-    assert main(["serve", "--repo", str(tmp_path / "repo")]) == 2
+    assert main(["serve", "--repo", str(tmp_path / "repo"), "--openai-port", "0"]) == 2
     _one_line(capsys, "holds no model", "tritium build")
     assert not (tmp_path / "cache" / "tritonserver.log").exists(), "a server was started"
 
@@ -76,8 +77,10 @@ def test_serve_refuses_ports_held_by_another_server(tiny_engine, tmp_path, monke
     threading.Thread(target=other.serve_forever, daemon=True).start()
     port = other.server_address[1]
     try:
-        for flag, what in (("--http-port", "HTTP"), ("--grpc-port", "gRPC"), ("--metrics-port", "metrics")):
-            ports = {"--http-port": "0", "--grpc-port": "0", "--metrics-port": "0", flag: str(port)}
+        for flag, what in (("--http-port", "HTTP"), ("--grpc-port", "gRPC"), ("--metrics-port", "metrics"),
+                           ("--openai-port", "OpenAI")):
+            ports = {"--http-port": "0", "--grpc-port": "0", "--metrics-port": "0", "--openai-port": "0",
+                     flag: str(port)}
             assert main(["serve", "--repo", repo] + [x for kv in ports.items() for x in kv]) == 2
             out = capsys.readouterr()
             assert "ready" not in out.out

@@ -2,12 +2,14 @@
 endpoints, answers `tritium generate --url`, and stops on SIGINT / SIGTERM leaving no process."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -47,7 +49,7 @@ def _serve(args, env, timeout=900):
     proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + timeout
-    lines = []
+    lines, urls = [], None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -55,7 +57,10 @@ def _serve(args, env, timeout=900):
         lines.append(line)
         m = re.search(r"HTTP http://(\S+)\s+gRPC (\S+)", line)
         if m:
-            return proc, m.group(2), m.group(1)
+            urls = m.group(2), m.group(1)
+        if urls and line.startswith("Ctrl-C stops"):  # after the OpenAI API's lines
+            proc.lines = lines
+            return (proc,) + urls
     proc.kill()
     raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
 
@@ -80,7 +85,7 @@ def test_serve_repo_generate_and_sigint(tiny_engine, tmp_path, capsys):
     repo = str(tmp_path / "repo")
     write_repository(repo, "tiny", engine)
     proc, grpc_url, http_url = _serve(["--repo", repo, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-                                       "--log-file", str(tmp_path / "log.txt")], dict(os.environ))
+                                       "--openai-port", "-1", "--log-file", str(tmp_path / "log.txt")], dict(os.environ))
     try:
         prompt = "naïve café — 日本語"
         ref = LLMEngine(engine).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
@@ -101,8 +106,17 @@ def test_readme_main_command_serves_smollm2(smollm2_gguf, tmp_path, capsys):
     from tritium.backend.sampling_params import SamplingParams
     from tritium.client.cli import main
     env = dict(os.environ, TRITIUM_CACHE=str(tmp_path / "cache"), TRITIUM_SMOLLM2_GGUF=smollm2_gguf)
-    proc, grpc_url, _ = _serve(["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], env)
+    proc, grpc_url, _ = _serve(["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                                "--openai-port", "0"], env)
     try:
+        # The printed curl hint is a chat request that SmolLM2 answers correctly, through the OpenAI API.
+        hint = next(ln for ln in proc.lines if ln.startswith("try: curl"))
+        url = re.search(r"curl -s (\S+)", hint).group(1)
+        body = re.search(r"-d '(.*)'$", hint.strip()).group(1)
+        req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
         engine = os.path.join(tmp_path, "cache", "engines", "smollm2-135m-instruct")
         ref = LLMEngine(engine).generate([CHAT], SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
         assert ref.text.strip()
@@ -122,7 +136,7 @@ def test_serve_reports_a_failed_load_in_one_line(tmp_path):
     os.makedirs(tmp_path / "repo" / "m" / "1")
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text(llm_config("m", str(tmp_path / "missing"), 4))
     r = subprocess.run([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", str(tmp_path / "repo"),
-                        "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                        "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "-1",
                         "--log-file", str(tmp_path / "log.txt")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("failed to load 'm' version 1:"))
