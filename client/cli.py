@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "tritium.client.eval_cli",      # eval (perplexity, KL / top-1 vs a reference engine)
     "tritium.client.serve_cli",     # serve (real tritonserver, + the OpenAI-compatible API)
     "tritium.client.openai_cli",    # openai (the OpenAI-compatible API alone, in front of a tritonserver)
+    "tritium.client.openai_bench",  # bench-openai (NVIDIA aiperf against the OpenAI API)
     "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
     "tritium.client.bench_cli",     # bench (serving benchmark; --hf-baselines: engine vs HF transformers)
     "tritium.client.compare_cli",   # compare (side by side with llama.cpp's llama-server)

@@ -8,7 +8,8 @@ tritium.client.triton_client), and what the answer needs (n, stream, logprobs, e
 
 Supported: max_tokens / max_completion_tokens, temperature, top_p, n, seed, stop,
 presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat), logit_bias, echo
-(completions), stream + stream_options.include_usage. Ignored, as the API allows: user,
+(completions), stream + stream_options.include_usage; and vLLM's extensions ignore_eos and
+min_tokens (benchmarks use them to fix output lengths). Ignored, as the API allows: user,
 metadata, store, service_tier, parallel_tool_calls, and keys this server does not know.
 Refused with a 400 naming them: tools / functions (no tool calling), response_format other
 than text, best_of other than n, suffix.
@@ -191,6 +192,12 @@ def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
     lb = _logit_bias(body)
     if lb:
         sp["logit_bias"] = lb
+    # vLLM's extensions, which benchmarks (aiperf --extra-inputs) use to fix output lengths
+    if _boolean(body, "ignore_eos"):
+        sp["ignore_eos"] = True
+    mt = _integer(body, "min_tokens", 0)
+    if mt:
+        sp["min_tokens"] = mt
     stream = _boolean(body, "stream")
     include_usage = False
     so = body.get("stream_options")
