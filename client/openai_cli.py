@@ -7,6 +7,7 @@ any tritonserver that serves the Tritium tensor contract, reached over gRPC at -
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 DEFAULT_PORT = 9000
@@ -46,5 +47,12 @@ def run(args: argparse.Namespace) -> int:
                        log_level=args.log_level)
     print(f"OpenAI API: {srv.url}  (tritonserver gRPC {args.triton_url}); Ctrl-C stops it.", flush=True)
     print(f"try: curl {srv.url}/models", file=sys.stderr, flush=True)
-    srv.run()
+    # uvicorn stops on SIGINT / SIGTERM, then re-raises the signal to the handlers it found: make
+    # those no-ops, so that a stop by signal is a clean exit (0), as for `tritium serve`.
+    old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        srv.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     return 0

@@ -385,3 +385,42 @@ def test_overloaded_is_503(served):
     assert codes.count(200) >= 2 and 503 in codes, codes
     err = next(d for code, d in results if code == 503)["error"]
     assert err["code"] == "overloaded" and "Traceback" not in err["message"]
+
+
+# ---- `tritium openai` alone --------------------------------------------------------------------
+def _openai_alone(triton_url):
+    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "openai", "--triton-url", triton_url,
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"OpenAI API: (\S+)", line)
+    if not m:
+        proc.kill()
+        raise AssertionError(f"tritium openai printed {line!r}")
+    return proc, m.group(1)
+
+
+def test_tritium_openai_alone_in_front_of_a_running_tritonserver(served, client):
+    import openai
+    proc, base = _openai_alone(served.grpc)
+    try:
+        alone = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        assert sorted(m.id for m in alone.models.list()) == ["plain", "tiny", "tiny_q1"]
+        args = dict(model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0)
+        assert alone.chat.completions.create(**args).choices[0].message.content == \
+            client.chat.completions.create(**args).choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+def test_unreachable_tritonserver_is_503():
+    import openai
+    proc, base = _openai_alone("127.0.0.1:1")
+    try:
+        alone = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError) as e:
+            alone.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 503 and "cannot reach tritonserver" in e.value.body["message"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
