@@ -151,7 +151,7 @@ def test_backend_errors_map_to_openai_errors(msg, status, param):
 
 
 def test_triton_messages_input_is_parsed_and_checked():
-    from tritium.backend.triton_request import parse_row
+    from tritium.backend.triton_backend.request import parse_row
     msgs = json.dumps([{"role": "user", "content": "hi"}])
     p = parse_row({"messages": np.array([[msgs.encode()]], dtype=np.object_)}, 0, 1)
     assert p.messages == [{"role": "user", "content": "hi"}] and p.prompt is None
