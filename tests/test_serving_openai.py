@@ -181,6 +181,14 @@ def test_bad_parameter_is_400_naming_it(client, kwargs, param):
     assert "Traceback" not in e.value.body["message"]
 
 
+def test_streamed_request_with_a_bad_parameter_is_still_a_plain_400(client):
+    """The backend's checks come before the first token, so the 400 goes out before any event."""
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=MAX_POS * 2, stream=True)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_chat_without_template_is_a_clear_400_and_completions_still_work(client):
     import openai
     with pytest.raises(openai.BadRequestError) as e:
