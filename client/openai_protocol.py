@@ -27,6 +27,7 @@ from tritium.backend.sampling_params import MAX_LOGPROBS, MAX_N, MAX_NUM_STOP
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # the OpenAI completions API's default
 MAX_COMPLETION_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
 MAX_PROMPTS = 64                     # prompts in one /v1/completions request
+MAX_CHOICES = 256                    # prompts x n in one request (each is an engine sequence)
 
 
 class OpenAIError(Exception):
@@ -245,6 +246,9 @@ def parse_completion_request(body: dict) -> ParsedRequest:
                             "token-id lists (none empty)")
     if len(prompts) > MAX_PROMPTS:
         raise bad("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed")
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad("n", f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices; at most {MAX_CHOICES} "
+                       f"are allowed in one request")
     reqs, echoes = [], []
     for p in prompts:
         if isinstance(p, str):

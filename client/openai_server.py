@@ -89,7 +89,8 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     app.state.bridge = bridge
 
     def error_response(e: OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.status == 503 else None  # overloaded: clients back off and retry
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request, e: OpenAIError):

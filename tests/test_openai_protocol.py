@@ -103,6 +103,7 @@ def test_text_parts_are_joined():
     ({"best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"model": 3}, "model"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": ["a"] * 5, "n": 64}, "n"),
 ])
 def test_completion_parameters_are_checked_by_name(body, param):
     full = {"model": "m", "prompt": "hi"}

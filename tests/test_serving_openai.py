@@ -382,17 +382,17 @@ def test_overloaded_is_503(served):
 
     def send():
         c, r = _post(served, "/completions", body, timeout=300)
-        results.append((r.status, json.loads(r.read())))
+        results.append((r.status, json.loads(r.read()), r.getheader("Retry-After")))
         c.close()
     threads = [threading.Thread(target=send) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    codes = sorted(code for code, _ in results)
+    codes = sorted(code for code, _, _ in results)
     assert codes.count(200) >= 2 and 503 in codes, codes
-    err = next(d for code, d in results if code == 503)["error"]
-    assert err["code"] == "overloaded" and "Traceback" not in err["message"]
+    err, retry = next((d, h) for code, d, h in results if code == 503)
+    assert err["error"]["code"] == "overloaded" and "Traceback" not in err["error"]["message"] and retry == "1"
 
 
 # ---- `tritium openai` alone --------------------------------------------------------------------
