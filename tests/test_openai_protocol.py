@@ -208,3 +208,43 @@ def test_logit_bias_shifts_exactly_those_logits():
         SamplingParams(logit_bias={"9": 1.0}).validate(max_seq_len=64, vocab_size=4, prompt_len=1)
     with pytest.raises(ValueError, match=r"logit_bias\[1\] must be in"):
         SamplingParams(logit_bias={1: 200}).validate(max_seq_len=64, vocab_size=4, prompt_len=1)
+
+
+def test_answer_shapes_for_two_prompts_with_echo_and_usage():
+    """Chunks as Triton sends them (per prompt, per sample) -> the API's choice numbering, echo and usage."""
+    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.triton_client import Chunk
+    req = parse_completion_request({"model": "m", "prompt": ["Hi", "Yo"], "n": 2, "echo": True, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    b = AnswerBuilder(req)
+    assert [c["choices"][0]["text"] for c in b.first_chunks()] == ["Hi", "Hi", "Yo", "Yo"]
+    events = []
+    for p, ch in ((0, Chunk(" a", [5], None, 3, 1, sequence_index=1)), (1, Chunk(" b", [6], "stop", 4, 1)),
+                  (0, Chunk("!", [7], "length", 3, 2, sequence_index=1)), (0, Chunk(" c", [8], "stop", 3, 1)),
+                  (1, Chunk(" d", [9], "length", 4, 1, sequence_index=1))):
+        b.add(p, ch)
+        events += b.stream_chunks(p, ch)
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events] == [
+        (1, " a", None), (2, " b", "stop"), (1, "!", "length"), (0, " c", "stop"), (3, " d", "length")]
+    assert all(e["usage"] is None for e in events)
+    assert b.usage_chunk()["choices"] == [] and b.usage() == {"prompt_tokens": 7, "completion_tokens": 5,
+                                                              "total_tokens": 12}
+    whole = b.answer()
+    assert [c["text"] for c in whole["choices"]] == ["Hi c", "Hi a!", "Yo b", "Yo d"]
+    assert whole["object"] == "text_completion" and whole["usage"]["total_tokens"] == 12
+
+
+def test_chat_stream_starts_with_the_role_and_ends_with_finish_reason():
+    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.triton_client import Chunk
+    b = AnswerBuilder(parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                          "stream": True}))
+    events = []
+    for ch in (Chunk("Hel", [1], None, 9, 1), Chunk("", [2], None, 9, 2), Chunk("lo", [3], "stop", 9, 3)):
+        b.add(0, ch)
+        events += b.stream_chunks(0, ch)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop" and "usage" not in events[0]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert b.answer()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}

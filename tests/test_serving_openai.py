@@ -281,6 +281,26 @@ def test_n2_async_gives_two_choices(served):
     assert set(texts) == {0, 1} and all(texts.values())
 
 
+def test_sampling_parameters_reach_the_engine(client, built):
+    """The server's text equals the in-process engine's with the same SamplingParams: seeded
+    sampling with top_p (a seeded sequence depends only on its seed and history), and greedy
+    decoding with presence / frequency penalties."""
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    eng = LLMEngine(built[0])
+
+    def ref(**k):
+        return eng.generate(["The quick brown fox"], SamplingParams(max_tokens=32, **k))[0].outputs[0].text
+
+    def got(**k):
+        return client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=32, **k).choices[0].text
+    sampled = dict(temperature=0.9, top_p=0.8, seed=123)
+    assert got(**sampled) == ref(**sampled)
+    penalized = dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=1.0)
+    assert ref(**penalized) != ref(temperature=0.0)  # they matter here: a server dropping them would fail
+    assert got(**penalized) == ref(**penalized)
+
+
 def test_two_prompts_and_seed_reproducible(client):
     a = client.completions.create(model="tiny", prompt=["The quick", "Paged"], max_tokens=6, temperature=1.0, seed=11)
     b = client.completions.create(model="tiny", prompt=["The quick", "Paged"], max_tokens=6, temperature=1.0, seed=11)
