@@ -103,8 +103,9 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """False once the loop thread died (every request since fails with the cause) or stopped."""
-        return self._error is None and not self._stopped
+        """False once the loop thread died (every request since fails with the cause) or stopped,
+        or a tensor-parallel worker failed (the next step fails with the cause)."""
+        return self._error is None and not self._stopped and getattr(self.engine.runner, "healthy", True)
 
     def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
         finished = False
@@ -139,6 +140,7 @@ class AsyncLLMEngine:
             self._cv.notify()
         self._thread.join(timeout)
         self._fail_all(RuntimeError("engine shut down"))
+        self.engine.close()  # tensor parallelism: stops the worker processes
         if self._delivery_thread is not None:
             self._deliveries.put(None)
             self._delivery_thread.join(timeout)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .parallel.layout import TensorParallelError, layout_from_config
+
 # Bump when the on-disk layout changes; readers accept every version <= this one.
 ENGINE_FORMAT_VERSION = 1
 ENGINE_CONFIG_FILE = "engine.json"
@@ -133,6 +135,9 @@ class EngineConfig:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     limits: Limits = field(default_factory=Limits)
     tensor_parallel_size: int = 1
+    # Which heads / features / vocabulary rows each rank holds (backend/parallel/layout.py);
+    # empty when tensor_parallel_size is 1. Rank r's weights are rank{r}.safetensors.
+    tensor_parallel: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)  # provenance: source, sha256, tool version, time
     format_version: int = ENGINE_FORMAT_VERSION
 
@@ -167,6 +172,7 @@ class EngineConfig:
                 kv_cache=KVCacheConfig(**d.get("kv_cache", {})),
                 limits=Limits(**d.get("limits", {})),
                 tensor_parallel_size=d.get("tensor_parallel_size", 1),
+                tensor_parallel=d.get("tensor_parallel", {}),
                 build=d.get("build", {}),
                 format_version=version,
             )
@@ -204,6 +210,14 @@ class EngineConfig:
                 f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
         if m.sliding_windows and len(m.sliding_windows) != m.num_layers:
             raise EngineFormatError("model.sliding_windows must have one entry per layer")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise EngineFormatError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1:
+            try:
+                layout_from_config(self)
+            except TensorParallelError as e:
+                raise EngineFormatError(str(e)) from None
         lim = self.limits
         for name in ("max_batch_size", "max_seq_len", "block_size"):
             if getattr(lim, name) <= 0:

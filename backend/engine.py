@@ -17,6 +17,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
+from .parallel.runner import ParallelRunner
 from .prompt_limits import encode_prompt, max_token_chars
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -54,14 +55,27 @@ class LLMEngine:
 
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
-                 device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None):
+                 device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
+                 threads_per_rank: Optional[int] = None):
         cfg, model, tokenizer = load_engine(engine_dir, device)
-        self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                    enable_prefix_caching, kv_cache_memory_bytes)
+        runner = None
+        if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
+            runner = ParallelRunner(engine_dir, cfg, model, next(iter(model.buffers())).device, num_kv_blocks,
+                                    kv_cache_memory_bytes, threads_per_rank)
+        try:
+            self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                        enable_prefix_caching, kv_cache_memory_bytes, runner)
+        except BaseException:
+            if runner is not None:
+                runner.close()
+            raise
 
     @classmethod
     def from_model(cls, cfg: EngineConfig, model, tokenizer=None, **kwargs) -> "LLMEngine":
-        """Build an engine around an already loaded DecoderLM (tests, benchmarks)."""
+        """Build an engine around an already loaded DecoderLM (tests, benchmarks); single rank only."""
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError("LLMEngine.from_model takes a single-rank model; open a tensor-parallel engine "
+                             "with LLMEngine(engine_dir), which starts its workers")
         self = cls.__new__(cls)
         self._setup(cfg, model, tokenizer, kwargs.pop("num_kv_blocks", None), kwargs.pop("max_num_seqs", None),
                     kwargs.pop("max_num_batched_tokens", None), kwargs.pop("enable_prefix_caching", True),
@@ -71,11 +85,13 @@ class LLMEngine:
         return self
 
     def _setup(self, cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-               enable_prefix_caching, kv_cache_memory_bytes):
+               enable_prefix_caching, kv_cache_memory_bytes, runner=None):
         self.config: EngineConfig = cfg
         self.tokenizer = tokenizer
         self.device = next(iter(model.buffers())).device
-        if num_kv_blocks is None:
+        if runner is not None:
+            num_kv_blocks = runner.num_blocks  # agreed by every rank
+        elif num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(cfg, self.device, kv_cache_memory_bytes)
         elif isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be an integer >= 1, got {num_kv_blocks!r}")
@@ -84,7 +100,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs or cfg.limits.max_batch_size,
                                    max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        self.runner = ModelRunner(cfg, model, num_kv_blocks, self.device)
+        self.runner = runner or ModelRunner(cfg, model, num_kv_blocks, self.device)
         self.requests: Dict[str, Request] = {}
         self._aborted: List[RequestOutput] = []
         self.num_steps = 0
@@ -269,6 +285,18 @@ class LLMEngine:
                              req.metrics.to_dict())
 
     # ------------------------------------------------------------------ helpers
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's worker processes."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict:
         """Engine counters: KV blocks used/free/cached, running/waiting, preemptions, tokens."""
         return engine_stats(self)

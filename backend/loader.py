@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from .config import EngineConfig, EngineFormatError
 from .models.decoder import DecoderLM
+from .parallel.layout import local_config
 
 
 def default_device() -> torch.device:
@@ -28,18 +29,24 @@ def load_tokenizer(engine_dir: str):
         raise EngineFormatError(f"{path}: cannot load tokenizer ({e})") from None
 
 
-def load_engine(engine_dir: str, device: Optional[str] = None) -> Tuple[EngineConfig, DecoderLM, object]:
-    """Returns (cfg, model in eval mode on `device`, tokenizer or None)."""
+def load_engine(engine_dir: str, device: Optional[str] = None, rank: int = 0
+                ) -> Tuple[EngineConfig, DecoderLM, object]:
+    """Returns (cfg, model in eval mode on `device`, tokenizer or None). A tensor-parallel engine
+    loads rank `rank`'s shard into a DecoderLM of that rank's size (parallel.layout.local_config);
+    cfg is always the whole model's."""
     cfg = EngineConfig.load(engine_dir)
+    if not 0 <= rank < cfg.tensor_parallel_size:
+        raise EngineFormatError(f"rank {rank} is outside this engine's tensor_parallel_size "
+                                f"{cfg.tensor_parallel_size}")
     dev = torch.device(device) if device else default_device()
-    wpath = os.path.join(engine_dir, cfg.weights_file(0))
+    wpath = os.path.join(engine_dir, cfg.weights_file(rank))
     if not os.path.isfile(wpath):
         raise EngineFormatError(f"{wpath}: engine weights missing")
     try:
         tensors = load_file(wpath, device="cpu")
     except (SafetensorError, OSError, RuntimeError) as e:
         raise EngineFormatError(f"{wpath}: cannot read weights ({e}); truncated or corrupt?") from None
-    model = DecoderLM(cfg)
+    model = DecoderLM(local_config(cfg, rank) if cfg.tensor_parallel_size > 1 else cfg)
     try:
         model.load_engine_weights(tensors)
     except ValueError as e:

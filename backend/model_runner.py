@@ -17,6 +17,7 @@ from .config import EngineConfig
 from .models.decoder import TORCH_DTYPES
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
+from .step_arrays import StepArrays
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB when no budget and no block count is given on CPU
@@ -54,8 +55,11 @@ def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memo
 class ModelRunner:
     """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step."""
 
-    def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device):
+    def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device,
+                 vocab_size: Optional[int] = None):
+        # cfg: this rank's config (parallel.layout.local_config); vocab_size: the full model's.
         self.cfg = cfg
+        self.vocab_size = vocab_size or cfg.model.vocab_size
         self.model = model
         self.device = device
         self.block_size = cfg.limits.block_size
@@ -76,17 +80,17 @@ class ModelRunner:
         self.sampler = Sampler()
 
     # ------------------------------------------------------------------ batch
-    def _copy_blocks(self, copies: List[Tuple[int, int]]) -> None:
-        if not copies:
+    def _copy_blocks(self, copies) -> None:
+        if len(copies) == 0:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = torch.tensor([int(s) for s, _ in copies], device=self.device)
+        dst = torch.tensor([int(d) for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def prepare(self, sched: SchedulerOutput):
-        """Flat batch: input ids, positions, AttentionMetadata, and the rows that need logits."""
+    def prepare_arrays(self, sched: SchedulerOutput) -> StepArrays:
+        """The step's inputs as host arrays (what a tensor-parallel rank 0 sends to the others)."""
         bs = self.block_size
         ids: List[int] = []
         positions: List[np.ndarray] = []
@@ -104,40 +108,57 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:
                 logit_rows.append(len(ids) - 1)
-        query_lens = list(sched.num_new_tokens)
         max_blocks = max(len(s.block_table) for s in sched.seqs)
         tables = np.zeros((len(sched.seqs), max_blocks), dtype=np.int32)
         for i, seq in enumerate(sched.seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
+        qsl = np.zeros(len(sched.seqs) + 1, dtype=np.int32)
+        np.cumsum(sched.num_new_tokens, out=qsl[1:])
+        return StepArrays(np.asarray(ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots), qsl,
+                          np.asarray(seq_lens, dtype=np.int32), tables, np.asarray(logit_rows, dtype=np.int64),
+                          np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2))
+
+    def prepare(self, sched: SchedulerOutput):
+        """Flat batch: input ids, positions, AttentionMetadata, and the rows that need logits."""
+        return self.inputs(self.prepare_arrays(sched))
+
+    def inputs(self, a: StepArrays):
+        """Device tensors and AttentionMetadata from a step's host arrays."""
         dev = self.device
+        query_lens = np.diff(a.query_start_loc).tolist()
+        seq_lens = a.seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(a.slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(a.query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(a.seq_lens).to(dev),
+            block_tables=torch.from_numpy(a.block_tables).to(dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos_t, meta, logit_rows
+        return (torch.from_numpy(a.input_ids).to(dev), torch.from_numpy(a.positions).to(dev), meta,
+                a.logit_rows.tolist())
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """One forward pass. Returns float32 logits (on CPU), one row per sequence that completes
         its tokens this step (in sched.seqs order); partial prompt chunks get no row."""
-        self._copy_blocks(sched.block_copies)
-        input_ids, positions, meta, logit_rows = self.prepare(sched)
+        return self.execute(self.prepare_arrays(sched))
+
+    @torch.inference_mode()
+    def execute(self, arrays: StepArrays) -> Optional[torch.Tensor]:
+        """The forward pass over prepared arrays (every tensor-parallel rank runs this; ranks other
+        than 0 get None back)."""
+        self._copy_blocks(arrays.block_copies)
+        input_ids, positions, meta, logit_rows = self.inputs(arrays)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not logit_rows:
-            return torch.empty(0, self.cfg.model.vocab_size)
+            return torch.empty(0, self.vocab_size)
         # Only the last token of a finished prompt or a decode needs the LM head.
         rows = torch.tensor(logit_rows, device=hidden.device)
-        return self.model.compute_logits(hidden[rows]).float().cpu()
+        logits = self.model.compute_logits(hidden[rows])
+        return None if logits is None else logits.float().cpu()
 
     def sample(self, logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[dict]]]:
         with torch.inference_mode():

@@ -23,8 +23,11 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
+from tritium.backend.parallel.layout import plan_layout
+
 from .output_dir import check_output_dir, new_build_dir, replace_dir
 from .report import component_bytes, write_json
+from .tp_shard import shard_engine_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOOL_VERSION = "0.1.0"
@@ -47,6 +50,7 @@ class BuildOptions:
     calibration_text: Optional[str] = None
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
+    tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     progress: bool = True
 
     def validate(self) -> None:
@@ -57,6 +61,9 @@ class BuildOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len <= 0:
             raise ValueError(f"--max-seq-len must be > 0, got {self.max_seq_len}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two (e.g. 16 or 32), got {self.block_size}")
 
@@ -100,6 +107,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
     m = ckpt.model_config
+    if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
+        plan_layout(m, opts.tensor_parallel_size)
     max_seq = opts.max_seq_len or min(m.max_position_embeddings, 2048)
     if max_seq > m.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq} exceeds the model's context "
@@ -124,15 +133,21 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())
     source_hash = sha256_files(ckpt.source_files(), opts.progress)
     cfg = dataclasses.replace(cfg, build={**cfg.build, "source_sha256": source_hash})
+    shards = [tensors]
+    if opts.tensor_parallel_size > 1:
+        layout, shards = shard_engine_tensors(cfg, tensors, opts.tensor_parallel_size)
+        cfg = dataclasses.replace(cfg, tensor_parallel_size=opts.tensor_parallel_size, tensor_parallel=layout)
     cfg.validate()
 
     check_output_dir(opts.output, opts.source)  # again: the build took a while
     tmp = new_build_dir(out)
     try:
-        with tqdm(total=3, desc="writing engine", unit="step", disable=not opts.progress) as bar:
-            save_file(tensors, os.path.join(tmp, cfg.weights_file(0)),
-                      metadata={"format": "tritium-engine", "format_version": str(cfg.format_version)})
-            bar.update()
+        with tqdm(total=2 + len(shards), desc="writing engine", unit="step", disable=not opts.progress) as bar:
+            for rank, shard in enumerate(shards):
+                save_file(shard, os.path.join(tmp, cfg.weights_file(rank)),
+                          metadata={"format": "tritium-engine", "format_version": str(cfg.format_version),
+                                    "rank": str(rank), "tensor_parallel_size": str(len(shards))})
+                bar.update()
             tok_files = _write_tokenizer(ckpt, tmp)
             bar.update()
             cfg.save(tmp)
@@ -146,6 +161,9 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "source_sha256": source_hash,
                 "dtype": opts.dtype,
                 "quantization": opts.quantization,
+                "tensor_parallel_size": opts.tensor_parallel_size,
+                **({"rank_bytes": [sum(t.numel() * t.element_size() for t in sh.values()) for sh in shards]}
+                   if len(shards) > 1 else {}),
                 "tokenizer_files": tok_files,
                 **({"quantization_report": quant_report} if quant_report else {}),
             }

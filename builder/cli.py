@@ -44,6 +44,9 @@ def register(sub) -> None:
                    help="calibration windows of 128 tokens (default 64)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the weights over N tensor-parallel ranks, written as rank0..rank{N-1}.safetensors "
+                        "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")
     p.add_argument("--repo", default=None, help="also write a Triton model repository here (NAME, "
                    "NAME_preprocessing, NAME_postprocessing, NAME_ensemble, NAME_bls)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
@@ -53,7 +56,7 @@ def register(sub) -> None:
 def options_from_args(args: argparse.Namespace):
     from .build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
-                                           "calibration_samples", "exclude_modules") if hasattr(args, k)}
+                                           "calibration_samples", "exclude_modules", "tensor_parallel_size") if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_engine(options_from_args(args))
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
-          f"dtype {cfg.dtype}, quantization {cfg.quantization.method}", file=sys.stderr)
+          f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
+          f"{f', tensor parallel {cfg.tensor_parallel_size} ranks' if cfg.tensor_parallel_size > 1 else ''}", file=sys.stderr)
     if getattr(args, "repo", None):
         from .repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))

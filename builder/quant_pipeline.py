@@ -59,6 +59,7 @@ class QuantOptions:
     source: Optional[str] = None
     act_order: bool = True
     eval_tokens: int = DEFAULT_EVAL_TOKENS
+    tensor_parallel_size: int = 1  # > 1: int4-gptq's o_proj uses static groups (see _plan)
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -156,6 +157,12 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
                                  f"not a multiple of {o.group_size}, 64 or 32")
             act_order = bool(o.act_order and o.quantization == "int4-gptq")
             on_grid = name in blocks and g == blocks[name][1]
+            if act_order and not on_grid and lin == "o_proj" and o.tensor_parallel_size > 1:
+                # o_proj's inputs are split by attention head, and act-order's g_idx groups mix
+                # channels of every head: at tensor parallelism it uses static groups (act-order
+                # column order, contiguous groups) so that each rank holds whole groups.
+                plan[name] = LayerQuant("int4", group_size=g, group_reason=reason, static_groups=True)
+                continue
             # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
             # static groups (act-order's column order, parameters fixed per source block, no g_idx).
             plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,

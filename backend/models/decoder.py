@@ -62,6 +62,9 @@ class DecoderLayer(nn.Module):
         self.v_offset: Optional[torch.Tensor] = None
         # K and V stored in Hadamard-rotated coordinates, the query rotated alike (kv_rotation.py).
         self.kv_rotation = cfg.kv_cache.rotation == "hadamard"
+        # Tensor parallelism (backend/parallel/comm.py): o_proj and down_proj hold this rank's
+        # input features; their partial outputs are summed over the ranks. None on one rank.
+        self.tp = None
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
                 cos_sin_cache, rope=None):
@@ -84,8 +87,12 @@ class DecoderLayer(nn.Module):
             rep = self.num_heads // self.num_kv_heads
             attn = attn + self.v_offset.to(attn.dtype).repeat_interleave(rep, dim=0)
         hidden = self.o_proj(attn.reshape(t, nq))
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         x, residual = ops.rms_norm(hidden, self.post_attn_norm_weight, self.eps, residual)
         hidden = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         return hidden, residual
 
     @property
@@ -148,6 +155,15 @@ class DecoderLM(nn.Module):
                                  r.high_freq_factor, r.original_max_position_embeddings)
         max_pos = max(cfg.limits.max_seq_len, 1)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_pos), persistent=False)
+        self.tp = None  # see set_tensor_parallel
+
+    def set_tensor_parallel(self, tp) -> None:
+        """Run as one rank of a tensor-parallel group (backend/parallel/comm.TPGroup): this model
+        holds the rank's shard (built from parallel.layout.local_config), the embedding and LM head
+        hold the vocabulary rows [tp.vocab_start, tp.vocab_end)."""
+        self.tp = tp
+        for layer in self.layers:
+            layer.tp = tp
 
     # Engine tensor name <-> module attribute. Norm/embedding buffers use '_weight' attributes
     # so the engine names stay the familiar dotted ones.
@@ -202,6 +218,17 @@ class DecoderLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""
+        if self.tp is None:
+            return self._embed_rows(input_ids)
+        # Vocab-parallel: look up the ids this rank holds, zero the others, sum over the ranks.
+        local = input_ids - self.tp.vocab_start
+        mine = (local >= 0) & (local < self.tp.vocab_end - self.tp.vocab_start)
+        rows = self._embed_rows(torch.where(mine, local, torch.zeros_like(local)))
+        rows = rows * mine.unsqueeze(1).to(rows.dtype)
+        self.tp.all_reduce(rows)
+        return rows
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
             return self.embed_tokens_weight[input_ids]
         e = self.embed_tokens
@@ -222,7 +249,7 @@ class DecoderLM(nn.Module):
         return n + (self.packed_head is not None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> float32 logits (N, vocab)."""
+        """(N, hidden) -> float32 logits (N, vocab); under tensor parallelism, on rank 0 only."""
         if self.head_input_mean is not None:  # centred head: subtract in float32, then the GEMM
             hidden = (hidden.float() - self.head_input_mean).to(hidden.dtype)
         if self.lm_head is None and self.embed_tokens is not None:
@@ -234,4 +261,6 @@ class DecoderLM(nn.Module):
         else:
             logits = self.lm_head(hidden)
         logits = logits.float()
-        return logits if self.head_mean_logits is None else logits + self.head_mean_logits
+        logits = logits if self.head_mean_logits is None else logits + self.head_mean_logits
+        # Vocab-parallel head: rank 0 gathers every rank's columns (None on the other ranks).
+        return logits if self.tp is None else self.tp.gather_logits(logits)

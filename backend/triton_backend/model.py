@@ -6,7 +6,9 @@ config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Param
 `num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device`,
 `max_queue_size` (waiting requests beyond which new ones fail as overloaded; default 1024),
 `num_threads` (torch intra-op threads; default every core) and `small_step_threads` (threads for
-steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy).
+steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy), and for a
+tensor-parallel engine `threads_per_rank` (threads of each worker process; default: the cores
+divided by the ranks; also rank 0's default num_threads). See docs/tensor-parallel.md.
 
 One AsyncLLMEngine per model instance runs its own background loop; every request that any
 execute() call hands over joins the running batch at the next engine step. The engine's one
@@ -28,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
+from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
@@ -36,7 +39,8 @@ from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_backend.stream import RequestState, RowStream
 
-_ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size")
+_ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size",
+                      "threads_per_rank")
 DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
 STATS_PERIOD_S = 0.05   # gauges and metric flushes
 CANCEL_POLL_S = 0.02    # is_cancelled() of every open request (one IPC round trip each)
@@ -67,11 +71,21 @@ def _engine_kwargs(params: dict) -> dict:
     return kw
 
 
-def _thread_policy(params: dict):
-    """Parameters num_threads (default: every core) and small_step_threads (default: one fewer):
-    see ThreadPolicy."""
+def _tensor_parallel_size(engine_dir: str) -> int:
+    try:
+        return EngineConfig.load(engine_dir).tensor_parallel_size
+    except Exception:  # the engine load reports it properly
+        return 1
+
+
+def _thread_policy(params: dict, tp_size: int = 1, kwargs: dict = None):
+    """Parameters num_threads (default: every core, or its share of them per tensor-parallel rank)
+    and small_step_threads (default: one fewer): see ThreadPolicy."""
     vals = _int_params(params, ("num_threads", "small_step_threads"))
-    threads = vals.get("num_threads", os.cpu_count() or 1)
+    per_rank = max(1, (os.cpu_count() or 1) // tp_size)
+    if tp_size > 1 and kwargs is not None:
+        kwargs.setdefault("threads_per_rank", per_rank)
+    threads = vals.get("num_threads", per_rank if tp_size > 1 else os.cpu_count() or 1)
     return ThreadPolicy(threads, vals.get("small_step_threads", max(1, threads - 1)))
 
 
@@ -89,7 +103,7 @@ class TritonPythonModel:
         engine_dir = resolve_path(params["engine_dir"], model_dir)
         try:
             kwargs = _engine_kwargs(params)
-            policy = _thread_policy(params)
+            policy = _thread_policy(params, _tensor_parallel_size(engine_dir), kwargs)
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
@@ -150,7 +164,8 @@ class TritonPythonModel:
             healthy = self.engine.is_healthy
             if not healthy and not self._reported_dead and not self._stop.is_set():
                 self._reported_dead = True
-                pb_utils.Logger.log_error(f"tritium: the engine loop died ({self.engine._error!r}); every request "
+                cause = self.engine._error or getattr(self.engine.engine.runner, "_error", None)
+                pb_utils.Logger.log_error(f"tritium: the engine is unhealthy ({cause!r}); every request "
                                           f"fails with this cause until the model is reloaded")
             self.metrics.update_engine_stats(dict(self.engine.stats(), healthy=healthy,
                                                   rejected=self.engine.num_rejected))

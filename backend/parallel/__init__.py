@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed (Megatron-LM's column/row-parallel split)."""

@@ -1,0 +1,86 @@
+"""The tensor-parallel process group: torch.distributed with gloo on CPU and NCCL on CUDA.
+
+All ranks join one default process group over TCP (rank 0's address and a free port chosen at
+start); one engine per process (a Triton model instance is its own process). Collectives:
+all-reduce after the row-parallel layers and the vocab-parallel embedding, a gather of the
+vocab-parallel logits onto rank 0, and rank 0's broadcast of each step's inputs.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+# Collective timeout (seconds): a rank that stops answering fails the step after this long.
+DEFAULT_TIMEOUT_S = float(os.environ.get("TRITIUM_TP_TIMEOUT_S", "300"))
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, addr: str, port: int, device: torch.device,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
+                           "engine per process (close the other engine first)")
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class TPGroup:
+    """This rank's view of the group, handed to DecoderLM.set_tensor_parallel."""
+
+    def __init__(self, rank: int, world_size: int, vocab_ranges: List[Tuple[int, int]], device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.vocab_ranges = [tuple(v) for v in vocab_ranges]
+        self.vocab_start, self.vocab_end = self.vocab_ranges[rank]
+        self._width = max(e - s for s, e in self.vocab_ranges)  # gather needs equal shapes: pad
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor to every rank (in place on the others); host tensors move to the
+        device and back for NCCL."""
+        if self.device.type == "cuda":
+            d = t.to(self.device)
+            dist.broadcast(d, 0)
+            t.copy_(d.cpu())
+        else:
+            dist.broadcast(t, 0)
+        return t
+
+    def all_reduce_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def gather_logits(self, local: torch.Tensor):
+        """(N, local vocab) on every rank -> (N, vocab) on rank 0, None elsewhere."""
+        w = local.shape[1]
+        if w < self._width:
+            local = torch.nn.functional.pad(local, (0, self._width - w))
+        local = local.contiguous()
+        if self.rank != 0:
+            dist.gather(local, None, dst=0)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.gather(local, parts, dst=0)
+        return torch.cat([p[:, :e - s] for p, (s, e) in zip(parts, self.vocab_ranges)], dim=1)

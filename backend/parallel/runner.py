@@ -1,0 +1,220 @@
+"""ParallelRunner: rank 0 of a tensor-parallel engine. It starts the workers (ranks 1..N-1) as
+processes, broadcasts each step's inputs to them, runs its own shard, and samples the gathered
+logits; the scheduler and the block manager live only here, and every rank's paged KV cache
+(its own KV heads) uses the same block ids.
+
+Failure handling: a worker that exits (crash, OOM kill) is seen before the next step or as a
+broken connection inside a collective; the step then raises TensorParallelWorkerError naming
+the rank and its exit code, the runner stops the other workers and stays failed (`healthy` is
+False) until the engine is rebuilt. While idle, a heartbeat (an empty broadcast every
+HEARTBEAT_S) keeps the workers' waits short of the collective timeout and notices a dead worker
+without a request. close() stops the workers (then kills any left after STOP_TIMEOUT_S).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional
+
+import torch
+
+from ..model_runner import ModelRunner
+from . import step_message as msg
+from .comm import DEFAULT_TIMEOUT_S, TPGroup, destroy_group, free_port, init_group
+from .handshake import agree_num_blocks
+from .layout import layout_from_config
+
+HEARTBEAT_S = 5.0
+STOP_TIMEOUT_S = 10.0
+INIT_POLL_S = 0.05
+
+
+class TensorParallelWorkerError(RuntimeError):
+    """A tensor-parallel rank failed; the engine cannot run steps until it is reloaded."""
+
+
+def worker_python() -> str:
+    """The interpreter for workers: $TRITIUM_PYTHON, else this one when it is a Python (inside
+    tritonserver, sys.executable is the backend stub), else python3 on PATH."""
+    env = os.environ.get("TRITIUM_PYTHON")
+    if env:
+        return env
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if not found:
+        raise TensorParallelWorkerError("no python3 on PATH to start tensor-parallel workers; set TRITIUM_PYTHON")
+    return found
+
+
+def worker_device(device: torch.device, rank: int) -> str:
+    if device.type != "cuda":
+        return str(device)
+    base = device.index if device.index is not None else 0
+    return f"cuda:{base + rank}"
+
+
+class ParallelRunner(ModelRunner):
+    """A ModelRunner whose run() drives every rank (see the module docstring)."""
+
+    def __init__(self, engine_dir: str, cfg, model, device: torch.device, num_kv_blocks: Optional[int] = None,
+                 kv_cache_memory_bytes: Optional[int] = None, threads_per_rank: Optional[int] = None,
+                 master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S):
+        n = cfg.tensor_parallel_size
+        self.world_size = n
+        self.workers: List[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._error: Optional[str] = None
+        self._closed = False
+        self._last_use = time.monotonic()
+        port = free_port(master_addr)
+        py = worker_python()
+        for rank in range(1, n):
+            cmd = [py, "-m", "tritium.backend.parallel.worker", "--engine-dir", os.path.abspath(engine_dir),
+                   "--rank", str(rank), "--world-size", str(n), "--master-addr", master_addr,
+                   "--master-port", str(port), "--device", worker_device(device, rank),
+                   "--timeout", str(timeout_s), "--parent-pid", str(os.getpid())]
+            if threads_per_rank:
+                cmd += ["--threads", str(threads_per_rank)]
+            self.workers.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        atexit.register(self.close)
+        try:
+            self._join(master_addr, port, device, timeout_s)
+            self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device)
+            model.set_tensor_parallel(self.tp)
+            blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes)
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(model.cfg, model, blocks, device, cfg.model.vocab_size)
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="tritium-tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------------ start-up
+    def _join(self, addr, port, device, timeout_s) -> None:
+        """init_process_group as rank 0, failing fast when a worker exits during start-up."""
+        result: dict = {}
+
+        def init():
+            try:
+                init_group(0, self.world_size, addr, port, device, timeout_s)
+                result["ok"] = True
+            except BaseException as e:  # reported by the polling loop below
+                result["error"] = e
+        t = threading.Thread(target=init, name="tritium-tp-init", daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        while t.is_alive():
+            t.join(INIT_POLL_S)
+            dead = self._dead_workers()
+            if dead:
+                raise TensorParallelWorkerError(f"tensor-parallel start-up failed: {dead} (its error is in "
+                                                f"the log above)")
+            if time.monotonic() > deadline:
+                raise TensorParallelWorkerError(f"tensor-parallel start-up: workers did not join within {timeout_s} s")
+        if "error" in result:
+            raise TensorParallelWorkerError(f"tensor-parallel start-up failed: {result['error']}")
+
+    def _dead_workers(self) -> str:
+        gone = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
+        return ", ".join(f"worker rank {r} exited with code {c}" for r, c in gone)
+
+    # ------------------------------------------------------------------ health
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and not self._closed
+
+    def _fail(self, why: str) -> TensorParallelWorkerError:
+        if self._error is None:
+            self._error = why
+            self._stop_workers(graceful=False)
+        return TensorParallelWorkerError(f"tensor parallelism failed: {self._error}; the engine cannot run "
+                                         f"steps until the model is reloaded")
+
+    def _check(self) -> None:
+        if self._closed:
+            raise TensorParallelWorkerError("tensor-parallel engine is closed")
+        if self._error is not None:
+            raise self._fail(self._error)
+        dead = self._dead_workers()
+        if dead:
+            raise self._fail(dead)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed and self._error is None:
+            time.sleep(HEARTBEAT_S / 5)
+            if time.monotonic() - self._last_use < HEARTBEAT_S:
+                continue
+            with self._lock:
+                if self._closed or self._error is not None:
+                    return
+                try:
+                    self._check()
+                    self.tp.broadcast(msg.header(msg.OP_NOP))
+                except TensorParallelWorkerError:
+                    return
+                except Exception as e:  # a broken connection
+                    self._fail(f"{self._dead_workers() or 'a worker stopped answering'} ({type(e).__name__}: {e})")
+                    return
+                self._last_use = time.monotonic()
+
+    # ------------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def run(self, sched) -> torch.Tensor:
+        arrays = self.prepare_arrays(sched)
+        with self._lock:
+            self._check()
+            try:
+                self.tp.broadcast(msg.header(msg.OP_STEP, arrays))
+                self.tp.broadcast(msg.pack(arrays))
+                logits = self.execute(arrays)
+            except Exception as e:
+                time.sleep(0.2)  # let a crashed worker's exit code show
+                raise self._fail(f"{self._dead_workers() or 'a collective failed'} "
+                                 f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+            finally:
+                self._last_use = time.monotonic()
+        return logits
+
+    # ------------------------------------------------------------------ shutdown
+    def _stop_workers(self, graceful: bool) -> None:
+        if graceful:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for p in self.workers:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.workers:
+            if p.poll() is None:
+                p.kill()
+        for p in self.workers:
+            try:
+                p.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            graceful = False
+            if self._error is None and hasattr(self, "tp") and not self._dead_workers():
+                try:
+                    self.tp.broadcast(msg.header(msg.OP_STOP))
+                    graceful = True
+                except Exception:
+                    graceful = False
+            self._stop_workers(graceful)
+            destroy_group()
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
