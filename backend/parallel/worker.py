@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -74,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = p.parse_args(argv)
+    # A Ctrl-C / SIGINT to the server's process group is for the server: the engine stops its
+    # workers itself (close()), and they exit when rank 0's process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(args.parent_pid or os.getppid())
     try:
         return serve(args)

@@ -1,0 +1,47 @@
+"""Helpers for tensor-parallel tests: step logits, worker processes, clean-up checks."""
+from __future__ import annotations
+
+import os
+import time
+from typing import List
+
+
+def record_logits(engine) -> List:
+    """Wrap engine.runner.run so every step's logits are kept (the real run still does the work)."""
+    seen = []
+    real = engine.runner.run
+
+    def run(sched):
+        out = real(sched)
+        seen.append(out.clone())
+        return out
+    engine.runner.run = run
+    return seen
+
+
+def processes_with(needle: str) -> List[int]:
+    """PIDs whose command line contains `needle` (e.g. a unique engine path), not counting zombies."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmd and "tritium.backend.parallel.worker" in cmd and state != "Z":
+            pids.append(int(d))
+    return pids
+
+
+def wait_no_workers(needle: str, timeout: float = 20.0) -> List[int]:
+    """Wait until no worker of `needle` runs; returns those still running at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_with(needle)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
