@@ -51,6 +51,7 @@ class BuildOptions:
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
+    eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
     progress: bool = True
 
     def validate(self) -> None:

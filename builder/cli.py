@@ -49,6 +49,9 @@ def register(sub) -> None:
                         "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")
     p.add_argument("--repo", default=None, help="also write a Triton model repository here (NAME, "
                    "NAME_preprocessing, NAME_postprocessing, NAME_ensemble, NAME_bls)")
+    p.add_argument("--instances", type=int, default=1, metavar="N",
+                   help="with --repo: engine replicas in one server (Triton instance_group count; each loads the "
+                        "engine, and its tensor-parallel workers, once; default 1)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
     p.set_defaults(func=run)
 
@@ -65,6 +68,8 @@ def options_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from .build import build_engine
+    if getattr(args, "instances", 1) < 1:  # before the build, not after it
+        raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
     cfg = build_engine(options_from_args(args))
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -73,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "repo", None):
         from .repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
-        models = write_repository(args.repo, name, args.output)
+        models = write_repository(args.repo, name, args.output, instances=getattr(args, "instances", 1))
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return 0

@@ -52,10 +52,15 @@ def _header(name: str, backend: str, max_batch_size: int, decoupled: bool) -> st
 _INSTANCE = "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
 
 
-def llm_config(name: str, engine_dir: str, max_batch_size: int, engine_params: Optional[dict] = None) -> str:
-    """config.pbtxt of the `tritium` LLM model."""
+def llm_config(name: str, engine_dir: str, max_batch_size: int, engine_params: Optional[dict] = None,
+               instances: int = 1) -> str:
+    """config.pbtxt of the `tritium` LLM model; `instances` > 1 runs that many replicas of the
+    engine in one server (Triton instance_group count; each loads its own copy)."""
+    if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"--instances must be an integer >= 1, got {instances!r}")
+    inst = _INSTANCE.replace("count: 1", f"count: {instances}")
     return (_header(name, "tritium", max_batch_size, True) + _io("input", INPUTS) + _io("output", OUTPUTS, optional=False)
-            + _INSTANCE + _params(engine_dir=engine_dir, **(engine_params or {})))
+            + inst + _params(engine_dir=engine_dir, **(engine_params or {})))
 
 
 def preprocessing_config(name: str, tokenizer_dir: str, max_batch_size: int) -> str:
@@ -115,7 +120,8 @@ def _write(path: str, text: str) -> None:
 
 
 def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: Optional[int] = None,
-                     engine_params: Optional[dict] = None, relative: Optional[bool] = None) -> list:
+                     engine_params: Optional[dict] = None, relative: Optional[bool] = None,
+                     instances: int = 1) -> list:
     """Write the five models for `name` into `repo_dir`; returns the model names.
 
     engine_dir is stored relative to the model folder when it lies inside repo_dir (so the
@@ -141,7 +147,7 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
     tok_dir = stored
     names = {"llm": name, "pre": f"{name}_preprocessing", "post": f"{name}_postprocessing",
              "ens": f"{name}_ensemble", "bls": f"{name}_bls"}
-    _write(os.path.join(repo_dir, name, "config.pbtxt"), llm_config(name, stored, max_batch_size, engine_params))
+    _write(os.path.join(repo_dir, name, "config.pbtxt"), llm_config(name, stored, max_batch_size, engine_params, instances))
     _write(os.path.join(repo_dir, name, "1", ".gitkeep"), "")
     _write(os.path.join(repo_dir, names["pre"], "config.pbtxt"),
            preprocessing_config(names["pre"], tok_dir, max_batch_size))
