@@ -227,3 +227,34 @@ def test_a_worker_that_cannot_start_fails_the_load_fast(tiny_engine, tmp_path):
         open_tp(bad, num_kv_blocks=64)
     assert time.monotonic() - t0 < 60
     assert not processes_with(bad)
+
+
+def test_a_rank_started_elsewhere_joins(tiny_engine, monkeypatch):
+    """The multi-node set-up, with both 'nodes' on loopback: rank 0 starts no worker
+    (TRITIUM_TP_LOCAL_RANKS=1) and waits at TRITIUM_TP_MASTER_ADDR:PORT; rank 1 is started by
+    hand, as an operator would on the other machine. Same tokens as TP = 1; close() stops it."""
+    import subprocess
+    import sys
+
+    from tritium.backend.parallel.comm import free_port
+    path = tiny_engine("llama", "float32", tensor_parallel_size=2)
+    port = free_port()
+    monkeypatch.setenv("TRITIUM_TP_LOCAL_RANKS", "1")
+    monkeypatch.setenv("TRITIUM_TP_MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("TRITIUM_TP_MASTER_PORT", str(port))
+    proc = subprocess.Popen([sys.executable, "-m", "tritium.backend.parallel.worker", "--engine-dir", path,
+                             "--rank", "1", "--world-size", "2", "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), "--device", "cpu", "--threads", "1"],
+                            start_new_session=True)
+    try:
+        with open_tp(path, num_kv_blocks=64) as eng:
+            assert eng.runner.workers == []  # nothing spawned locally
+            tok2, _ = greedy_with_logits(eng)
+        assert proc.wait(30) == 0  # told to stop by the engine's close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with LLMEngine(tiny_engine("llama", "float32"), device="cpu", num_kv_blocks=64) as e1:
+        tok1, _ = greedy_with_logits(e1)
+    assert tok2 == tok1

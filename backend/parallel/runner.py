@@ -9,6 +9,11 @@ the rank and its exit code, the runner stops the other workers and stays failed 
 False) until the engine is rebuilt. While idle, a heartbeat (an empty broadcast every
 HEARTBEAT_S) keeps the workers' waits short of the collective timeout and notices a dead worker
 without a request. close() stops the workers (then kills any left after STOP_TIMEOUT_S).
+
+Ranks on other machines (multi-node; docs/tensor-parallel.md): TRITIUM_TP_LOCAL_RANKS = k
+makes rank 0 start only ranks 1..k-1 and wait for ranks k..N-1, which an operator starts
+elsewhere with `python -m tritium.backend.parallel.worker` and the same TRITIUM_TP_MASTER_ADDR
+(this host's address as the others reach it) and TRITIUM_TP_MASTER_PORT.
 """
 from __future__ import annotations
 
@@ -72,9 +77,16 @@ class ParallelRunner(ModelRunner):
         self._error: Optional[str] = None
         self._closed = False
         self._last_use = time.monotonic()
-        port = free_port(master_addr)
+        master_addr = os.environ.get("TRITIUM_TP_MASTER_ADDR", master_addr)
+        port = int(os.environ.get("TRITIUM_TP_MASTER_PORT") or 0) or free_port(master_addr)
+        local = int(os.environ.get("TRITIUM_TP_LOCAL_RANKS") or n)
+        if not 1 <= local <= n:
+            raise ValueError(f"TRITIUM_TP_LOCAL_RANKS must be in [1, {n}], got {local}")
+        if local < n:
+            print(f"tritium: tensor parallelism: waiting for ranks {local}..{n - 1} to join at "
+                  f"{master_addr}:{port}", file=sys.stderr, flush=True)
         py = worker_python()
-        for rank in range(1, n):
+        for rank in range(1, local):
             cmd = [py, "-m", "tritium.backend.parallel.worker", "--engine-dir", os.path.abspath(engine_dir),
                    "--rank", str(rank), "--world-size", str(n), "--master-addr", master_addr,
                    "--master-port", str(port), "--device", worker_device(device, rank),
