@@ -25,8 +25,7 @@ import torch
 
 from tritium.backend.config import EngineConfig
 from tritium.backend.parallel.layout import TensorParallelError, layout_to_dict, plan_layout
-
-from .quantize_int4 import pack_int4, unpack_int4
+from tritium.kernels.quant_layouts import pack_int4, unpack_int4
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.(\w+)$")
 _KV = re.compile(r"^layers\.(\d+)\.(k_scale|v_scale|k_offset|v_offset)$")

@@ -21,10 +21,9 @@ from tritium.backend.parallel.runner import TensorParallelWorkerError
 from tritium.backend.sampling_params import SamplingParams
 
 from test_runtime_engine import run_staggered, workload
-from tp_utils import processes_with, record_logits, wait_no_workers
+from tp_utils import processes_with, record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-os.environ.setdefault("TRITIUM_TP_TIMEOUT_S", "120")  # no hung collective outlives a test for long
+pytestmark = pytest.mark.usefixtures("one_thread", "tp_timeout")
 
 PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],
            [1, 600, 601, 602], [999]]

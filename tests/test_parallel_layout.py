@@ -14,7 +14,7 @@ from tritium.backend.config import EngineConfig, LayerQuant, ModelConfig, QuantC
 from tritium.backend.parallel import step_message as msg
 from tritium.backend.parallel.layout import TensorParallelError, head_ranges, local_config, plan_layout
 from tritium.backend.step_arrays import StepArrays
-from tritium.builder.quantize_int4 import dequantize_int4, pack_int4
+from tritium.kernels.quant_layouts import dequantize_int4, pack_int4
 from tritium.builder.tp_shard import shard_engine_tensors
 
 

@@ -19,9 +19,9 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 
-from tp_utils import record_logits, wait_no_workers
+from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "tp_timeout")]
 
 PROMPTS = ["<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
            "The three primary colours are", "def fibonacci(n):"]

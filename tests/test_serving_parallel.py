@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from serving_utils import metric, scrape, wait_for
-from tp_utils import processes_with, wait_no_workers
+from tp_utils import processes_with, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def engines(tiny_engine, smollm2_engine):
 
 
 @pytest.fixture(scope="module")
-def server(engines, tmp_path_factory):
+def server(engines, tmp_path_factory, tp_timeout):
     from tritium.builder.repository import write_repository
     from tritium.client.server import TritonServer
     root = tmp_path_factory.mktemp("serving-tp")

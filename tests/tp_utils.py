@@ -5,6 +5,21 @@ import os
 import time
 from typing import List
 
+import pytest
+
+TEST_TIMEOUT_S = "120"  # collective timeout in tests: no hung collective outlives a test for long
+
+
+@pytest.fixture(scope="module")
+def tp_timeout():
+    old = os.environ.get("TRITIUM_TP_TIMEOUT_S")
+    os.environ["TRITIUM_TP_TIMEOUT_S"] = TEST_TIMEOUT_S
+    yield
+    if old is None:
+        os.environ.pop("TRITIUM_TP_TIMEOUT_S", None)
+    else:
+        os.environ["TRITIUM_TP_TIMEOUT_S"] = old
+
 
 def record_logits(engine) -> List:
     """Wrap engine.runner.run so every step's logits are kept (the real run still does the work)."""

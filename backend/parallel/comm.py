@@ -15,8 +15,13 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-# Collective timeout (seconds): a rank that stops answering fails the step after this long.
-DEFAULT_TIMEOUT_S = float(os.environ.get("TRITIUM_TP_TIMEOUT_S", "300"))
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def timeout_s() -> float:
+    """Collective timeout (seconds; $TRITIUM_TP_TIMEOUT_S, default 300): a rank that stops
+    answering fails the step after this long."""
+    return float(os.environ.get("TRITIUM_TP_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
 
 
 def backend_for(device: torch.device) -> str:
@@ -31,12 +36,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_group(rank: int, world_size: int, addr: str, port: int, device: torch.device,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+               timeout: float) -> None:
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
                            "engine per process (close the other engine first)")
     dist.init_process_group(backend_for(device), init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
 
 
 def destroy_group() -> None:

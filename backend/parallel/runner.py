@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,10 @@ import torch
 
 from ..model_runner import ModelRunner
 from . import step_message as msg
-from .comm import DEFAULT_TIMEOUT_S, TPGroup, destroy_group, free_port, init_group
+from .comm import TPGroup, destroy_group, free_port, init_group, timeout_s as default_timeout_s
 from .handshake import agree_num_blocks
 from .layout import layout_from_config
+from .worker import READY_LINE
 
 HEARTBEAT_S = 5.0
 STOP_TIMEOUT_S = 10.0
@@ -69,8 +71,9 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, engine_dir: str, cfg, model, device: torch.device, num_kv_blocks: Optional[int] = None,
                  kv_cache_memory_bytes: Optional[int] = None, threads_per_rank: Optional[int] = None,
-                 master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S):
+                 master_addr: str = "127.0.0.1", timeout_s: Optional[float] = None):
         n = cfg.tensor_parallel_size
+        timeout_s = timeout_s or default_timeout_s()
         self.world_size = n
         self.workers: List[subprocess.Popen] = []
         self._lock = threading.Lock()
@@ -93,9 +96,10 @@ class ParallelRunner(ModelRunner):
                    "--timeout", str(timeout_s), "--parent-pid", str(os.getpid())]
             if threads_per_rank:
                 cmd += ["--threads", str(threads_per_rank)]
-            self.workers.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            self.workers.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE))
         atexit.register(self.close)
         try:
+            self._wait_loaded(timeout_s)
             self._join(master_addr, port, device, timeout_s)
             self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device)
             model.set_tensor_parallel(self.tp)
@@ -108,6 +112,27 @@ class ParallelRunner(ModelRunner):
         self._heartbeat.start()
 
     # ------------------------------------------------------------------ start-up
+    def _wait_loaded(self, timeout_s) -> None:
+        """Wait for each local worker's READY_LINE (its shard is loaded) before joining the group,
+        so that a worker that cannot load fails the start-up at once, with its exit code."""
+        deadline = time.monotonic() + timeout_s
+        for rank, p in enumerate(self.workers, start=1):
+            buf = b""
+            while (READY_LINE + "\n").encode() not in buf:
+                if p.poll() is not None:
+                    raise TensorParallelWorkerError(f"tensor-parallel start-up failed: {self._dead_workers()} "
+                                                    f"(its error is in the log above)")
+                if time.monotonic() > deadline:
+                    raise TensorParallelWorkerError(f"tensor-parallel start-up: worker rank {rank} did not load "
+                                                    f"within {timeout_s} s")
+                ready, _, _ = select.select([p.stdout], [], [], INIT_POLL_S)
+                if ready:
+                    chunk = os.read(p.stdout.fileno(), 4096)
+                    if not chunk:  # the worker closed its end: it is exiting
+                        p.wait(STOP_TIMEOUT_S)
+                        continue
+                    buf = (buf + chunk)[-4096:]
+
     def _join(self, addr, port, device, timeout_s) -> None:
         """init_process_group as rank 0, failing fast when a worker exits during start-up."""
         result: dict = {}
@@ -210,6 +235,8 @@ class ParallelRunner(ModelRunner):
                 p.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
+            if p.stdout is not None:
+                p.stdout.close()
 
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""

@@ -21,11 +21,12 @@ import torch
 from ..loader import load_engine
 from ..model_runner import ModelRunner
 from . import step_message as msg
-from .comm import DEFAULT_TIMEOUT_S, TPGroup, destroy_group, init_group
+from .comm import TPGroup, destroy_group, init_group, timeout_s
 from .layout import layout_from_config
 from .handshake import agree_num_blocks
 
 PARENT_POLL_S = 0.5
+READY_LINE = "tritium-worker-ready"
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -42,7 +43,13 @@ def serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, model, _ = load_engine(args.engine_dir, args.device, rank=args.rank)
-    init_group(args.rank, args.world_size, args.master_addr, args.master_port, device, args.timeout)
+    # Tell rank 0 the shard loaded (it joins the group only then), and send any later output of
+    # this process to stderr so that the pipe is never written again.
+    sys.stdout.flush()
+    os.write(1, (READY_LINE + "\n").encode())
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    init_group(args.rank, args.world_size, args.master_addr, args.master_port, device, args.timeout or timeout_s())
     try:
         tp = TPGroup(args.rank, args.world_size, [r.vocab for r in layout_from_config(cfg)], device)
         model.set_tensor_parallel(tp)
@@ -72,7 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--timeout", type=float, default=None,
+                   help="collective timeout in seconds (default $TRITIUM_TP_TIMEOUT_S or 300)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = p.parse_args(argv)
     # A Ctrl-C / SIGINT to the server's process group is for the server: the engine stops its
