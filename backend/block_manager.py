@@ -157,6 +157,22 @@ class BlockManager:
         seq.block_table.extend(self._pop_free() for _ in range(max(needed, 0)))
         return copies
 
+    def truncate(self, seq, num_tokens: int) -> None:
+        """Speculative rollback: seq keeps the K/V of its first num_tokens tokens (sets
+        num_computed_tokens); the blocks past them, written only by rejected proposals, are freed.
+        They were never registered as full prefix blocks (only computed, verified tokens are)."""
+        assert num_tokens <= seq.num_computed_tokens
+        keep = cdiv(num_tokens, self.block_size)
+        for bid in reversed(seq.block_table[keep:]):
+            block = self.blocks[bid]
+            assert block.ref_cnt > 0, f"double free of block {bid}"
+            assert block.block_hash is None, f"block {bid} past the verified tokens is cached"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[bid] = None
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_tokens
+
     def fork(self, parent, child) -> None:
         """child shares all of parent's blocks (ref_cnt + 1 each); writes diverge by copy-on-write."""
         assert not child.block_table

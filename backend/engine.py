@@ -22,6 +22,10 @@ from .prompt_limits import encode_prompt, max_token_chars
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from .speculative.config import SpeculativeConfig
+from .speculative.draft import DraftProposer
+from .speculative.speculator import Speculator
+from .speculative.verify import verify
 from .stats import engine_stats
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -56,7 +60,9 @@ class LLMEngine:
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 threads_per_rank: Optional[int] = None):
+                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None):
+        if speculative is not None:
+            speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)
         runner = None
         if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
@@ -65,6 +71,8 @@ class LLMEngine:
         try:
             self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                         enable_prefix_caching, kv_cache_memory_bytes, runner)
+            if speculative is not None:
+                self.enable_speculation(speculative)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -77,12 +85,37 @@ class LLMEngine:
             raise ValueError("LLMEngine.from_model takes a single-rank model; open a tensor-parallel engine "
                              "with LLMEngine(engine_dir), which starts its workers")
         self = cls.__new__(cls)
+        speculative = kwargs.pop("speculative", None)
         self._setup(cfg, model, tokenizer, kwargs.pop("num_kv_blocks", None), kwargs.pop("max_num_seqs", None),
                     kwargs.pop("max_num_batched_tokens", None), kwargs.pop("enable_prefix_caching", True),
                     kwargs.pop("kv_cache_memory_bytes", None))
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        if speculative is not None:
+            self.enable_speculation(speculative)
         return self
+
+    def enable_speculation(self, config: SpeculativeConfig, draft_engine: Optional["LLMEngine"] = None) -> None:
+        """Turn on speculative decoding (docs/speculative.md). Method "draft" loads
+        config.draft_engine_dir (or uses draft_engine's model) as the proposer; it must have this
+        engine's vocabulary."""
+        config.validate()
+        draft = None
+        if config.method == "draft":
+            if draft_engine is None:
+                dcfg, dmodel, dtok = load_engine(config.draft_engine_dir, str(self.device))
+            else:
+                dcfg, dmodel, dtok = draft_engine.config, draft_engine.runner.model, draft_engine.tokenizer
+            if dcfg.tensor_parallel_size > 1:
+                raise ValueError("the draft engine must be a single-rank engine (tensor_parallel_size 1), "
+                                 f"got tensor_parallel_size {dcfg.tensor_parallel_size}")
+            num_blocks = config.draft_num_kv_blocks
+            if num_blocks is None:  # room for every token the target's pool holds, plus k per sequence
+                tokens = self.block_manager.num_blocks * self.block_size
+                num_blocks = cdiv(tokens, dcfg.limits.block_size) + self.scheduler.max_num_seqs * cdiv(
+                    config.num_speculative_tokens, dcfg.limits.block_size)
+            draft = DraftProposer(dcfg, dmodel, dtok, self.config, self.tokenizer, self.device, num_blocks)
+        self.speculator = Speculator(config, draft)
 
     def _setup(self, cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                enable_prefix_caching, kv_cache_memory_bytes, runner=None):
@@ -108,6 +141,8 @@ class LLMEngine:
         self.num_computed_tokens = 0
         self.thread_policy: Optional[ThreadPolicy] = None  # None: torch's thread count as it is
         self._token_chars: Optional[int] = None  # prompt_limits.max_token_chars, computed on first use
+        self.speculator: Optional[Speculator] = None  # enable_speculation()
+        self._spec_delta = (0, 0)  # (proposed, accepted) tokens of the last step
 
     # ------------------------------------------------------------------ requests
     def _validate(self, request_id, prompt, prompt_token_ids, params, priority) -> List[int]:
@@ -193,25 +228,38 @@ class LLMEngine:
     def step(self) -> List[RequestOutput]:
         """Run one iteration; returns outputs of the requests that changed."""
         outputs, self._aborted = self._aborted, []
+        if self.speculator is not None:
+            self.speculator.propose(self)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         if self.thread_policy is not None:
             self.thread_policy.apply(sched.num_batched_tokens)
+        t0 = time.perf_counter()
         logits = self.runner.run(sched)
-        return outputs + self.postprocess(sched, logits)
+        seconds = time.perf_counter() - t0
+        outputs += self.postprocess(sched, logits)
+        if self.speculator is not None:
+            self.speculator.observe_step(seconds, *self._spec_delta)
+        return outputs
 
     def postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> List[RequestOutput]:
-        """Advance computed counts, cache full blocks, fork n > 1 samples, sample, check stops."""
+        """Advance computed counts, cache full blocks, fork n > 1 samples, sample, verify
+        speculative proposals, check stops."""
         now = time.monotonic()
         self.num_steps += 1
         sample_seqs: List[Sequence] = []
         rows: List[int] = []
-        num_rows = 0  # logits rows come one per sequence that completed its tokens, in order
+        verifying = []  # (seq, first logits row) of sequences that verify a proposal
+        num_rows = 0  # logits rows come one per sequence that completed its tokens (1 + k when verifying), in order
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            seq.num_computed_tokens += n
             seq.request.metrics.num_scheduled_tokens += n
             self.num_computed_tokens += n
+            if seq.spec_token_ids:
+                verifying.append((seq, num_rows))
+                num_rows += n
+                continue  # its computed count and blocks are settled by _verify
+            seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk: nothing to sample yet
@@ -223,15 +271,19 @@ class LLMEngine:
                     self.scheduler.fork(seq, child)  # shares the prompt's blocks; same logits row
                     sample_seqs.append(child)
                     rows.append(row)
-        if not sample_seqs:
-            return []
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
-        tokens, entries = self.runner.sample(logits, sample_seqs)
         touched: Dict[str, Request] = {}
-        for seq, tok, entry in zip(sample_seqs, tokens, entries):
-            self._append_token(seq, tok, entry, now)
-            touched[seq.request.request_id] = seq.request
+        self._spec_delta = (0, 0)
+        if verifying:
+            self._verify(verifying, logits, now)
+            for seq, _ in verifying:
+                touched[seq.request.request_id] = seq.request
+        if sample_seqs:
+            if len(rows) != logits.shape[0]:
+                logits = logits[torch.tensor(rows)]
+            tokens, entries = self.runner.sample(logits, sample_seqs)
+            for seq, tok, entry in zip(sample_seqs, tokens, entries):
+                self._append_token(seq, tok, entry, now)
+                touched[seq.request.request_id] = seq.request
         outs = []
         for rid, req in touched.items():
             outs.append(self._make_output(req))
@@ -239,6 +291,34 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self.requests.pop(rid, None)
         return outs
+
+    def _verify(self, verifying, logits: torch.Tensor, now: float) -> None:
+        """Speculative decoding: accept a prefix of each proposal (verify.verify), roll back the
+        K/V of the rejected tokens, append the accepted tokens and the target's own."""
+        proposed = accepted = 0
+        spec = self.speculator
+        with torch.inference_mode():
+            for seq, row in verifying:
+                proposal, q = seq.spec_token_ids, seq.spec_draft_probs
+                k = len(proposal)
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
+                tokens, entries = verify(logits[row:row + k + 1], seq, proposal, q, spec.rule)
+                a = len(tokens) - 1
+                proposed += k
+                accepted += a
+                seq.request.metrics.num_spec_proposed_tokens += k
+                seq.request.metrics.num_spec_accepted_tokens += a
+                # K/V is valid for token_ids and the accepted proposal; the rest is rolled back.
+                seq.num_computed_tokens = seq.num_tokens + k
+                self.block_manager.truncate(seq, seq.num_tokens + a)
+                for tok, entry in zip(tokens, entries):
+                    self._append_token(seq, tok, entry, now)
+                    if seq.is_finished:
+                        break
+                if not seq.is_finished:
+                    self.block_manager.cache_full_blocks(seq)
+        spec.num_verify_rows += len(verifying)
+        self._spec_delta = (proposed, accepted)
 
     def _append_token(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
         req, p = seq.request, seq.request.params

@@ -100,14 +100,17 @@ class ModelRunner:
         for seq, n in zip(sched.seqs, sched.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            spec = seq.spec_token_ids
+            # A speculating decode computes its last token and its proposal (after token_ids).
+            ids.extend((seq.token_ids + spec if spec else seq.token_ids)[start:end])
             pos = np.arange(start, end)
             positions.append(pos)
             table = np.asarray(seq.block_table, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             seq_lens.append(end)
-            if end == seq.num_tokens:
-                logit_rows.append(len(ids) - 1)
+            if end == seq.num_tokens + len(spec):
+                # One logits row per token to sample; k + 1 for a proposal of k tokens.
+                logit_rows.extend(range(len(ids) - 1 - len(spec), len(ids)))
         max_blocks = max(len(s.block_table) for s in sched.seqs)
         tables = np.zeros((len(sched.seqs), max_blocks), dtype=np.int32)
         for i, seq in enumerate(sched.seqs):
@@ -143,7 +146,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """One forward pass. Returns float32 logits (on CPU), one row per sequence that completes
-        its tokens this step (in sched.seqs order); partial prompt chunks get no row."""
+        its tokens this step (in sched.seqs order), 1 + k rows for one verifying k proposed
+        tokens; partial prompt chunks get no row."""
         return self.execute(self.prepare_arrays(sched))
 
     @torch.inference_mode()

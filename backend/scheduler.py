@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, cdiv
 from .sequence import Sequence, SequenceStatus
 
 
@@ -25,7 +25,8 @@ class SchedulerOutput:
     """What one engine step computes."""
     # Sequences to run this step, in batch order (their tokens are laid out in this order).
     seqs: List[Sequence] = field(default_factory=list)
-    # How many new tokens each of `seqs` computes this step: a prompt chunk, or 1 for a decode.
+    # How many new tokens each of `seqs` computes this step: a prompt chunk, or 1 for a decode
+    # (1 + len(seq.spec_token_ids) for a decode that verifies a speculative proposal).
     num_new_tokens: List[int] = field(default_factory=list)
     # Copy-on-write block copies (src_block, dst_block) the runner must do before the forward.
     block_copies: List[Tuple[int, int]] = field(default_factory=list)
@@ -90,6 +91,8 @@ class Scheduler:
             seq = queue[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running sequence with nothing to compute: {seq}"
+            if seq.spec_token_ids:
+                num_new += self._fit_proposal(seq, budget - num_new, reserve=len(queue) - i - 1)
             while not self.bm.can_append(seq, num_new):
                 victim = queue.pop()
                 self._preempt(victim)
@@ -130,8 +133,28 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _fit_proposal(self, seq: Sequence, budget: int, reserve: int) -> int:
+        """Speculative decoding: a decoding sequence also computes its proposed tokens, as many as
+        the token budget and the free blocks allow while `reserve` blocks stay free for the running
+        sequences after it (so a proposal does not cause a preemption).
+        Trims seq.spec_token_ids to what is scheduled; returns its length."""
+        k = min(len(seq.spec_token_ids), max(budget, 0))
+        if k:
+            bm = self.bm
+            have = max(len(seq.block_table), cdiv(seq.num_computed_tokens + 1, bm.block_size))
+            extra = cdiv(seq.num_computed_tokens + 1 + k, bm.block_size) - have
+            if extra > 0 and (not bm.can_append(seq, 1 + k) or bm.num_free_blocks - extra < reserve):
+                # Only what fits in the blocks the decode itself needs.
+                k = min(k, have * bm.block_size - seq.num_computed_tokens - 1)
+        if k < len(seq.spec_token_ids):
+            del seq.spec_token_ids[k:]
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:k] if k else None
+        return k
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and send it back to wait (recompute later)."""
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         self.running.remove(seq)
         self.bm.free(seq)
         self.num_preemptions += 1

@@ -48,6 +48,10 @@ class Sequence:
         self.cum_logprob = 0.0
         self.detok = None                          # IncrementalDetokenizer, set by the engine
         self.unreported_token_ids: List[int] = []    # tokens appended since the last output
+        # Speculative decoding: tokens proposed for this step (computed after token_ids, verified in
+        # postprocess, never part of token_ids) and the draft's probabilities for them (k, V) or None.
+        self.spec_token_ids: List[int] = []
+        self.spec_draft_probs: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +92,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0  # tokens this request ran through the model (all samples, recompute included)
+    num_spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified (all samples)
+    num_spec_accepted_tokens: int = 0  # of those, accepted
 
     def to_dict(self) -> Dict[str, Any]:
         d = dict(self.__dict__)

@@ -29,7 +29,7 @@ def engine_stats(engine) -> dict:
     used, free, cached = bm.usage()
     live = kv_live_tokens(engine)
     sched = engine.scheduler
-    return {
+    out = {
         "kv_blocks_used": used,
         "kv_blocks_free": free,
         "kv_blocks_cached": cached,
@@ -45,4 +45,10 @@ def engine_stats(engine) -> dict:
         "num_steps": engine.num_steps,
         "num_computed_tokens": engine.num_computed_tokens,
         "num_generated_tokens": engine.num_generated_tokens,
+        # Speculative decoding (0 when off): tritium_spec_proposed/accepted_tokens_total.
+        "spec_proposed_tokens": 0,
+        "spec_accepted_tokens": 0,
     }
+    if engine.speculator is not None:
+        out.update(engine.speculator.stats())
+    return out

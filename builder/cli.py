@@ -5,8 +5,9 @@ import argparse
 import os
 import sys
 
-from tritium.backend.config import (SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
+from tritium.backend.config import (ENGINE_CONFIG_FILE, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
                                     SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
+from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 
 
 def register(sub) -> None:
@@ -53,7 +54,34 @@ def register(sub) -> None:
                    help="with --repo: engine replicas in one server (Triton instance_group count; each loads the "
                         "engine, and its tensor-parallel workers, once; default 1)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
+    g = p.add_argument_group("speculative decoding in --repo (docs/speculative.md)")
+    g.add_argument("--speculative", default=None, choices=METHODS,
+                   help="the served model speculates: ngram (prompt lookup) or draft (--draft-engine proposes)")
+    g.add_argument("--draft-engine", default=None, metavar="DIR",
+                   help="draft engine directory for --speculative draft (same tokenizer, e.g. an int4 build)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per step, 1..16 (default 4)")
     p.set_defaults(func=run)
+
+
+def speculative_params(args: argparse.Namespace) -> dict:
+    """--speculative / --draft-engine / --num-speculative-tokens -> config.pbtxt parameters (checked)."""
+    method = getattr(args, "speculative", None)
+    draft, k = getattr(args, "draft_engine", None), getattr(args, "num_speculative_tokens", None)
+    if method is None:
+        if draft is not None or k is not None:
+            raise ValueError("--draft-engine and --num-speculative-tokens need --speculative ngram|draft")
+        return {}
+    if not getattr(args, "repo", None):
+        raise ValueError("--speculative configures the served model: it needs --repo")
+    cfg = SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
+                            draft_engine_dir=draft).validate()
+    out = {"speculative_method": cfg.method, "num_speculative_tokens": str(cfg.num_speculative_tokens)}
+    if draft is not None:
+        if not os.path.isfile(os.path.join(os.path.expanduser(draft), ENGINE_CONFIG_FILE)):
+            raise ValueError(f"--draft-engine {draft}: no {ENGINE_CONFIG_FILE} there; build the draft engine first")
+        out["draft_engine_dir"] = draft if draft.startswith("~") else os.path.abspath(draft)
+    return out
 
 
 def options_from_args(args: argparse.Namespace):
@@ -70,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from .build import build_engine
     if getattr(args, "instances", 1) < 1:  # before the build, not after it
         raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
+    spec_params = speculative_params(args)  # checked before the (long) build
     cfg = build_engine(options_from_args(args))
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
@@ -78,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "repo", None):
         from .repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
-        models = write_repository(args.repo, name, args.output, instances=getattr(args, "instances", 1))
+        models = write_repository(args.repo, name, args.output, instances=getattr(args, "instances", 1),
+                                  engine_params=spec_params)
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return 0

@@ -6,7 +6,8 @@ One prompt (text or --prompt-ids), or --input-file F.jsonl with one request per 
 All requests run together through the engine; results print as one JSON object per request
 (per sample when --n > 1), in input order:
     {"text", "token_ids", "prompt_token_ids", "finish_reason"} (+ "index" for n > 1, + "logprobs")
---stats then prints one JSON object of engine stats.
+--stats then prints one JSON object of engine stats (with --speculative: spec_proposed_tokens,
+spec_accepted_tokens, spec_acceptance_rate; tokens per step = num_generated_tokens / num_steps).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import sys
 
+from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
 
 
@@ -34,6 +36,25 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default: engine max batch)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 2048)")
+    g.add_argument("--speculative", default=None, choices=METHODS,
+                   help="speculative decoding: ngram (prompt lookup) or draft (--draft-engine proposes); "
+                        "output is the same as without (greedy) or has the same distribution (sampling)")
+    g.add_argument("--draft-engine", default=None, metavar="DIR",
+                   help="draft engine for --speculative draft (same tokenizer, e.g. an int4 build of the model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"tokens proposed per step, 1..16 (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+
+
+def speculative_config(args):
+    """--speculative / --draft-engine / --num-speculative-tokens -> SpeculativeConfig or None (checked)."""
+    method = getattr(args, "speculative", None)
+    draft, k = getattr(args, "draft_engine", None), getattr(args, "num_speculative_tokens", None)
+    if method is None:
+        if draft is not None or k is not None:
+            raise ValueError("--draft-engine and --num-speculative-tokens need --speculative ngram|draft")
+        return None
+    return SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
+                             draft_engine_dir=draft).validate()
 
 
 def _params(args, overrides: dict):
@@ -85,8 +106,9 @@ def run_engine(args: argparse.Namespace) -> int:
         raise ValueError("give a PROMPT, --prompt-ids or --input-file")
     if getattr(args, "chat", False):
         items = _apply_chat_template(args, items)
+    spec = speculative_config(args)
     engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
+                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, speculative=spec)
     for i, (prompt, overrides) in enumerate(items):
         try:
             engine.add_request(str(i), params=_params(args, overrides), **prompt)

@@ -66,6 +66,9 @@ def run_remote(args: argparse.Namespace) -> int:
     from tritium.client.triton_client import TritiumClient, TritiumClientError
     if getattr(args, "stats", False):
         raise ValueError("--stats reports an in-process engine; for a server read its /metrics endpoint")
+    if getattr(args, "speculative", None) or getattr(args, "draft_engine", None):
+        raise ValueError("--speculative configures an in-process engine; a server speculates when its model "
+                         "config says so (tritium build --repo ... --speculative ngram|draft)")
     if getattr(args, "input_file", None):
         if args.prompt is not None or getattr(args, "prompt_ids", None):
             raise ValueError("--input-file replaces PROMPT and --prompt-ids; give only one")

@@ -2,7 +2,8 @@
 
 They appear on tritonserver's /metrics endpoint, each labelled with model and version:
 histograms of time to first token, inter-token latency and request latency; counters of prompt
-tokens, generated tokens and preemptions; gauges of KV-cache blocks and requests by state.
+tokens, generated tokens, preemptions and speculative decoding's proposed and accepted tokens
+(acceptance rate = accepted / proposed; tokens per step = generated / engine steps); gauges of KV-cache blocks and requests by state.
 `pb_utils` is passed in so this module imports without a server.
 """
 from __future__ import annotations
@@ -59,6 +60,13 @@ class TritiumMetrics:
         self._families.append(f)
         f, self.healthy = one("tritium_engine_healthy", "1 while the engine loop runs, 0 once it died", mf.GAUGE)
         self._families.append(f)
+        f, self.spec_proposed = one("tritium_spec_proposed_tokens_total",
+                                    "Speculative decoding: proposed tokens verified by the target", mf.COUNTER)
+        self._families.append(f)
+        f, self.spec_accepted = one("tritium_spec_accepted_tokens_total",
+                                    "Speculative decoding: proposed tokens the target accepted", mf.COUNTER)
+        self._families.append(f)
+        self._spec_seen = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
         self._preemptions_seen = 0
         self._steps_seen = 0
         self._rejected_seen = 0
@@ -112,6 +120,12 @@ class TritiumMetrics:
             if rejected > self._rejected_seen:
                 self.rejected.increment(rejected - self._rejected_seen)
                 self._rejected_seen = rejected
+            for key, counter in (("spec_proposed_tokens", self.spec_proposed),
+                                 ("spec_accepted_tokens", self.spec_accepted)):
+                total = int(stats.get(key, 0))
+                if total > self._spec_seen[key]:
+                    counter.increment(total - self._spec_seen[key])
+                    self._spec_seen[key] = total
             steps = int(stats.get("num_steps", 0))
             if steps > self._steps_seen:
                 self.steps.increment(steps - self._steps_seen)

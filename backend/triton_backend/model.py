@@ -9,6 +9,8 @@ config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Param
 steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy), and for a
 tensor-parallel engine `threads_per_rank` (threads of each worker process; default: the cores
 divided by the ranks; also rank 0's default num_threads). See docs/tensor-parallel.md.
+Speculative decoding (docs/speculative.md): `speculative_method` (ngram or draft; empty =
+off), `draft_engine_dir` (for draft; a path like engine_dir) and `num_speculative_tokens` (default 4).
 
 One AsyncLLMEngine per model instance runs its own background loop; every request that any
 execute() call hands over joins the running batch at the next engine step. The engine's one
@@ -34,6 +36,7 @@ from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from tritium.backend.triton_backend.contract import resolve_path
 from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
@@ -71,6 +74,20 @@ def _engine_kwargs(params: dict) -> dict:
     return kw
 
 
+def _speculative(params: dict, model_dir: str):
+    """Parameters speculative_method / draft_engine_dir / num_speculative_tokens -> SpeculativeConfig or None."""
+    method = params.get("speculative_method", "").strip().lower()
+    draft = params.get("draft_engine_dir", "").strip()
+    k = _int_params(params, ("num_speculative_tokens",)).get("num_speculative_tokens")
+    if not method:
+        if draft or k is not None:
+            raise ValueError("parameters draft_engine_dir / num_speculative_tokens need speculative_method "
+                             "(ngram or draft)")
+        return None
+    return SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
+                             draft_engine_dir=resolve_path(draft, model_dir) if draft else None).validate()
+
+
 def _tensor_parallel_size(engine_dir: str) -> int:
     try:
         return EngineConfig.load(engine_dir).tensor_parallel_size
@@ -104,6 +121,9 @@ class TritonPythonModel:
         try:
             kwargs = _engine_kwargs(params)
             policy = _thread_policy(params, _tensor_parallel_size(engine_dir), kwargs)
+            spec = _speculative(params, model_dir)
+            if spec is not None:
+                kwargs["speculative"] = spec
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)

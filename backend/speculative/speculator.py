@@ -1,0 +1,113 @@
+"""The engine's speculative-decoding step: propose before scheduling, verify after the forward.
+
+Per engine step (LLMEngine.step):
+  1. propose(): every running sequence that is decoding (one token left to compute) may get a
+     proposal of up to k tokens in seq.spec_token_ids (and the draft's probabilities);
+  2. the scheduler gives it 1 + k tokens of the step's budget; the runner computes them with the
+     other decodes and prefill chunks in one forward and returns k + 1 logits rows for it;
+  3. postprocess calls verify.verify(); the accepted tokens plus one from the target are
+     appended and the K/V of rejected proposals is rolled back (BlockManager.truncate).
+
+Switch-off rule (measured; docs/speculative.md): a step of T tokens costs about a + b*T. With B
+sequences in the batch, acceptance rate alpha (accepted / proposed tokens, a running average)
+and a draft forward costing rho target forwards per proposed position (0 for the n-gram lookup),
+speculating wins iff  B * (1 - alpha + rho) < (alpha - rho) * r,  r = a / b
+(SpeculativeConfig.step_overhead_tokens). Otherwise the step runs plain decodes; one step in
+PROBE_PERIOD speculates anyway so alpha keeps tracking the traffic. Seeded sampling requests
+always speculate (when they have a proposal), so their tokens depend only on their seed and
+history, never on the rest of the batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+from .config import SpeculativeConfig
+from .ngram import ngram_propose
+from .verify import AcceptRule, speculative_sampling
+
+PROBE_PERIOD = 32
+EMA = 0.05           # weight of the newest step in the running averages
+ALPHA_PRIOR = 0.5    # acceptance rate assumed before any measurement
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, draft=None):
+        self.config = config.validate()
+        self.draft = draft  # DraftProposer for method "draft"
+        self.rule: AcceptRule = speculative_sampling
+        self.alpha = ALPHA_PRIOR
+        self.rho = 0.0       # draft forward / target forward (time), measured
+        self._target_step_s: Optional[float] = None
+        self._steps_off = 0
+        self.num_proposed = 0   # tokens proposed and verified
+        self.num_accepted = 0   # of those, accepted
+        self.num_verify_rows = 0  # sequence-steps that verified a proposal
+        self.num_steps_on = 0
+        self.num_steps_off = 0  # steps whose decodes did not speculate by the switch-off rule
+
+    # ------------------------------------------------------------------ the rule
+    def should_speculate(self, batch: int) -> bool:
+        r = self.config.step_overhead_tokens
+        if r == float("inf"):
+            return True
+        a, rho = self.alpha, self.rho
+        return batch * (1.0 - a + rho) < (a - rho) * r
+
+    # ------------------------------------------------------------------ 1. propose
+    def propose(self, engine) -> None:
+        running = engine.scheduler.running
+        for seq in running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+        # Decoding sequences: one token left to compute and past the prompt (the step that
+        # completes a prompt samples the first token and forks n > 1 samples; it never speculates).
+        cands = [s for s in running if s.num_tokens - s.num_computed_tokens == 1 and s.num_output_tokens > 0]
+        if self.draft is not None:
+            self.draft.release_finished()
+        if not cands:
+            return
+        if self.should_speculate(len(running)):
+            self._steps_off = 0
+            self.num_steps_on += 1
+        else:
+            self._steps_off += 1
+            if self._steps_off < PROBE_PERIOD:
+                self.num_steps_off += 1
+                cands = [s for s in cands if s.generator is not None and not s.request.params.is_greedy]
+                if not cands:
+                    return
+            else:
+                self._steps_off = 0
+        k_max = self.config.num_speculative_tokens
+        ks = []
+        for s in cands:
+            p = s.request.params
+            # Never past max_tokens (the emitted token comes on top) nor the engine's max_seq_len.
+            ks.append(max(0, min(k_max, p.max_tokens - s.num_output_tokens - 1, engine.max_seq_len - s.num_tokens)))
+        if self.draft is not None:
+            t0 = time.perf_counter()
+            steps = self.draft.propose(cands, ks)
+            if steps and self._target_step_s:
+                per_step = (time.perf_counter() - t0) / steps
+                self.rho = (1 - EMA) * self.rho + EMA * per_step / self._target_step_s
+            return
+        c = self.config
+        for s, k in zip(cands, ks):
+            if k:
+                s.spec_token_ids = ngram_propose(s.token_ids, k, c.ngram_min, c.ngram_max)
+
+    # ------------------------------------------------------------------ 3. verify (bookkeeping)
+    def observe_step(self, seconds: float, proposed: int, accepted: int) -> None:
+        """After a step: its forward time and the proposal outcome, for the running averages."""
+        self._target_step_s = seconds if self._target_step_s is None else \
+            (1 - EMA) * self._target_step_s + EMA * seconds
+        if proposed:
+            self.num_proposed += proposed
+            self.num_accepted += accepted
+            self.alpha = (1 - EMA) * self.alpha + EMA * accepted / proposed
+
+    def stats(self) -> dict:
+        return {"spec_method": self.config.method, "spec_proposed_tokens": self.num_proposed,
+                "spec_accepted_tokens": self.num_accepted, "spec_verify_rows": self.num_verify_rows,
+                "spec_acceptance_rate": self.num_accepted / self.num_proposed if self.num_proposed else 0.0,
+                "spec_steps_on": self.num_steps_on, "spec_steps_off": self.num_steps_off}
