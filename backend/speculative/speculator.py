@@ -73,7 +73,7 @@ class Speculator:
             self._steps_off += 1
             if self._steps_off < PROBE_PERIOD:
                 self.num_steps_off += 1
-                cands = [s for s in cands if s.generator is not None and not s.request.params.is_greedy]
+                cands = [s for s in cands if s.generator is not None and s.request.params.temperature != 0.0]
                 if not cands:
                     return
             else:
