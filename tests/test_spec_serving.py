@@ -2,7 +2,8 @@
 by the real `tritium build --repo ... --speculative ...` command (n-gram lookup with k = 5, and
 the engine's bfloat16 build as a draft with k = 3). Greedy streams must equal the in-process
 engine without speculation token for token, the spec counters must show on /metrics, and a
-cancelled speculating stream must give back its KV blocks."""
+cancelled speculating stream must give back its KV blocks. A third model serves SmolLM2 (float32)
+with the n-gram lookup, checked the same way on an input-grounded prompt."""
 from __future__ import annotations
 
 import os
@@ -22,8 +23,15 @@ MODELS = {"spec_ngram": ["--speculative", "ngram", "--num-speculative-tokens", "
           "spec_draft": ["--speculative", "draft", "--num-speculative-tokens", "3"]}
 
 
+SMOL_PROMPTS = [
+    "<|im_start|>user\nSummarise in one sentence: The city council met on Tuesday to discuss the new park. "
+    "The park would have a playground, a small lake and walking paths.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWhat is a good name for a cat?<|im_end|>\n<|im_start|>assistant\n"]
+
+
 @pytest.fixture(scope="module")
-def built(tiny_checkpoint, tmp_path_factory):
+def built(tiny_checkpoint, smollm2_engine, tmp_path_factory):
+    from tritium.builder.repository import write_repository
     from tritium.client.cli import main
     root = tmp_path_factory.mktemp("spec-serving")
     repo, draft = str(root / "repo"), str(root / "draft")
@@ -35,6 +43,9 @@ def built(tiny_checkpoint, tmp_path_factory):
         assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
                      "--repo", repo, "--name", name] + flags + extra) == 0
         engines[name] = engine
+    engines["smol_ngram"] = smollm2_engine("float32")
+    write_repository(repo, "smol_ngram", engines["smol_ngram"],
+                     engine_params={"speculative_method": "ngram", "num_speculative_tokens": "4"})
     return engines, repo, str(root)
 
 
@@ -42,7 +53,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 def server(built):
     from tritium.client.server import TritonServer
     _, repo, root = built
-    srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=list(MODELS))
+    srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=list(MODELS) + ["smol_ngram"])
     srv.start(timeout=240)
     yield srv
     assert srv.stop() == 0
@@ -84,6 +95,18 @@ def test_greedy_streams_equal_inprocess_without_speculation(server, oracle, mode
         chunks = list(c.stream(prompt, max_tokens=40, temperature=0.0, min_tokens=40))
         assert [t for ch in chunks for t in ch.token_ids] == ref, (model, prompt)
         assert sum(1 for ch in chunks if ch.finish_reason) == 1
+
+
+def test_smollm2_greedy_stream_equals_inprocess_without_speculation(server, built):
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    eng = LLMEngine(built[0]["smol_ngram"], device="cpu", num_kv_blocks=64)
+    for prompt in SMOL_PROMPTS:
+        (ref,) = eng.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))
+        chunks = list(client(server, "smol_ngram").stream(prompt, max_tokens=32, temperature=0.0))
+        assert [t for ch in chunks for t in ch.token_ids] == ref.outputs[0].token_ids
+    time.sleep(0.3)
+    assert metric(scrape(server), "tritium_spec_accepted_tokens_total", model="smol_ngram") > 0
 
 
 def test_spec_counters_on_metrics(server):
