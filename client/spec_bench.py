@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tritium.client.spec_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--engine", required=True, help="target engine directory")
     ap.add_argument("--draft-engine", default=None, help="draft engine (e.g. the int4 build of the same model)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the n-gram lookup (default 4)")
+    ap.add_argument("--draft-k", type=int, default=None, help="k of the draft engine (default: the same)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
@@ -174,11 +175,12 @@ def main(argv=None) -> int:
     engine = LLMEngine(args.engine, num_kv_blocks=1024, max_num_seqs=32)
     speculators = {"ngram": Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k))}
     if args.draft_engine:
-        engine.enable_speculation(SpeculativeConfig("draft", num_speculative_tokens=k,
+        engine.enable_speculation(SpeculativeConfig("draft", num_speculative_tokens=args.draft_k or k,
                                                     draft_engine_dir=args.draft_engine))
         speculators["draft"] = engine.speculator
     engine.speculator = None
-    print(f"# spec_bench: {args.engine} (draft {args.draft_engine}), k={k}, {args.threads} threads, "
+    print(f"# spec_bench: {args.engine} (draft {args.draft_engine}, k={args.draft_k or k}), ngram k={k}, "
+          f"{args.threads} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
     run_one(engine, tasks()["chat"][0], 8)  # warm-up
     skip = set(args.skip.split(","))
