@@ -7,7 +7,9 @@ ratio against plain decoding measured in the same run, runs interleaved (the hos
    on input-grounded tasks (summarise, edit, extract from a given text) and on open chat;
    acceptance rate (accepted / proposed tokens) and whether the output equals plain decoding;
 2. concurrency 16: 16 requests at once (mixed tasks), throughput (generated tokens / wall time)
-   with speculation (switch-off rule on) against plain decoding;
+   with speculation against plain decoding;
+Configurations: "ngram" / "draft" use the switch-off rule (the default), "ngram!" / "draft!"
+never switch off.
 3. the switch-off rule's constant: plain step time for B = 1 and B = 16 decodes, fitted to
    a + b * B; prints r = a / b (SpeculativeConfig.step_overhead_tokens).
 """
@@ -173,19 +175,25 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     k = args.num_speculative_tokens
     engine = LLMEngine(args.engine, num_kv_blocks=1024, max_num_seqs=32)
-    speculators = {"ngram": Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k))}
+    # "X" uses the switch-off rule (the default), "X!" never switches off (step_overhead_tokens inf).
+    always = float("inf")
+    speculators = {"ngram": Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k)),
+                   "ngram!": Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k, step_overhead_tokens=always))}
     if args.draft_engine:
-        engine.enable_speculation(SpeculativeConfig("draft", num_speculative_tokens=args.draft_k or k,
-                                                    draft_engine_dir=args.draft_engine))
+        dk = args.draft_k or k
+        engine.enable_speculation(SpeculativeConfig("draft", num_speculative_tokens=dk, draft_engine_dir=args.draft_engine))
         speculators["draft"] = engine.speculator
+        speculators["draft!"] = Speculator(SpeculativeConfig("draft", num_speculative_tokens=dk,
+                                                             draft_engine_dir=args.draft_engine,
+                                                             step_overhead_tokens=always), engine.speculator.draft)
     engine.speculator = None
     print(f"# spec_bench: {args.engine} (draft {args.draft_engine}, k={args.draft_k or k}), ngram k={k}, "
           f"{args.threads} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
     run_one(engine, tasks()["chat"][0], 8)  # warm-up
     skip = set(args.skip.split(","))
-    if "single" not in skip:
-        single_stream(engine, speculators, args.reps, args.max_tokens)
+    if "single" not in skip:  # one stream: the rule keeps the n-gram lookup on, "ngram!" adds nothing
+        single_stream(engine, {n: s for n, s in speculators.items() if n != "ngram!"}, args.reps, args.max_tokens)
     if "c16" not in skip:
         concurrency(engine, speculators, args.reps, args.max_tokens)
     if "cost" not in skip:

@@ -247,6 +247,10 @@ def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, wind
         out[start + t0:start + t1] = o.to(out.dtype)
 
 
+# Queries of at most this many tokens run as decode rows (1 + the largest speculative proposal).
+SHORT_QUERY_MAX = 17
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
@@ -256,9 +260,13 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decode_rows, decode_lens = [], []
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if qlen == 1:
-            decode_rows.append((b, start))
-            decode_lens.append(slen)
+        if 1 <= qlen <= SHORT_QUERY_MAX:
+            # A decode, or a few query tokens (a speculative verification, a small prefill chunk):
+            # token j is a decode row over the first slen - qlen + 1 + j keys (causal), so short
+            # queries share the decode kernel and its numerics.
+            for j in range(qlen):
+                decode_rows.append((b, start + j))
+                decode_lens.append(slen - qlen + 1 + j)
         elif qlen > 1:
             _prefill_one(q, out, start, qlen, slen, meta.block_tables[b], k_cache, v_cache, scale,
                          sliding_window, k_scale, v_scale)

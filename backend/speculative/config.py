@@ -10,7 +10,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Cost of one engine step's fixed part (weights read once, per-layer launches, Python) in units of
 # the cost of one more token in the batch: step_time(T tokens) ~ a + b * T, this is a / b.
 # Measured for SmolLM2-135M bf16 on this 2-core host (docs/speculative.md, "switch-off rule").
-DEFAULT_STEP_OVERHEAD_TOKENS = 12.0
+DEFAULT_STEP_OVERHEAD_TOKENS = 16.0
 
 
 @dataclass
