@@ -240,7 +240,7 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         outputs += self.postprocess(sched, logits)
         if self.speculator is not None:
-            self.speculator.observe_step(seconds, *self._spec_delta)
+            self.speculator.observe_step(seconds, len(sched.seqs), sched.num_batched_tokens, *self._spec_delta)
         return outputs
 
     def postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> List[RequestOutput]:

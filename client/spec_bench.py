@@ -115,6 +115,7 @@ def concurrency(engine, speculators: Dict[str, object], reps: int, max_tokens: i
     for _ in range(reps):
         for name, spec in [("plain", None)] + list(speculators.items()):
             engine.speculator = spec
+            engine.block_manager.reset_prefix_cache()  # every configuration prefills cold
             t = time.perf_counter()
             outs = engine.generate(prompts, params)
             wall = time.perf_counter() - t

@@ -12,8 +12,9 @@ Switch-off rule (measured; docs/speculative.md): a step of T tokens costs about 
 sequences in the batch, acceptance rate alpha (accepted / proposed tokens, a running average)
 and a draft forward costing rho target forwards per proposed position (0 for the n-gram lookup),
 speculating wins iff  B * (1 - alpha + rho) < (alpha - rho) * r,  r = a / b
-(SpeculativeConfig.step_overhead_tokens). Otherwise the step runs plain decodes; one step in
-PROBE_PERIOD speculates anyway so alpha keeps tracking the traffic. Seeded sampling requests
+(SpeculativeConfig.step_overhead_tokens). Otherwise the step runs plain decodes; with the n-gram
+lookup one step in PROBE_PERIOD speculates anyway so alpha keeps tracking the traffic (a draft
+does not probe: catching up would prefill every prompt in the draft). Seeded sampling requests
 always speculate (when they have a proposal), so their tokens depend only on their seed and
 history, never on the rest of the batch.
 """
@@ -71,7 +72,9 @@ class Speculator:
             self.num_steps_on += 1
         else:
             self._steps_off += 1
-            if self._steps_off < PROBE_PERIOD:
+            # Probe steps keep alpha current; the draft never probes (its first proposal for a
+            # sequence prefills the whole prompt in the draft), it resumes when the batch shrinks.
+            if self._steps_off < PROBE_PERIOD or self.draft is not None:
                 self.num_steps_off += 1
                 cands = [s for s in cands if s.generator is not None and s.request.params.temperature != 0.0]
                 if not cands:
@@ -97,10 +100,14 @@ class Speculator:
                 s.spec_token_ids = ngram_propose(s.token_ids, k, c.ngram_min, c.ngram_max)
 
     # ------------------------------------------------------------------ 3. verify (bookkeeping)
-    def observe_step(self, seconds: float, proposed: int, accepted: int) -> None:
-        """After a step: its forward time and the proposal outcome, for the running averages."""
-        self._target_step_s = seconds if self._target_step_s is None else \
-            (1 - EMA) * self._target_step_s + EMA * seconds
+    def observe_step(self, seconds: float, num_seqs: int, num_tokens: int, proposed: int, accepted: int) -> None:
+        """After a step: its forward time and the proposal outcome, for the running averages.
+        The step time is scaled to what a plain decode step of the same sequences would take
+        under the cost model (a + b * tokens), so that rho compares like with like."""
+        r = self.config.step_overhead_tokens
+        plain = seconds if r == float("inf") else seconds * (r + num_seqs) / (r + num_tokens)
+        self._target_step_s = plain if self._target_step_s is None else \
+            (1 - EMA) * self._target_step_s + EMA * plain
         if proposed:
             self.num_proposed += proposed
             self.num_accepted += accepted
