@@ -1,8 +1,9 @@
-"""Helpers for the serving tests: /metrics scraping, polling, raw gRPC requests."""
+"""Helpers for the serving tests: /metrics scraping, polling, raw gRPC requests, a cancelled stream."""
 from __future__ import annotations
 
 import queue
 import re
+import threading
 import time
 import urllib.request
 
@@ -73,3 +74,31 @@ def raw_grpc(server, model, fields):
         cl.stop_stream()
         cl.close()
     return outs, err
+
+
+def cancel_beside_others(others_client, cancel_client, other_prompts, other_tokens: int,
+                         cancel_prompt: str, cancel_tokens: int, chunks: int = 3):
+    """Stream `other_prompts` (each exactly other_tokens tokens, EOS banned) in threads while one
+    more stream of cancel_tokens is read for `chunks` chunks and then closed (which cancels it).
+    Returns (token counts of the other streams, their errors)."""
+    others, errors = [], []
+
+    def run_other(prompt):
+        try:
+            others.append(sum(len(ch.token_ids) for ch in others_client().stream(
+                prompt, max_tokens=other_tokens, temperature=0.0, min_tokens=other_tokens)))
+        except Exception as e:  # reported to the caller
+            errors.append(e)
+    threads = [threading.Thread(target=run_other, args=(p,)) for p in other_prompts]
+    for t in threads:
+        t.start()
+    stream = cancel_client().stream(cancel_prompt, max_tokens=cancel_tokens, temperature=0.0,
+                                    min_tokens=cancel_tokens)
+    try:
+        for _ in range(chunks):
+            next(stream)
+    finally:
+        stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection closes
+    for t in threads:
+        t.join(120)
+    return others, errors

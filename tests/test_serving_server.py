@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from serving_utils import metric, raw_grpc, scrape, wait_for
+from serving_utils import cancel_beside_others, metric, raw_grpc, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -200,25 +200,8 @@ def test_cancelled_stream_frees_kv_blocks(server, oracle, protocol):
     assert wait_for(lambda: _kv_used(server) == 0), "KV blocks still used before the test"
     time.sleep(0.3)  # metrics are flushed every 50 ms: let earlier counts land first
     gen_before = metric(scrape(server), "tritium_generation_tokens_total", model=NAME)
-    others, errors = [], []
-
-    def run_other(i):
-        try:
-            others.append(sum(len(ch.token_ids) for ch in client(server).stream(
-                f"{PROMPTS[2]} {i}", max_tokens=200, temperature=0.0, min_tokens=200)))
-        except Exception as e:  # reported below
-            errors.append(e)
-    threads = [threading.Thread(target=run_other, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    stream = client(server, protocol).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
-    try:
-        for _ in range(3):
-            next(stream)
-    finally:
-        stream.close()  # gRPC: stop_stream(cancel_requests=True); HTTP: the connection closes
-    for t in threads:
-        t.join(120)
+    others, errors = cancel_beside_others(lambda: client(server), lambda: client(server, protocol),
+                                          [f"{PROMPTS[2]} {i}" for i in range(6)], 200, PROMPTS[1], 200)
     assert not errors and others == [200] * 6, (errors, others)
     assert wait_for(lambda: _kv_used(server) == 0), "cancelled request kept its KV blocks"
     time.sleep(0.3)

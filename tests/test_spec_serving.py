@@ -7,12 +7,11 @@ with the n-gram lookup, checked the same way on an input-grounded prompt."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
 
-from serving_utils import metric, scrape, wait_for
+from serving_utils import cancel_beside_others, metric, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -124,25 +123,8 @@ def test_cancelled_speculating_stream_frees_kv_blocks(server, oracle, model):
     def used():
         return metric(scrape(server), "tritium_kv_cache_blocks", model=model, state="used")
     assert wait_for(lambda: used() == 0)
-    others, errors = [], []
-
-    def run_other(i):
-        try:
-            others.append(sum(len(ch.token_ids) for ch in client(server, model).stream(
-                f"{PROMPTS[0]} {i}", max_tokens=150, temperature=0.0, min_tokens=150)))
-        except Exception as e:  # reported below
-            errors.append(e)
-    threads = [threading.Thread(target=run_other, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    stream = client(server, model).stream(PROMPTS[1], max_tokens=200, temperature=0.0, min_tokens=200)
-    try:
-        for _ in range(3):
-            next(stream)
-    finally:
-        stream.close()
-    for t in threads:
-        t.join(120)
+    others, errors = cancel_beside_others(lambda: client(server, model), lambda: client(server, model),
+                                          [f"{PROMPTS[0]} {i}" for i in range(4)], 150, PROMPTS[1], 200)
     assert not errors and others == [150] * 4, (errors, others)
     assert wait_for(lambda: used() == 0), "a speculating request kept its KV blocks"
     assert client(server, model).generate(PROMPTS[0], max_tokens=20, temperature=0.0,
