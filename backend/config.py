@@ -21,6 +21,9 @@ BUILD_REPORT_FILE = "build_report.json"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq")
+# quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
+# not a --quantization choice: the source's own format is in quantization.imported.
+IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 
@@ -95,6 +98,9 @@ class QuantConfig:
     # Packing layouts keyed by LayerQuant.method: free text documenting tensor names/dtypes.
     layouts: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # provenance: text source, samples, hash
+    # method "imported": the source checkpoint's format, e.g. {"format": "gptq", "bits": 4,
+    # "group_size": 128, "desc_act": true, "sym": false, "checkpoint_format": "gptq"}
+    imported: dict = field(default_factory=dict)
 
 
 def _quant_config_from_dict(q: dict) -> QuantConfig:
@@ -191,9 +197,10 @@ class EngineConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise EngineFormatError(f"dtype {self.dtype!r} not in {SUPPORTED_DTYPES}")
-        if self.quantization.method not in SUPPORTED_QUANTIZATION:
+        if self.quantization.method not in SUPPORTED_QUANTIZATION + (IMPORTED_QUANTIZATION,):
             raise EngineFormatError(
-                f"quantization.method {self.quantization.method!r} not in {SUPPORTED_QUANTIZATION}")
+                f"quantization.method {self.quantization.method!r} not in "
+                f"{SUPPORTED_QUANTIZATION + (IMPORTED_QUANTIZATION,)}")
         if self.kv_cache.dtype not in SUPPORTED_KV_CACHE_DTYPES:
             raise EngineFormatError(f"kv_cache.dtype {self.kv_cache.dtype!r} not in {SUPPORTED_KV_CACHE_DTYPES}")
         if self.kv_cache.rotation not in SUPPORTED_KV_ROTATIONS:

@@ -107,6 +107,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         from .quant_pipeline import validate_quant_args
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
+    imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
     m = ckpt.model_config
     if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
         plan_layout(m, opts.tensor_parallel_size)
@@ -121,16 +122,24 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     dtype = TORCH_DTYPES[opts.dtype]
     tensors: Dict[str, torch.Tensor] = {}
     n_expected = 2 + 6 * m.num_layers + (0 if m.tie_word_embeddings else 1) + (m.num_layers if m.attention_bias else 0)
-    it = hf_to_engine_tensors(m, ckpt.get, ckpt.has, dtype, opts.source)
-    for name, t in tqdm(it, total=n_expected, desc="loading weights", unit="tensor", disable=not opts.progress):
-        tensors[name] = t.contiguous()
-    float_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     quant_report: dict = {}
-    if opts.quantization != "none" or opts.kv_cache_dtype != "auto":
+    if imported is not None:
+        from .prequant import imported_engine_tensors, imported_quant_config
+        with tqdm(total=m.num_layers, desc=f"importing {imported.format} weights", unit="layer",
+                  disable=not opts.progress) as bar:
+            tensors, plan = imported_engine_tensors(m, ckpt, dtype, imported, opts.source, bar)
+        qcfg, quant_report, float_bytes = imported_quant_config(imported, plan, tensors, dtype)
+        cfg = dataclasses.replace(cfg, quantization=qcfg)
+    else:
+        it = hf_to_engine_tensors(m, ckpt.get, ckpt.has, dtype, opts.source)
+        for name, t in tqdm(it, total=n_expected, desc="loading weights", unit="tensor", disable=not opts.progress):
+            tensors[name] = t.contiguous()
+        float_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if imported is None and (opts.quantization != "none" or opts.kv_cache_dtype != "auto"):
         from .quant_pipeline import quantize_engine_weights
         tensors, qcfg, kvcfg, quant_report = quantize_engine_weights(cfg, tensors, opts)
         cfg = dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg)
-    else:
+    elif imported is None:
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())
     source_hash = sha256_files(ckpt.source_files(), opts.progress)
     cfg = dataclasses.replace(cfg, build={**cfg.build, "source_sha256": source_hash})
@@ -161,7 +170,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "source": os.path.abspath(opts.source),
                 "source_sha256": source_hash,
                 "dtype": opts.dtype,
-                "quantization": opts.quantization,
+                "quantization": cfg.quantization.method,
                 "tensor_parallel_size": opts.tensor_parallel_size,
                 **({"rank_bytes": [sum(t.numel() * t.element_size() for t in sh.values()) for sh in shards]}
                    if len(shards) > 1 else {}),
@@ -175,6 +184,18 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return cfg
+
+
+def _detect_import(ckpt, opts: BuildOptions):
+    """The ImportSpec of a Hugging Face folder whose config.json has a quantization_config (its
+    variant and the build options checked before any work), else None."""
+    raw = getattr(ckpt, "raw_config", None)
+    if not isinstance(raw, dict) or "quantization_config" not in raw:
+        return None
+    from .prequant import check_import_options, detect_import
+    spec = detect_import(raw, os.path.join(opts.source, "config.json"))
+    check_import_options(opts, spec, opts.source)
+    return spec
 
 
 def _write_tokenizer(ckpt, engine_dir: str):
