@@ -10,7 +10,9 @@ import torch
 from tritium.backend.config import IMPORTED_QUANTIZATION, LayerQuant, ModelConfig, QuantConfig
 
 from ..convert import CheckpointError
-from . import awq, compressed, gptq
+from .awq import read_linear as read_awq
+from .compressed import read_linear as read_compressed
+from .gptq import read_linear as read_gptq
 from .linear import ImportedLinear, engine_tensors, fuse
 from .spec import ImportSpec
 
@@ -25,10 +27,10 @@ def _read(ckpt, spec: ImportSpec, module: str) -> ImportedLinear:
     if scheme is None:
         return ImportedLinear("none", {"weight": ckpt.get(module + ".weight")})
     if spec.format == "gptq":
-        return gptq.read_linear(ckpt.get, ckpt.has, module, scheme, spec.gptq_v1_zeros)
+        return read_gptq(ckpt.get, ckpt.has, module, scheme, spec.gptq_v1_zeros)
     if spec.format == "awq":
-        return awq.read_linear(ckpt.get, ckpt.has, module, scheme)
-    return compressed.read_linear(ckpt.get, ckpt.has, module, scheme)
+        return read_awq(ckpt.get, ckpt.has, module, scheme)
+    return read_compressed(ckpt.get, ckpt.has, module, scheme)
 
 
 def _check_shape(name: str, lin: ImportedLinear, n: int, k: int) -> None:
