@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 NAME = "tiny"
 SMALL_KV = "tiny_small_kv"   # the same engine with a 4-block KV pool, so concurrent requests preempt
 SMALL_KV_BLOCKS = 4
+IMPORTED = "tiny_imported"   # an engine imported from a compressed-tensors W4A16 checkpoint (builder/prequant/)
 PROMPTS = ["Hello world, this is a test", "naïve café — 日本語のテキスト 🙂", "The quick brown fox"]
 
 
@@ -46,6 +47,13 @@ def built(tiny_checkpoint, tmp_path_factory):
         os.makedirs(os.path.join(repo, bad, "1"))
         with open(os.path.join(repo, bad, "config.pbtxt"), "w") as f:
             f.write(llm_config(bad, eng, 4))
+    # A pre-quantized source made by compressed-tensors itself, imported by `tritium build`.
+    from prequant_ct import float_source, make_ct_checkpoint
+    ct = make_ct_checkpoint(float_source(str(root / "float128")), str(root / "ct_w4a16"), "W4A16_ASYM", group_size=32)
+    assert main(["build", ct, "-o", str(root / "imported"), "--dtype", "float32", "--quiet"]) == 0
+    os.makedirs(os.path.join(repo, IMPORTED, "1"))
+    with open(os.path.join(repo, IMPORTED, "config.pbtxt"), "w") as f:
+        f.write(llm_config(IMPORTED, str(root / "imported"), 4))
     shutil.copytree(engine, root / "corrupt")
     with open(root / "corrupt" / "engine.json", "w") as f:
         f.write('{"format_version": 1, "model": {"architecture": "llama"')  # truncated JSON
@@ -56,7 +64,8 @@ def built(tiny_checkpoint, tmp_path_factory):
 def server(built):
     from tritium.client.server import TritonServer
     engine, repo, root = built
-    models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls", SMALL_KV]
+    models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls", SMALL_KV,
+              IMPORTED]
     srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=models)
     srv.start(timeout=240)
     yield srv
@@ -104,6 +113,19 @@ def test_stream_equals_inprocess_greedy(server, oracle, protocol, model):
         assert whole.token_ids == ref_ids and whole.num_input_tokens == n_prompt
         assert "".join(ch.text for ch in chunks) == whole.text  # deltas join to the whole text
         assert whole.text == ref_text
+
+
+def test_imported_prequantized_engine_serves_like_inprocess(server, built):
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    eng = LLMEngine(os.path.join(built[2], "imported"))
+    assert eng.config.quantization.method == "imported"
+    c = client(server, "grpc", IMPORTED)
+    for prompt in PROMPTS[:2]:
+        ref = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+        chunks = list(c.stream(prompt, max_tokens=12, temperature=0.0))
+        assert [t for ch in chunks for t in ch.token_ids] == list(ref.token_ids)
+        assert "".join(ch.text for ch in chunks) == ref.text
 
 
 def test_echo_prompt_and_batch_rows(server, oracle):

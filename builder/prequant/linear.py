@@ -36,7 +36,10 @@ def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zero_points: Opti
     s = scales.float()
     z = torch.full_like(s, 8.0) if zero_points is None else zero_points.float()
     if group_size is None:
-        group_size = next((gs for gs in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if k % gs == 0), k)
+        group_size = next((gs for gs in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if k % gs == 0), None)
+        if group_size is None:
+            raise CheckpointError(f"{name}: per-channel int4 with in_features {k} is not supported: Tritium's int4 "
+                                  f"kernels need groups of {', '.join(map(str, SUPPORTED_GROUP_SIZES))} dividing it")
         if s.shape[0] != 1:
             raise CheckpointError(f"{name}: per-channel scales have shape {tuple(scales.shape)}, expected (1, {n})")
         s, z = s.expand(k // group_size, n), z.expand(k // group_size, n)
@@ -47,7 +50,7 @@ def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zero_points: Opti
             raise CheckpointError(f"{name}: group size {group_size} is not supported; supported: multiples of 32")
         s, z = s.repeat_interleave(group_size // sub, 0), z.repeat_interleave(group_size // sub, 0)
         group_size = sub
-    if group_size not in SUPPORTED_GROUP_SIZES and group_size != k:
+    if group_size not in SUPPORTED_GROUP_SIZES:
         raise CheckpointError(f"{name}: group size {group_size} with act-order (g_idx) is not supported; "
                               f"supported: {', '.join(map(str, SUPPORTED_GROUP_SIZES))}")
     if k % group_size:
