@@ -3,7 +3,9 @@ them and the kernels and runtime that read them.
 
     int4: qweight uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high = odd k
           scales  float16 (K // G, N)  (the runtime upcasts to float32 at load)
-          zeros   float16 (K // G, N)
+          zeros   float16 (K // G, N)  (both float32 in engines imported from pre-quantized
+                                        checkpoints: zero = (8 - z) * scale is exact in float32
+                                        for their float16 / bfloat16 scales, not in float16)
           g_idx   int32   (K,)         optional (GPTQ act-order): the group of input channel k
           w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
           An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
@@ -21,7 +23,8 @@ from typing import Optional
 import torch
 
 INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
-               "scales float16 (K//G, N); zeros float16 (K//G, N) (upcast to float32 at load); optional g_idx int32 (K,); "
+               "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported; upcast to float32 at load); "
+               "optional g_idx int32 (K,); "
                "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
 INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
                "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
