@@ -20,14 +20,15 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency (pip install -e '.[test]')")
+# compressed-tensors (a test dependency, pinned in the `test` extra) is imported inside the helpers,
+# not at collection: it imports triton.language, which must first be imported in interpreter mode
+# by tests/kernel_env.py for the Triton kernel tests of the same session.
+from prequant_ct import ct_dequantized_state, ct_reference_model, float_source, make_ct_checkpoint
+from simple_generate import prompt_logits
 
-from prequant_ct import ct_dequantized_state, ct_reference_model, float_source, make_ct_checkpoint  # noqa: E402
-from simple_generate import prompt_logits  # noqa: E402
-
-from tritium.backend.loader import load_engine  # noqa: E402
-from tritium.builder.build import BuildOptions, build_engine  # noqa: E402
-from tritium.kernels.quant_layouts import dequantize_int4, dequantize_rowwise  # noqa: E402
+from tritium.backend.loader import load_engine
+from tritium.builder.build import BuildOptions, build_engine
+from tritium.kernels.quant_layouts import dequantize_int4, dequantize_rowwise
 
 IDS = [5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3]
 PARTS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
@@ -159,3 +160,9 @@ def test_tensor_parallel_shards_dequantize_to_the_same_weights(src, tmp_path):
         else:
             glued = torch.cat(parts, dim)
         assert torch.equal(glued, whole), name
+
+
+def test_quantized_lm_head_is_refused(src, tmp_path):
+    ck = make_ct_checkpoint(src, str(tmp_path / "ct"), "W4A16", ignore=())
+    with pytest.raises(ValueError, match=r"lm_head is stored quantized.*not supported"):
+        build_engine(BuildOptions(source=ck, output=str(tmp_path / "e"), progress=False))
