@@ -187,14 +187,15 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
 
 
 def _detect_import(ckpt, opts: BuildOptions):
-    """The ImportSpec of a Hugging Face folder whose config.json has a quantization_config (its
-    variant and the build options checked before any work), else None."""
+    """The ImportSpec of a pre-quantized Hugging Face folder (config.json's quantization_config;
+    its variant and the build options checked before any work), else None."""
     raw = getattr(ckpt, "raw_config", None)
-    if not isinstance(raw, dict) or "quantization_config" not in raw:
+    if not isinstance(raw, dict):
         return None
-    from .prequant import check_import_options, detect_import
-    spec = detect_import(raw, os.path.join(opts.source, "config.json"))
-    check_import_options(opts, spec, opts.source)
+    from .prequant import check_import_options, detect_import_in
+    spec = detect_import_in(opts.source, raw)
+    if spec is not None:
+        check_import_options(opts, spec, opts.source)
     return spec
 
 

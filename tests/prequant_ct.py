@@ -27,8 +27,9 @@ def float_source(path: str, seed: int = 0, **overrides) -> str:
 
 
 def make_ct_checkpoint(float_dir: str, out: str, preset: str, dtype=torch.bfloat16, group_size=None,
-                       strategy=None, ignore=("lm_head",)) -> str:
-    """Quantize `float_dir` with compressed-tensors' preset `preset` and save to `out`."""
+                       strategy=None, ignore=("lm_head",), fmt=None) -> str:
+    """Quantize `float_dir` with compressed-tensors' preset `preset` and save to `out` (in the
+    compression format the library infers, or `fmt`, e.g. "int-quantized")."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -60,7 +61,7 @@ def make_ct_checkpoint(float_dir: str, out: str, preset: str, dtype=torch.bfloat
             mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape)
         if hasattr(mod, "input_scale"):  # static fp8 activations: any calibrated value will do here
             mod.input_scale.data = torch.full_like(mod.input_scale, 0.01)
-    comp = ModelCompressor.from_pretrained_model(model, None)
+    comp = ModelCompressor.from_pretrained_model(model, fmt)
     comp.compress_model(model)
     if os.path.isdir(out):
         shutil.rmtree(out)

@@ -152,3 +152,21 @@ def test_act_order_parts_with_different_g_idx_are_refused(src, tmp_path):
     ck = prequant_checkpoint(src, str(tmp_path / "ck"), "gptq_v1_sym_desc_act_g32", tensor_edit=shuffle_k)
     with pytest.raises(ValueError, match=r"layers\.0\.qkv_proj: its parts carry different act-order g_idx"):
         build_engine(BuildOptions(source=ck, output=str(tmp_path / "e"), progress=False))
+
+
+def test_legacy_quantize_config_json_beside_config(src, tmp_path):
+    """Older AutoGPTQ releases wrote the settings to quantize_config.json only."""
+    def move(q):
+        with open(os.path.join(str(tmp_path / "ck"), "quantize_config.json"), "w") as f:
+            json.dump({k: v for k, v in q.items() if k != "quant_method"}, f)
+        q.clear()
+    ck = prequant_checkpoint(src, str(tmp_path / "ck"), "gptq_v1_asym_g64", qcfg_edit=move)
+    with open(os.path.join(ck, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config")
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    eng = str(tmp_path / "engine")
+    built = build_engine(BuildOptions(source=ck, output=eng, dtype="float32", progress=False))
+    assert built.quantization.imported["format"] == "gptq"
+    _check_weights(eng, built, "gptq_v1_asym_g64")

@@ -9,7 +9,8 @@ Tensor names and meanings, from compressed-tensors' compressors (0.20):
   w = (q - zero_point) * scale.
 - pack-quantized 8-bit (compressed-tensors' W8A16): four codes per int32 word, each the signed
   code plus 128; weight_scale (N, 1) (channel): w = q * scale.
-- int-quantized: weight int8 (N, K), weight_scale (N, 1): w = q * scale.
+- int-quantized / naive-quantized (one compressor): weight int8 (N, K), codes unpacked (4-bit
+  ones in -8..7), weight_scale, weight_zero_point int8 as computed: w = (q - zero_point) * scale.
 - float-quantized: weight float8_e4m3fn (N, K), weight_scale (1,) / (N, 1): w = float(q) * scale.
   An FP8 W8A8 checkpoint also carries input_scale (static activations) or quantizes activations
   dynamically; Tritium runs the weights only (input_scale is not read).
@@ -73,12 +74,20 @@ def _row_scales(scale: torch.Tensor, q: torch.Tensor, prefix: str) -> torch.Tens
 
 
 def _int4(get, has, prefix: str, scheme: WeightScheme) -> ImportedLinear:
+    scale = get(prefix + ".weight_scale")            # (N, K/G) or (N, 1)
+    if scheme.ct_format != "pack-quantized":         # unpacked: int8 codes in -8..7, zero points as stored
+        q = get(prefix + ".weight")
+        if q.dtype != torch.int8:
+            raise CheckpointError(f"{prefix}.weight: dtype {q.dtype}, expected torch.int8 ({scheme.ct_format})")
+        z = None if scheme.symmetric else (get(prefix + ".weight_zero_point").to(torch.int16) + 8).t()
+        g_idx = get(prefix + ".weight_g_idx") if has(prefix + ".weight_g_idx") else None
+        return int4_from_codes((q.to(torch.int16) + 8).to(torch.uint8), scale.t(), z,
+                               scheme.group_size if scheme.strategy == "group" else None, g_idx, prefix)
     shape = [int(v) for v in get(prefix + ".weight_shape").reshape(-1).tolist()]
     if len(shape) != 2:
         raise CheckpointError(f"{prefix}.weight_shape: {shape}, expected [out_features, in_features]")
     n, k = shape
     codes = _unpack_nibbles(get(prefix + ".weight_packed"), n, k)
-    scale = get(prefix + ".weight_scale")            # (N, K/G) or (N, 1)
     z = None
     if not scheme.symmetric:
         # signed zero points, packed (offset by 8 like the codes) along the output dim:

@@ -5,14 +5,17 @@ Supported (everything else fails here with the field, its value and the supporte
 - GPTQ (gptqmodel / AutoGPTQ): bits 4, sym or asym, desc_act (g_idx), checkpoint_format
   "gptq" (v1: zero points stored minus one) or "gptq_v2", pack_dtype int32.
 - AWQ (AutoAWQ): version "gemm", w_bit 4, zero_point true or false.
-- compressed-tensors (llm-compressor): pack-quantized int4 (group / channel, sym / asym),
-  int-quantized int8 (channel, symmetric), float-quantized fp8 E4M3 (tensor / channel; input
-  activation scales are ignored: Tritium runs these weight-only).
+- compressed-tensors (llm-compressor): int4 (group / channel, sym / asym) and int8 (channel,
+  symmetric), packed (pack-quantized) or not (int-quantized / naive-quantized); fp8 E4M3
+  (float-quantized; tensor / channel; input activation scales are ignored: Tritium runs these
+  weight-only).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from ..convert import CheckpointError
@@ -20,7 +23,10 @@ from ..convert import CheckpointError
 FORMATS = ("gptq", "awq", "compressed-tensors")
 GPTQ_CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 AWQ_VERSIONS = ("gemm",)
-CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+# pack-quantized packs sub-byte codes into int32; the other three (one compressor in
+# compressed-tensors) store the codes unpacked, in int8 / float8_e4m3fn
+CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+CT_UNPACKED = ("int-quantized", "float-quantized", "naive-quantized")
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,6 @@ class ImportSpec:
     groups: tuple = ()                            # compressed-tensors: ((targets, WeightScheme), ...)
     ignore: tuple = ()                            # module names / "re:" patterns kept in float
     gptq_v1_zeros: bool = False                   # GPTQ "v1": stored zero points are z - 1
-    extra: dict = field(default_factory=dict)
 
     def scheme_for(self, module: str) -> Optional[WeightScheme]:
         """The scheme of HF module `module` (e.g. model.layers.0.self_attn.q_proj), None if float."""
@@ -83,6 +88,30 @@ def detect_import(raw_config: dict, path: str = "config.json") -> Optional[Impor
     if method == "compressed-tensors":
         return _compressed(qc, path)
     raise _bad(path, "quant_method", qc.get("quant_method", qc.get("method")), ", ".join(FORMATS))
+
+
+# Older AutoGPTQ / AutoAWQ releases kept the quantization settings beside config.json only.
+LEGACY_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+
+
+def detect_import_in(folder: str, raw_config: dict) -> Optional[ImportSpec]:
+    """detect_import for a checkpoint folder: config.json's quantization_config, else a legacy
+    quantize_config.json (AutoGPTQ: has `bits`) / quant_config.json (AutoAWQ: has `w_bit`)."""
+    if raw_config.get("quantization_config") is not None:
+        return detect_import(raw_config, os.path.join(folder, "config.json"))
+    for name in LEGACY_CONFIG_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                qc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read ({e})") from None
+        if isinstance(qc, dict) and ("bits" in qc or "w_bit" in qc or "quant_method" in qc):
+            qc = {"quant_method": "awq" if "w_bit" in qc else "gptq", **qc}
+            return detect_import({"quantization_config": qc}, path)
+    return None
 
 
 def _check_int4_group(path: str, field_name: str, g) -> Optional[int]:
@@ -182,15 +211,11 @@ def _ct_scheme(g: dict, top_format, where: str, path: str) -> WeightScheme:
         raise _bad(path, f"{where}.weights.actorder", actorder, "null, weight, static, group")
     act = _ct_activations(g.get("input_activations"), wtype, bits, where, path)
     if wtype == "int" and bits == 4:
-        if fmt != "pack-quantized":
-            raise _bad(path, f"{where}.format", fmt, "pack-quantized (for 4-bit integer weights)")
         if strategy not in ("group", "channel"):
             raise _bad(path, f"{where}.weights.strategy", strategy, "group, channel (4-bit)")
         gs = _check_int4_group(path, f"{where}.weights.group_size", w.get("group_size") if strategy == "group" else -1)
         return WeightScheme("int4", gs, sym, strategy, fmt, act)
     if wtype == "int" and bits == 8:
-        if fmt not in ("int-quantized", "pack-quantized"):
-            raise _bad(path, f"{where}.format", fmt, "int-quantized, pack-quantized (for 8-bit integer weights)")
         if strategy == "group":
             raise CheckpointError(
                 f"{path}: quantization_config.{where}.weights.strategy = 'group' (group-wise int8, group_size "
@@ -202,8 +227,8 @@ def _ct_scheme(g: dict, top_format, where: str, path: str) -> WeightScheme:
             raise _bad(path, f"{where}.weights.symmetric", w.get("symmetric"), "true (8-bit integer)")
         return WeightScheme("int8", None, True, strategy, fmt, act)
     if wtype == "float" and bits == 8:
-        if fmt != "float-quantized":
-            raise _bad(path, f"{where}.format", fmt, "float-quantized (for fp8 weights)")
+        if fmt not in CT_UNPACKED:
+            raise _bad(path, f"{where}.format", fmt, ", ".join(CT_UNPACKED) + " (for fp8 weights)")
         if strategy not in ("tensor", "channel"):
             raise _bad(path, f"{where}.weights.strategy", strategy, "tensor, channel (fp8)")
         if not sym:
