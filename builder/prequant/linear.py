@@ -7,7 +7,7 @@ for the float16 / bfloat16 scales checkpoints carry, but not always in float16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -23,7 +23,6 @@ class ImportedLinear:
     method: str                              # "int4" | "int8" | "fp8" | "none"
     tensors: Dict[str, torch.Tensor]         # int4: codes, scales, zeros[, g_idx]; int8/fp8: qweight, scales; none: weight
     group_size: Optional[int] = None         # int4 only
-    notes: dict = field(default_factory=dict)
 
 
 def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor],
@@ -61,8 +60,8 @@ def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zero_points: Opti
         g_idx = g_idx.to(torch.int32)
         if torch.equal(g_idx.long(), torch.arange(k) // group_size):
             g_idx = None  # no act-order: the plain layout
-        elif torch.bincount(g_idx.long(), minlength=k // group_size).ne(group_size).any() or \
-                g_idx.min() < 0 or g_idx.max() >= k // group_size:
+        elif g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= k // group_size or \
+                torch.bincount(g_idx.long(), minlength=k // group_size).ne(group_size).any():
             raise CheckpointError(f"{name}: g_idx must assign exactly {group_size} input channels to each group")
     t = {"codes": codes.to(torch.uint8), "scales": s.contiguous(), "zeros": ((8.0 - z) * s).contiguous()}
     if g_idx is not None:
