@@ -14,7 +14,9 @@ def register(sub) -> None:
     p = sub.add_parser("build", help="compile a Hugging Face checkpoint or GGUF file into an engine",
                        description="Compile a Hugging Face checkpoint folder (config.json + *.safetensors + "
                                    "tokenizer) or a GGUF file into a versioned Tritium engine directory.")
-    p.add_argument("source", help="checkpoint folder or .gguf file")
+    p.add_argument("source", help="checkpoint folder or .gguf file; a folder whose config.json has a quantization_config "
+                                  "(GPTQ, AWQ, compressed-tensors) is imported as stored, without re-quantizing "
+                                  "(docs/quantization.md)")
     p.add_argument("-o", "--output", required=True, help="engine directory to write: new, empty, or an earlier engine (replaced in one "
                         "rename); any other folder is refused")
     p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES,
@@ -28,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     # Quantization (builder/quant_pipeline.py).
     p.add_argument("--quantization", default="none", choices=SUPPORTED_QUANTIZATION,
-                   help="weight quantization (default none)")
+                   help="weight quantization of a float source (default none; refused for a pre-quantized one)")
     p.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for every layer (default: a GGUF linear stored block-quantized, e.g. "
                         "Q4_1, uses its block size 32; otherwise 128, per layer falling back to 64 or 32 "
