@@ -20,7 +20,9 @@ BUILD_REPORT_FILE = "build_report.json"
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq")
+# "auto": per-layer choices under a quality budget (builder/quant_auto.py); the runtime reads
+# each linear's own entry in QuantConfig.layers, as for every method.
+SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq", "auto")
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
 # not a --quantization choice: the source's own format is in quantization.imported.
 IMPORTED_QUANTIZATION = "imported"
@@ -101,6 +103,9 @@ class QuantConfig:
     # method "imported": the source checkpoint's format, e.g. {"format": "gptq", "bits": 4,
     # "group_size": 128, "desc_act": true, "sym": false, "checkpoint_format": "gptq"}
     imported: dict = field(default_factory=dict)
+    # --quantization auto only (provenance): the budget, the measured perplexity increase on the
+    # held-out slice, whether it was met, and how many linears took each format.
+    budget: dict = field(default_factory=dict)
 
 
 def _quant_config_from_dict(q: dict) -> QuantConfig:

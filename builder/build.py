@@ -52,6 +52,9 @@ class BuildOptions:
     exclude_modules: Optional[str] = None
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
+    max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant_auto.py)
+    auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
+    auto_candidates: Optional[str] = None      # --quantization auto: e.g. "int4,int8,none"
     progress: bool = True
 
     def validate(self) -> None:
@@ -103,6 +106,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     # Quantization contract (builder/quant_pipeline.py): validate_quant_args(opts) raises ValueError
     # before any work; quantize_engine_weights(cfg, tensors, opts) -> (tensors, QuantConfig,
     # KVCacheConfig, report dict). `opts` is this BuildOptions.
+    from .quant_auto import validate_auto_args
+    validate_auto_args(opts)  # refuses the auto flags without --quantization auto, too
     if opts.quantization != "none" or opts.kv_cache_dtype != "auto":
         from .quant_pipeline import validate_quant_args
         validate_quant_args(opts)
@@ -136,8 +141,10 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
             tensors[name] = t.contiguous()
         float_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if imported is None and (opts.quantization != "none" or opts.kv_cache_dtype != "auto"):
+        from .quant_auto import quantize_auto
         from .quant_pipeline import quantize_engine_weights
-        tensors, qcfg, kvcfg, quant_report = quantize_engine_weights(cfg, tensors, opts)
+        quantize = quantize_auto if opts.quantization == "auto" else quantize_engine_weights
+        tensors, qcfg, kvcfg, quant_report = quantize(cfg, tensors, opts)
         cfg = dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg)
     elif imported is None:
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())

@@ -47,6 +47,17 @@ def register(sub) -> None:
                    help="calibration windows of 128 tokens (default 64)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
+    a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
+    a.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
+                   help="required with --quantization auto: the allowed perplexity increase over the float model, "
+                        "in percent, measured on held-out text (e.g. 0.5); the build picks int4 / int8 / float "
+                        "and the int4 group size per linear for the fewest bytes within it, and exits with "
+                        "status 3 (engine still written, report says so) when it cannot be met")
+    a.add_argument("--auto-int4-method", default=None, choices=("int4-rtn", "int4-awq", "int4-gptq"),
+                   help="how the int4 layers of an auto build are rounded (default int4-awq)")
+    a.add_argument("--auto-candidates", default=None, metavar="KINDS",
+                   help="formats an auto build may pick, comma-separated from int4,int8,none (default all; "
+                        "'none' = float)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the weights over N tensor-parallel ranks, written as rank0..rank{N-1}.safetensors "
                         "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")
@@ -89,7 +100,9 @@ def speculative_params(args: argparse.Namespace) -> dict:
 def options_from_args(args: argparse.Namespace):
     from .build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
-                                           "calibration_samples", "exclude_modules", "tensor_parallel_size") if hasattr(args, k)}
+                                           "calibration_samples", "exclude_modules", "tensor_parallel_size",
+                                           "max_ppl_increase", "auto_int4_method", "auto_candidates")
+             if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
@@ -112,4 +125,20 @@ def run(args: argparse.Namespace) -> int:
         models = write_repository(args.repo, name, args.output, instances=getattr(args, "instances", 1),
                                   engine_params=spec_params)
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
-    return 0
+    return _budget_status(cfg.quantization.budget)
+
+
+def _budget_status(budget: dict) -> int:
+    """--quantization auto: print the per-format counts and the measured result; 3 if over budget."""
+    if not budget:
+        return 0
+    counts = ", ".join(f"{n} {k}" for k, n in budget["choices"].items())
+    line = (f"perplexity increase {budget['measured_ppl_increase_pct']:+.3f}% on {budget['held_out_tokens']} "
+            f"held-out tokens, budget {budget['max_ppl_increase_pct']}%")
+    if budget["met"]:
+        print(f"auto: {counts}; {line}: met", file=sys.stderr)
+        return 0
+    print(f"error: --max-ppl-increase {budget['max_ppl_increase_pct']} cannot be met: the most precise "
+          f"allowed assignment ({counts}) measures {line}; the engine was written for inspection "
+          f"(build_report.json lists every layer)", file=sys.stderr)
+    return 3

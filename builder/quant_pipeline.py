@@ -60,6 +60,12 @@ class QuantOptions:
     act_order: bool = True
     eval_tokens: int = DEFAULT_EVAL_TOKENS
     tensor_parallel_size: int = 1  # > 1: int4-gptq's o_proj uses static groups (see _plan)
+    # --quantization auto (builder/quant_auto.py): the budget and its flags, and the per-linear
+    # plan it hands back to this pipeline ({name: LayerQuant}; replaces _plan when given).
+    max_ppl_increase: Optional[float] = None
+    auto_int4_method: Optional[str] = None
+    auto_candidates: Optional[str] = None
+    layer_plan: Optional[dict] = None
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -211,7 +217,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     t0 = time.time()
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}
-    plan = _plan(cfg, o) if o.quantization != "none" else {}
+    plan = {} if o.quantization == "none" else dict(o.layer_plan) if o.layer_plan is not None else _plan(cfg, o)
     kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding.
