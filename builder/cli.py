@@ -54,7 +54,7 @@ def register(sub) -> None:
                         "and the int4 group size per linear for the fewest bytes within it, and exits with "
                         "status 3 (engine still written, report says so) when it cannot be met")
     a.add_argument("--auto-int4-method", default=None, choices=("int4-rtn", "int4-awq", "int4-gptq"),
-                   help="how the int4 layers of an auto build are rounded (default int4-awq)")
+                   help="how the int4 layers of an auto build are rounded (default int4-rtn: the budget check is then exact)")
     a.add_argument("--auto-candidates", default=None, metavar="KINDS",
                    help="formats an auto build may pick, comma-separated from int4,int8,none (default all; "
                         "'none' = float)")
@@ -138,7 +138,7 @@ def _budget_status(budget: dict) -> int:
     if budget["met"]:
         print(f"auto: {counts}; {line}: met", file=sys.stderr)
         return 0
-    print(f"error: --max-ppl-increase {budget['max_ppl_increase_pct']} cannot be met: the most precise "
+    print(f"tritium build: error: --max-ppl-increase {budget['max_ppl_increase_pct']} cannot be met: the most precise "
           f"allowed assignment ({counts}) measures {line}; the engine was written for inspection "
           f"(build_report.json lists every layer)", file=sys.stderr)
     return 3
