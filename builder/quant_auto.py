@@ -4,6 +4,7 @@ quality budget.
 1. Candidates per linear (quant_auto_sensitivity.py): int4 with each group size that fits (the
    GGUF source grid first), per-row int8, float; the embedding / LM head as per-row int8 or
    float. --auto-candidates narrows the kinds; --exclude-modules keeps linears float.
+   At tensor parallelism, int4 group sizes that a rank would split are not candidates.
 2. Sensitivity: the KL each (linear, candidate) adds alone, on a small calibration batch.
 3. Allocation (quant_auto_alloc.py): a ladder of assignments from the fewest bytes to the most
    precise, each on the additive model's Pareto front.
@@ -28,7 +29,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from tqdm import tqdm
 
-from tritium.backend.config import EngineConfig, KVCacheConfig, QuantConfig
+from tritium.backend.config import EngineConfig, KVCacheConfig, LayerQuant, QuantConfig
+from tritium.backend.parallel.layout import TensorParallelError, plan_layout
 
 from . import calibration as calib
 from .quant_auto_alloc import Option, allocation_ladder, total_bytes, total_sensitivity
@@ -156,7 +158,28 @@ def _candidates(cfg: EngineConfig, o: QuantOptions, method: str, kinds):
                     int4_plans[g] = _plan(cfg, dataclasses.replace(base, group_size=g, group_size_explicit=True))
                 except ValueError:
                     pass  # no layer takes this group size
-    return candidate_layer_quants(cfg, kinds, int4_plans, lambda n: _excluded(n, o.exclude_modules))
+    cands = candidate_layer_quants(cfg, kinds, int4_plans, lambda n: _excluded(n, o.exclude_modules))
+    if o.tensor_parallel_size > 1:  # only int4 group sizes that every rank holds whole
+        for name, c in cands.items():
+            kept = {k: lq for k, lq in c.items() if _fits_tensor_parallel(cfg.model, name, lq, o.tensor_parallel_size)}
+            cands[name] = kept or {"none": LayerQuant("none")}
+    return cands
+
+
+def _fits_tensor_parallel(m, name: str, lq: LayerQuant, n: int) -> bool:
+    """Whether an int4 row-parallel linear's groups stay whole on each of n ranks (tp_shard.py):
+    o_proj's inputs are split by attention head, down_proj's in units of its group size."""
+    if lq.method != "int4":
+        return True
+    if name.endswith(".o_proj"):
+        return all((r.q_heads[0] * m.head_dim) % lq.group_size == 0 and (r.num_heads * m.head_dim) % lq.group_size == 0
+                   for r in plan_layout(m, n))
+    if name.endswith(".down_proj"):
+        try:
+            plan_layout(m, n, lq.group_size)
+        except TensorParallelError:
+            return False
+    return True
 
 
 def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None, *, tokenizer=None,

@@ -214,6 +214,9 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     Returns (new tensors, QuantConfig with per-layer choices and layouts, KVCacheConfig, report)."""
     o = QuantOptions.of(opts, **kw)
     validate_quant_args(o, cfg)
+    if o.quantization == "auto":
+        raise ValueError("--quantization auto is built by builder/quant_auto.py (quantize_auto), which hands "
+                         "this pipeline an int4 method and a per-layer plan")
     t0 = time.time()
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}

@@ -93,6 +93,31 @@ def test_cli_flag_errors_are_one_line(tiny_checkpoint, tmp_path, capsys):
 
 # ---- mixed engines -----------------------------------------------------------------------
 
+def _build_with_plan(ckpt, plan, out) -> str:
+    """A float32 engine of `ckpt` quantized by the pipeline with a given per-layer plan (the
+    int4 layers by RTN), written to folder `out`."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from tritium.builder.quant_pipeline import quantize_engine_weights
+    fdir = str(out) + "-float"
+    if not os.path.isdir(fdir):
+        build_engine(BuildOptions(source=ckpt, output=fdir, dtype="float32", progress=False))
+    cfg = EngineConfig.load(fdir)
+    tensors = load_file(os.path.join(fdir, "rank0.safetensors"))
+    new, qcfg, kvcfg, _ = quantize_engine_weights(cfg, tensors, quantization="int4-rtn", layer_plan=plan,
+                                                  progress=False, eval_tokens=0, source=ckpt)
+    os.makedirs(out)
+    dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg).save(str(out))
+    save_file(new, os.path.join(out, "rank0.safetensors"))
+    for f in os.listdir(fdir):
+        if not f.startswith(("rank", "engine.json", "build_report")):
+            with open(os.path.join(fdir, f), "rb") as a, open(os.path.join(out, f), "wb") as b:
+                b.write(a.read())
+    return str(out)
+
+
 def test_mixed_engine_runs_each_linear_in_its_own_format(tiny_checkpoint, tmp_path):
     """A hand-made plan (float / int8 / int4 with three group sizes) through the pipeline: the
     runtime builds each linear from its own entry, equals the dequantized-weights model and stays
@@ -101,11 +126,6 @@ def test_mixed_engine_runs_each_linear_in_its_own_format(tiny_checkpoint, tmp_pa
 
     from tritium.builder.quant_pipeline import quantize_engine_weights
     ckpt = tiny_checkpoint("llama", **DIMS)
-    fdir = str(tmp_path / "f32")
-    build_engine(BuildOptions(source=ckpt, output=fdir, dtype="float32", progress=False))
-    cfg, fmodel, _ = load_engine(fdir, "cpu")
-    from safetensors.torch import load_file, save_file
-    tensors = load_file(os.path.join(fdir, "rank0.safetensors"))
     plan = {"layers.0.qkv_proj": LayerQuant("none"), "layers.0.o_proj": LayerQuant("int8"),
             "layers.0.gate_up_proj": LayerQuant("int4", group_size=128),
             "layers.0.down_proj": LayerQuant("int4", group_size=64),
@@ -114,14 +134,8 @@ def test_mixed_engine_runs_each_linear_in_its_own_format(tiny_checkpoint, tmp_pa
             "layers.2.qkv_proj": LayerQuant("int8"), "layers.2.o_proj": LayerQuant("int4", group_size=32),
             "layers.2.gate_up_proj": LayerQuant("none"), "layers.2.down_proj": LayerQuant("int8"),
             "embed_tokens": LayerQuant("none"), "lm_head": LayerQuant("int8")}
-    new, qcfg, kvcfg, _ = quantize_engine_weights(cfg, tensors, quantization="int4-rtn", layer_plan=plan,
-                                                  progress=False, eval_tokens=0, source=ckpt)
-    qdir = tmp_path / "mixed"
-    qdir.mkdir()
-    import dataclasses
-    dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg).save(str(qdir))
-    save_file(new, str(qdir / "rank0.safetensors"))
-    qcfg2, qmodel, _ = load_engine(str(qdir), "cpu")
+    qdir = _build_with_plan(ckpt, plan, tmp_path / "mixed")
+    qcfg2, qmodel, _ = load_engine(qdir, "cpu")
     for name, lq in plan.items():
         assert qcfg2.quantization.layers[name] == lq
     i, lin = 0, "down_proj"
@@ -131,7 +145,7 @@ def test_mixed_engine_runs_each_linear_in_its_own_format(tiny_checkpoint, tmp_pa
     assert type(qmodel.layers[0].qkv_proj).__name__ == "DenseLinear"
     assert type(qmodel.lm_head).__name__ == "Int8Linear" and qmodel.embed_tokens is None
     ql = _logits(qmodel, PROMPT)
-    assert _kl(_logits(_dequantized_model(str(qdir)), PROMPT), ql) < 2e-3
+    assert _kl(_logits(_dequantized_model(qdir), PROMPT), ql) < 2e-3
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0]
@@ -224,17 +238,23 @@ def rel_err(a, b):
 @pytest.mark.usefixtures("tp_timeout")
 def test_mixed_auto_engine_at_tp2_equals_tp1(tiny_checkpoint, tmp_path):
     """Float layer 0 (--exclude-modules), int4 elsewhere with per-layer group sizes, int8 head:
-    the TP = 2 build gives the TP = 1 tokens (up to bfloat16 near-ties, as for GPTQ at TP 2)."""
+    the TP = 2 build picks only groups its ranks hold whole, and gives the tokens of a TP = 1
+    engine of the same plan (up to bfloat16 near-ties, as for GPTQ at TP 2)."""
     ckpt = tiny_checkpoint("llama", **DIMS)
     dirs = {}
     for n in (1, 2):
         dirs[n] = str(tmp_path / f"tp{n}")
         build_engine(BuildOptions(source=ckpt, output=dirs[n], quantization="auto", max_ppl_increase=1000.0,
                                   exclude_modules="layers.0.*", tensor_parallel_size=n, **FAST))
+    assert EngineConfig.load(dirs[2]).tensor_parallel_size == 2
     l1, l2 = (EngineConfig.load(dirs[n]).quantization.layers for n in (1, 2))
-    assert l1 == l2
     assert {l2[n].method for n in LINEAR_NAMES} == {"none", "int4"}
+    # o_proj's 128 inputs are split by head (64 per rank): its groups of 128 would straddle the
+    # ranks, so at TP 2 it takes groups of 64 where TP 1 takes 128
+    assert l1["layers.1.o_proj"].group_size == 128 and l2["layers.1.o_proj"].group_size == 64
     assert {l2[n].group_size for n in LINEAR_NAMES if l2[n].method == "int4"} == {64, 128}
+    # so compare TP 2 with a TP 1 engine of the same plan
+    dirs[1] = _build_with_plan(ckpt, {k: v for k, v in l2.items()}, tmp_path / "tp1-same-plan")
     prompts = [PROMPT, [1, 600, 601, 602]]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     logs, toks = {}, {}
