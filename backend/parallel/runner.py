@@ -161,6 +161,16 @@ class ParallelRunner(ModelRunner):
         gone = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
         return ", ".join(f"worker rank {r} exited with code {c}" for r, c in gone)
 
+    def _dead_workers_after_error(self, wait_s: float = 2.0) -> str:
+        """After a failed collective: a killed worker's connection can break before its exit code
+        can be read, so wait up to wait_s for one to show."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = self._dead_workers()
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
     # ------------------------------------------------------------------ health
     @property
     def healthy(self) -> bool:
@@ -196,7 +206,8 @@ class ParallelRunner(ModelRunner):
                 except TensorParallelWorkerError:
                     return
                 except Exception as e:  # a broken connection
-                    self._fail(f"{self._dead_workers() or 'a worker stopped answering'} ({type(e).__name__}: {e})")
+                    self._fail(f"{self._dead_workers_after_error() or 'a worker stopped answering'} "
+                               f"({type(e).__name__}: {e})")
                     return
                 self._last_use = time.monotonic()
 
@@ -211,8 +222,7 @@ class ParallelRunner(ModelRunner):
                 self.tp.broadcast(msg.pack(arrays))
                 logits = self.execute(arrays)
             except Exception as e:
-                time.sleep(0.2)  # let a crashed worker's exit code show
-                raise self._fail(f"{self._dead_workers() or 'a collective failed'} "
+                raise self._fail(f"{self._dead_workers_after_error() or 'a collective failed'} "
                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
             finally:
                 self._last_use = time.monotonic()
