@@ -42,9 +42,13 @@ def register(sub) -> None:
                         "arithmetic, spreading outlier channels before rounding (default auto: hadamard when "
                         "--kv-cache-dtype is fp8/int8 and head_dim is a power of two, else none)")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
-                   help="UTF-8 calibration text (default: docstrings of Python standard-library modules)")
+                   help="UTF-8 calibration text, replacing the default: the shipped mix of prose, dialogue (in the "
+                        "model's chat format) and code (docs/quantization.md#calibration)")
     p.add_argument("--calibration-samples", type=int, default=None, metavar="N",
                    help="calibration windows of 128 tokens (default 64)")
+    p.add_argument("--eval-tokens", type=int, default=None, metavar="N",
+                   help="quantized builds: tokens of each held-out domain (kjv, devil) the build report scores "
+                        "against the float model (default 1024; 0 skips the evaluation)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
     a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
@@ -101,7 +105,8 @@ def options_from_args(args: argparse.Namespace):
     from .build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
                                            "calibration_samples", "exclude_modules", "tensor_parallel_size",
-                                           "max_ppl_increase", "auto_int4_method", "auto_candidates")
+                                           "max_ppl_increase", "auto_int4_method", "auto_candidates",
+                                           "eval_tokens")
              if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,

@@ -30,8 +30,9 @@ from tritium.kernels.quant_layouts import FP8_LAYOUT, INT4_LAYOUT, INT8_LAYOUT
 KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
 from . import calibration as calib
+from .calibration_mix import mix_samples, source_chat_template
 from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_head_scales
-from .quant_eval import encode_text, evaluate
+from .heldout_eval import evaluate_held_out
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, linear_in_features, quantize_layer
 from .quantize_fp8 import has_float8
@@ -40,7 +41,7 @@ from .source_grid import linear_source_blocks, plan_group_size
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_CALIBRATION_SAMPLES = 64
-DEFAULT_EVAL_TOKENS = 2048
+DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
 CALIBRATED = ("int4-awq", "int4-gptq")
 HESSIAN_METHODS = ("int4-gptq", "fp8")  # calibrated methods that collect GPTQ Hessians
 
@@ -107,6 +108,8 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
     if o.quantization.startswith("int4") and o.group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"--group-size {o.group_size} fits no layer; allowed: "
                          f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
+    if not isinstance(o.eval_tokens, int) or o.eval_tokens < 0 or o.eval_tokens == 1:
+        raise ValueError(f"--eval-tokens must be 0 (no evaluation) or >= 2, got {o.eval_tokens}")
     if not isinstance(o.calibration_samples, int) or o.calibration_samples < 1:
         raise ValueError(f"--calibration-samples must be >= 1, got {o.calibration_samples}")
     if (o.quantization == "fp8" or o.kv_cache_dtype == "fp8") and not has_float8():
@@ -254,13 +257,15 @@ def _calibration_runner(model, tokenizer, o: QuantOptions):
     """(LayerwiseRunner over the calibration samples, the calibration's provenance for engine.json)."""
     if tokenizer is None:
         raise ValueError("calibration needs the source's tokenizer (tokenizer.json or a GGUF vocabulary)")
-    text = (_read_text(o.calibration_text, "--calibration-text") if o.calibration_text
-            else calib.default_calibration_text())
-    source = o.calibration_text or "python-stdlib-docstrings:" + ",".join(calib.CALIBRATION_MODULES)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    samples = calib.calibration_samples(ids, o.calibration_samples)
-    info = {**calib.text_provenance(text, source), "samples": len(samples),
-            "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
+    if o.calibration_text:
+        text = _read_text(o.calibration_text, "--calibration-text")
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        samples = calib.calibration_samples(ids, o.calibration_samples)
+        info = calib.text_provenance(text, o.calibration_text)
+    else:  # the shipped mix of prose, dialogue (in the source's chat format) and code
+        samples, info = mix_samples(tokenizer, o.calibration_samples, calib.CALIBRATION_SEQ_LEN,
+                                    source_chat_template(o.source))
+    info = {**info, "samples": len(samples), "seq_len": len(samples[0]), "tokens": sum(map(len, samples))}
     return calib.LayerwiseRunner(model, samples), info
 
 
@@ -358,12 +363,10 @@ AWQ_SEARCH_TOKENS = 512  # calibration rows per linear used in AWQ's grid search
 
 
 def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, model_factory) -> dict:
-    """Perplexity / KL / top-1 of the quantized model against the float one on the default eval text."""
+    """Perplexity / KL / top-1 of the quantized model against the float one on every held-out
+    domain (calibration_mix.HELD_OUT_DOMAINS), o.eval_tokens tokens each."""
     from tritium.backend.models.decoder import DecoderLM
-    ids = encode_text(tokenizer, calib.default_eval_text(), o.eval_tokens)
     ref = _float_model(cfg, float_tensors, model_factory)
     qmodel = (model_factory or DecoderLM)(dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg))
     qmodel.load_engine_weights(q_tensors)
-    res = evaluate(qmodel.eval(), ids, reference=ref, progress=o.progress)
-    res["text"] = "python-stdlib-docstrings:" + ",".join(calib.EVAL_MODULES)
-    return res
+    return evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
