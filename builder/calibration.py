@@ -1,8 +1,10 @@
-"""Calibration and evaluation text, and a layer-by-layer runner over calibration samples.
+"""Calibration windows, a layer-by-layer runner over calibration samples, and the docstring texts.
 
-The default texts are the docstrings of fixed lists of Python standard-library modules, read
-from their source with `ast` (nothing is imported or executed): available offline on every
-machine, deterministic for a given Python, and disjoint between calibration and evaluation.
+The default calibration set is the shipped mix of prose, dialogue and code (calibration_mix.py).
+The docstrings of fixed lists of Python standard-library modules, read from their source with
+`ast` (nothing is imported or executed), were the default calibration and evaluation texts
+before it; they remain as `tritium eval --domain docstrings` and as a way to rebuild the former
+default (`default_calibration_text()` written to a file, passed as `--calibration-text`).
 """
 from __future__ import annotations
 
@@ -47,12 +49,13 @@ def module_docstrings(module: str) -> str:
 
 
 def default_calibration_text() -> str:
-    """Default calibration text: docstrings of CALIBRATION_MODULES."""
+    """The former default calibration text: docstrings of CALIBRATION_MODULES."""
     return "\n\n".join(t for t in map(module_docstrings, CALIBRATION_MODULES) if t)
 
 
 def default_eval_text() -> str:
-    """Default evaluation text: docstrings of EVAL_MODULES (disjoint from the calibration text)."""
+    """The former default evaluation text: docstrings of EVAL_MODULES (disjoint from
+    default_calibration_text)."""
     return "\n\n".join(t for t in map(module_docstrings, EVAL_MODULES) if t)
 
 

@@ -50,9 +50,12 @@ def windows(token_ids: Sequence[int], max_window: int) -> List[List[int]]:
 
 
 @torch.no_grad()
-def evaluate(model, token_ids: Sequence[int], reference=None, progress: bool = False) -> dict:
+def evaluate(model, token_ids: Sequence[int], reference=None, progress: bool = False,
+             reference_cache: Optional[dict] = None) -> dict:
     """Perplexity of `model` over token_ids; with a reference model also the mean
     KL(reference || model) of next-token distributions and their top-1 agreement.
+    reference_cache (a dict, filled on first use) keeps the reference's log-probs per window, so
+    scoring several models against one reference on the same tokens runs the reference once.
 
     Returns {"perplexity", "tokens", "nll", "windows"} (+ "reference_perplexity", "mean_kl",
     "top1_agreement" with a reference).
@@ -66,12 +69,18 @@ def evaluate(model, token_ids: Sequence[int], reference=None, progress: bool = F
         raise ValueError("eval text too short: need at least 2 tokens")
     nll = ref_nll = kl = 0.0
     agree = scored = 0
-    for w in tqdm(wins, desc="evaluating", unit="window", disable=not progress):
+    for i, w in enumerate(tqdm(wins, desc="evaluating", unit="window", disable=not progress)):
         target = torch.tensor(w[1:], dtype=torch.long)
         lp = window_log_probs(model, w)
         nll -= lp.gather(1, target[:, None].to(lp.device)).sum().item()
         if reference is not None:
-            rp = window_log_probs(reference, w).to(lp.device)
+            key = (i, tuple(w))
+            if reference_cache is not None and key in reference_cache:
+                rp = reference_cache[key].to(lp.device)
+            else:
+                rp = window_log_probs(reference, w).to(lp.device)
+                if reference_cache is not None:
+                    reference_cache[key] = rp
             ref_nll -= rp.gather(1, target[:, None].to(rp.device)).sum().item()
             kl += (rp.exp() * (rp - lp)).sum().item()
             agree += (rp.argmax(-1) == lp.argmax(-1)).sum().item()

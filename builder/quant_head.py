@@ -43,6 +43,7 @@ from .gptq_rows import gptq_int8_quantize
 from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
+CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
@@ -82,11 +83,14 @@ def centred_hessian(stats: dict) -> torch.Tensor:
 
 
 def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
-                        head_stats: Optional[dict] = None) -> dict:
+                        head_stats: Optional[dict] = None, centre: Optional[bool] = None) -> dict:
     """Replace `{name}.weight` of the int8 embedding / LM head in `new` by qweight/scales. For an
     AWQ head: fold its scales into norm.weight and, when tied, add embed_tokens.input_scale and
-    mark plan['embed_tokens'].input_scale; add head_input_mean / head_mean_logits and mark the
-    head's plan entry centred. Returns report entries."""
+    mark plan['embed_tokens'].input_scale. A centred head (centre; None: CENTRED_BY_DEFAULT[method])
+    gets head_input_mean / head_mean_logits from head_stats' mean and its plan entry marked
+    centred. Returns report entries."""
+    if centre is None:
+        centre = CENTRED_BY_DEFAULT.get(method, False)
     report = {}
     head = head_name(plan, tied)
     for name in ("embed_tokens", "lm_head"):
@@ -102,14 +106,15 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q, s = gptq_int8_quantize(w, stats["H"])
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
         elif stats is not None and method == "int4-awq":
-            mu = stats["mean"].float()
-            h_in = centred_hessian(stats)  # the head is centred: only x - mu meets the rounding
+            mu = stats["mean"].float() if centre else torch.zeros_like(stats["mean"].float())
+            # a centred head: only x - mu meets the rounding, so both searches score that part
+            h_in = centred_hessian(stats) if centre else stats["H"]
             scale, alpha, _ = awq_search_scale([w], stats["x"] - mu, stats["mean_abs"], None,
                                                fake_quant=fake_quantize_int8_rows)
             entry["awq_alpha"] = alpha
-            entry["rounding"] = ("AWQ scales folded into norm.weight, then AWQ's per-row clip search, "
-                                 "both on mean-centred inputs; the GEMM sees x - mean and the mean's "
-                                 "logits are added in float32")
+            entry["rounding"] = ("AWQ scales folded into norm.weight, then AWQ's per-row clip search"
+                                 + (", both on mean-centred inputs; the GEMM sees x - mean and the mean's "
+                                    "logits are added in float32" if centre else ""))
             if bool((scale != 1).any()):
                 wq = w * scale
                 h_in = h_in / scale[:, None] / scale[None, :]  # the covariance of x / s
@@ -121,12 +126,16 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             s = awq_clip_rows_int8(wq, h_in)
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
-            new["head_input_mean"] = mu / scale
-            new["head_mean_logits"] = w @ mu
-            plan[name] = dataclasses.replace(plan[name], centred=True)
+            in_scale = scale
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
+        if stats is not None and centre:
+            if method != "int4-awq":  # the rounding is the method's own; centring adds the bias term
+                in_scale, h_in = torch.ones_like(stats["mean"].float()), centred_hessian(stats)
+            new["head_input_mean"] = stats["mean"].float() / in_scale
+            new["head_mean_logits"] = w @ stats["mean"].float()
+            plan[name] = dataclasses.replace(plan[name], centred=True)
         new[name + ".qweight"], new[name + ".scales"] = q, s
         deq = dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))

@@ -67,6 +67,7 @@ class QuantOptions:
     auto_int4_method: Optional[str] = None
     auto_candidates: Optional[str] = None
     layer_plan: Optional[dict] = None
+    head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -230,14 +231,14 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None)
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
-    if calibrated or o.kv_cache_dtype != "auto":
+    if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):
         runner, calibration_info = _calibration_runner(model, tokenizer, o)
     new = dict(tensors)
     layer_reports, kv_scales, head_stats = _quantize_layers(cfg, model, new, plan, o, runner, calibrated,
                                                             kv_rotation)
     # int4 builds: per-row int8 embedding / LM head, the head rounded by the build's method
     layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
-                                             head_stats))
+                                             head_stats, centre=o.head_centring))
     new.update(kv_scales)
     layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
     used = {lq.method for lq in plan.values()}
@@ -278,7 +279,8 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
     kv_scales: dict = {}
     # int4-awq / int4-gptq quantize the int8 LM head with their own method: it needs the final
     # hidden states of the quantized model, so the last layer is run forward too.
-    head_calibrated = o.quantization in CALIBRATED and head_name(plan, cfg.model.tie_word_embeddings) is not None
+    head_calibrated = ((o.quantization in CALIBRATED or bool(o.head_centring))
+                       and head_name(plan, cfg.model.tie_word_embeddings) is not None)
     for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
                   disable=not o.progress):
         layer = model.layers[i]

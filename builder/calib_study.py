@@ -1,0 +1,132 @@
+"""Held-out figures for calibration choices, scored in one process against one float reference
+(its log-probs computed once per domain): the figures in docs/quantization.md's calibration
+section come from here.
+
+    python -m tritium.builder.calib_study --float-engine F32_ENGINE --source GGUF --part head|kv|engines \
+        [--engines DIR ...] [--num-tokens 8192] --out results.jsonl
+
+- head:    int4-rtn / int4-awq / int4-gptq, each with its LM head centred and not (the decoder
+           layers are quantized once per method; only the head differs between the two);
+- kv:      fp8 / int8 KV caches: the default mix against the former docstring calibration, and
+           the rotation / FP8 headroom choices;
+- engines: already-built engine folders (e.g. `tritium build` outputs), for cross-checks.
+Every variant is scored on each held-out domain (kjv, devil) over num_tokens tokens with
+quant_eval.evaluate, the function behind `tritium eval`, and appended to --out as one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from tritium.backend.config import EngineConfig, QuantConfig
+from tritium.backend.loader import load_engine
+from tritium.backend.models.decoder import DecoderLM
+from tritium.kernels.quant_layouts import INT4_LAYOUT, INT8_LAYOUT
+
+from . import kv_scales
+from .calibration_mix import HELD_OUT_DOMAINS, domain_text
+from .quant_eval import encode_text, evaluate
+from .quant_head import quantize_embeddings
+from .quant_pipeline import (CALIBRATED, QuantOptions, _calibration_runner, _float_model, _plan,
+                             _quantize_layers, quantize_engine_weights)
+
+
+class Scorer:
+    """Scores models on the held-out domains against the float reference (cached log-probs)."""
+
+    def __init__(self, float_engine: str, num_tokens: int, out: str):
+        self.cfg, self.reference, self.tokenizer = load_engine(float_engine, "cpu")
+        self.tensors = load_file(os.path.join(float_engine, "rank0.safetensors"))
+        self.ids = {d: encode_text(self.tokenizer, domain_text(d), num_tokens) for d in HELD_OUT_DOMAINS}
+        self.cache = {d: {} for d in HELD_OUT_DOMAINS}
+        self.out = out
+
+    def score(self, name: str, model, **info) -> None:
+        row = {"variant": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **info}
+        for d in HELD_OUT_DOMAINS:
+            r = evaluate(model, self.ids[d], reference=self.reference, reference_cache=self.cache[d])
+            row[d] = {k: r[k] for k in ("perplexity", "reference_perplexity", "perplexity_increase",
+                                        "mean_kl", "top1_agreement", "tokens")}
+        with open(self.out, "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+        print(json.dumps(row, sort_keys=True), flush=True)
+
+    def model_of(self, tensors: dict, quantization: QuantConfig, kv_cache=None) -> DecoderLM:
+        cfg = dataclasses.replace(self.cfg, quantization=quantization, kv_cache=kv_cache or self.cfg.kv_cache)
+        m = DecoderLM(cfg)
+        m.load_engine_weights(tensors)
+        return m.eval()
+
+
+def run_head(s: Scorer, source: str, methods, calibration_text=None) -> None:
+    tied = s.cfg.model.tie_word_embeddings
+    for method in methods:
+        o = QuantOptions.of(quantization=method, source=source, head_centring=True, progress=True,
+                            calibration_text=calibration_text, eval_tokens=0)
+        plan = _plan(s.cfg, o)
+        model = _float_model(s.cfg, s.tensors)
+        runner, info = _calibration_runner(model, s.tokenizer, o)
+        new = dict(s.tensors)
+        _, _, head_stats = _quantize_layers(s.cfg, model, new, plan, o, runner, method in CALIBRATED, "none")
+        del runner, model
+        for centre in (False, True):
+            n2, p2 = dict(new), dict(plan)
+            rep = quantize_embeddings(n2, p2, method, tied, head_stats, centre=centre)
+            used = {lq.method for lq in p2.values()}
+            layouts = {k: v for k, v in {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT}.items() if k in used}
+            qcfg = QuantConfig(method=method, group_size=o.group_size, layers=p2, layouts=layouts)
+            head = "embed_tokens" if tied else "lm_head"
+            s.score(f"{method} head {'centred' if centre else 'uncentred'}", s.model_of(n2, qcfg),
+                    calibration=info["source"], head=rep.get(head, {}))
+
+
+def run_kv(s: Scorer, source: str, variants) -> None:
+    for name, kw, headroom in variants:
+        kv_scales.FP8_HEADROOM = headroom  # study only: the FP8 scale's headroom over the amax
+        new, qcfg, kvcfg, _ = quantize_engine_weights(s.cfg, s.tensors, source=source, eval_tokens=0,
+                                                      progress=False, tokenizer=s.tokenizer, **kw)
+        s.score(name, s.model_of(new, qcfg, kvcfg), calibration=qcfg.calibration.get("source"),
+                kv_rotation=kvcfg.rotation, fp8_headroom=headroom)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--float-engine", required=True)
+    ap.add_argument("--source", required=True, help="the GGUF / checkpoint the float engine was built from")
+    ap.add_argument("--part", required=True, choices=("head", "kv", "engines"))
+    ap.add_argument("--engines", nargs="*", default=[])
+    ap.add_argument("--methods", default="int4-rtn,int4-awq,int4-gptq")
+    ap.add_argument("--docstrings", default=None, help="the former default calibration text as a file")
+    ap.add_argument("--num-tokens", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    s = Scorer(args.float_engine, args.num_tokens, args.out)
+    if args.part == "head":
+        run_head(s, args.source, args.methods.split(","))
+    elif args.part == "kv":
+        doc = {"calibration_text": args.docstrings} if args.docstrings else None
+        variants = [("kv fp8 mix", dict(kv_cache_dtype="fp8"), 2.0),
+                    ("kv int8 mix", dict(kv_cache_dtype="int8"), 2.0)]
+        if doc:
+            variants += [("kv fp8 docstrings", dict(kv_cache_dtype="fp8", **doc), 2.0),
+                         ("kv int8 docstrings", dict(kv_cache_dtype="int8", **doc), 2.0)]
+        variants += [("kv fp8 mix no rotation", dict(kv_cache_dtype="fp8", kv_rotation="none"), 2.0),
+                     ("kv fp8 mix headroom 1", dict(kv_cache_dtype="fp8"), 1.0)]
+        run_kv(s, args.source, variants)
+    else:
+        for e in args.engines:
+            cfg = EngineConfig.load(e)
+            _, model, _ = load_engine(e, "cpu")
+            s.score(f"engine {e}", model, calibration=cfg.quantization.calibration.get("source"))
+
+
+if __name__ == "__main__":
+    main()
