@@ -3,14 +3,13 @@
 section come from here.
 
     python -m tritium.builder.calib_study --float-engine F32_ENGINE --source GGUF --part head|kv|engines \
-        [--engines DIR ...] [--num-tokens 8192] --out results.jsonl
+        [--engines DIR ...] [--num-tokens kjv=8192,devil=2048] --out results.jsonl
 
 - head:    int4-rtn / int4-awq / int4-gptq, each with its LM head centred and not (the decoder
            layers are quantized once per method; only the head differs between the two);
-- kv:      fp8 / int8 KV caches: the default mix against the former docstring calibration, and
-           the rotation / FP8 headroom choices;
+- kv:      fp8 / int8 KV caches: the default mix against the former docstring calibration;
 - engines: already-built engine folders (e.g. `tritium build` outputs), for cross-checks.
-Every variant is scored on each held-out domain (kjv, devil) over num_tokens tokens with
+Every variant is scored on each held-out domain (kjv, devil) over its --num-tokens tokens with
 quant_eval.evaluate, the function behind `tritium eval`, and appended to --out as one JSON line.
 """
 from __future__ import annotations
@@ -40,10 +39,10 @@ from .quant_pipeline import (CALIBRATED, QuantOptions, _calibration_runner, _flo
 class Scorer:
     """Scores models on the held-out domains against the float reference (cached log-probs)."""
 
-    def __init__(self, float_engine: str, num_tokens: int, out: str):
+    def __init__(self, float_engine: str, num_tokens: dict, out: str):
         self.cfg, self.reference, self.tokenizer = load_engine(float_engine, "cpu")
         self.tensors = load_file(os.path.join(float_engine, "rank0.safetensors"))
-        self.ids = {d: encode_text(self.tokenizer, domain_text(d), num_tokens) for d in HELD_OUT_DOMAINS}
+        self.ids = {d: encode_text(self.tokenizer, domain_text(d), num_tokens[d]) for d in HELD_OUT_DOMAINS}
         self.cache = {d: {} for d in HELD_OUT_DOMAINS}
         self.out = out
 
@@ -103,14 +102,16 @@ def main() -> None:
     ap.add_argument("--engines", nargs="*", default=[])
     ap.add_argument("--methods", default="int4-rtn,int4-awq,int4-gptq")
     ap.add_argument("--docstrings", default=None, help="the former default calibration text as a file")
-    ap.add_argument("--num-tokens", type=int, default=8192)
+    ap.add_argument("--num-tokens", default="kjv=8192,devil=2048", help="tokens per held-out domain")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    s = Scorer(args.float_engine, args.num_tokens, args.out)
+    tokens = {k: int(v) for k, v in (kv.split("=") for kv in args.num_tokens.split(","))}
+    s = Scorer(args.float_engine, tokens, args.out)
     if args.part == "head":
         run_head(s, args.source, args.methods.split(","))
+        score_engines(s, args.engines)
     elif args.part == "kv":
         doc = {"calibration_text": args.docstrings} if args.docstrings else None
         variants = [("kv fp8 mix", dict(kv_cache_dtype="fp8"), 2.0),
@@ -118,14 +119,17 @@ def main() -> None:
         if doc:
             variants += [("kv fp8 docstrings", dict(kv_cache_dtype="fp8", **doc), 2.0),
                          ("kv int8 docstrings", dict(kv_cache_dtype="int8", **doc), 2.0)]
-        variants += [("kv fp8 mix no rotation", dict(kv_cache_dtype="fp8", kv_rotation="none"), 2.0),
-                     ("kv fp8 mix headroom 1", dict(kv_cache_dtype="fp8"), 1.0)]
         run_kv(s, args.source, variants)
+        score_engines(s, args.engines)
     else:
-        for e in args.engines:
-            cfg = EngineConfig.load(e)
-            _, model, _ = load_engine(e, "cpu")
-            s.score(f"engine {e}", model, calibration=cfg.quantization.calibration.get("source"))
+        score_engines(s, args.engines)
+
+
+def score_engines(s: Scorer, engines) -> None:
+    for e in engines:
+        cfg = EngineConfig.load(e)
+        _, model, _ = load_engine(e, "cpu")
+        s.score(f"engine {e}", model, calibration=cfg.quantization.calibration.get("source"))
 
 
 if __name__ == "__main__":
