@@ -8,6 +8,7 @@ section come from here.
 - head:    int4-rtn / int4-awq / int4-gptq, each with its LM head centred and not (the decoder
            layers are quantized once per method; only the head differs between the two);
 - kv:      fp8 / int8 KV caches: the default mix against the former docstring calibration;
+- kv-attention: fp8 / int8 KV caches with attention-weighted offsets (kv_scales.py);
 - engines: already-built engine folders (e.g. `tritium build` outputs), for cross-checks.
 Every variant is scored on each held-out domain (kjv, devil) over its --num-tokens tokens with
 quant_eval.evaluate, the function behind `tritium eval`, and appended to --out as one JSON line.
@@ -98,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--float-engine", required=True)
     ap.add_argument("--source", required=True, help="the GGUF / checkpoint the float engine was built from")
-    ap.add_argument("--part", required=True, choices=("head", "kv", "engines"))
+    ap.add_argument("--part", required=True, choices=("head", "kv", "kv-attention", "engines"))
     ap.add_argument("--engines", nargs="*", default=[])
     ap.add_argument("--methods", default="int4-rtn,int4-awq,int4-gptq")
     ap.add_argument("--docstrings", default=None, help="the former default calibration text as a file")
@@ -121,6 +122,9 @@ def main() -> None:
                          ("kv int8 docstrings", dict(kv_cache_dtype="int8", **doc), 2.0)]
         run_kv(s, args.source, variants)
         score_engines(s, args.engines)
+    elif args.part == "kv-attention":
+        run_kv(s, args.source, [("kv fp8 mix attention offsets", dict(kv_cache_dtype="fp8", kv_offsets="attention"), 2.0),
+                                ("kv int8 mix attention offsets", dict(kv_cache_dtype="int8", kv_offsets="attention"), 2.0)])
     else:
         score_engines(s, args.engines)
 

@@ -146,7 +146,8 @@ def capture_inputs(modules: dict, fn: Callable[[str, torch.Tensor], None]):
     return handles
 
 
-def kv_sample_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, seed: int = 0):
+def kv_sample_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, seed: int = 0,
+                   positions: Optional[dict] = None):
     """Forward hook on layer.qkv_proj that appends each chunk's K (after RoPE) and V, (T, Hkv, D),
     to stats['k'] / stats['v']: what the layer writes into its KV cache.
 
@@ -154,7 +155,12 @@ def kv_sample_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, seed: int = 
     not at the calibration windows' own positions: RoPE turns each channel pair by an angle that
     grows with position, so keys at position 2000 put their weight in other channels than keys at
     position 100 (on SmolLM2, evaluation K at up to 2048 tokens reached 1.17x the amax of K at the
-    calibration positions < 128). The draw is deterministic (seeded)."""
+    calibration positions < 128). The draw is deterministic (seeded).
+
+    With positions (a dict whose "p" holds the chunk's token positions, set by the runner's
+    on_chunk), also accumulates the attention each key receives in its own sequence (the sum over
+    queries of the causal softmax, at the real positions): stats['w'] (Hkv,) and the weighted sums
+    stats['kw'] / stats['vw'] (Hkv, D), for attention-weighted offsets (kv_scales.py)."""
     from tritium.kernels import ops
     nq = layer.num_heads * layer.head_dim
     nkv = layer.num_kv_heads * layer.head_dim
@@ -165,8 +171,32 @@ def kv_sample_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, seed: int = 
         q = out[:, :nq].reshape(t, layer.num_heads, layer.head_dim)
         k = out[:, nq:nq + nkv].reshape(t, layer.num_kv_heads, layer.head_dim)
         v = out[:, nq + nkv:].reshape(t, layer.num_kv_heads, layer.head_dim)
-        positions = torch.randint(0, cos_sin_cache.shape[0], (t,), generator=gen).to(out.device)
-        _, k = ops.rotary(q.clone(), k.clone(), positions, cos_sin_cache)
+        drawn = torch.randint(0, cos_sin_cache.shape[0], (t,), generator=gen).to(out.device)
+        _, k = ops.rotary(q.clone(), k.clone(), drawn, cos_sin_cache)
         stats.setdefault("k", []).append(k.float())
         stats.setdefault("v", []).append(v.float().clone())
+        if positions is not None:
+            _accumulate_attention(stats, q, out[:, nq:nq + nkv].reshape(t, layer.num_kv_heads, layer.head_dim),
+                                  v, positions["p"].to(out.device), cos_sin_cache, layer.scale)
     return hook
+
+
+def _accumulate_attention(stats: dict, q, k, v, positions, cos_sin_cache, scale: float) -> None:
+    """Attention received by each key of each sequence in a packed chunk (sequences start where
+    the position is 0), summed into stats['w'] / stats['kw'] / stats['vw'] per KV head."""
+    from tritium.kernels import ops
+    q, k = ops.rotary(q.clone(), k.clone(), positions, cos_sin_cache)
+    q, k, v = q.float(), k.float(), v.float()
+    hkv, d = k.shape[1], k.shape[2]
+    rep = q.shape[1] // hkv
+    starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]
+    for a, b in zip(starts[:-1], starts[1:]):
+        n = b - a
+        qs = q[a:b].reshape(n, hkv, rep, d)
+        scores = torch.einsum("thrd,shd->hrts", qs, k[a:b]) * scale
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        p = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        received = p.sum(dim=(1, 2))  # (Hkv, n): attention each key gets from every query head
+        stats["w"] = stats.get("w", 0) + received.sum(dim=1)
+        stats["kw"] = stats.get("kw", 0) + torch.einsum("hs,shd->hd", received, k[a:b])
+        stats["vw"] = stats.get("vw", 0) + torch.einsum("hs,shd->hd", received, v[a:b])

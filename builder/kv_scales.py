@@ -24,8 +24,11 @@ INT8_CLIP_RATIOS = tuple(0.30 + 0.02 * i for i in range(36))  # 0.30 .. 1.00 of 
 MAX_SEARCH_ROWS = 4096  # rows of a head's samples scored per clip ratio (strided subsample)
 MIN_SCALE = 1e-8        # a head that is all zeros still gets a finite, positive scale
 
-KV_OFFSET_METHOD = ("per-KV-head means of calibration K (after RoPE) and V, subtracted before they are "
-                    "stored; V's is added back to the attention output")
+KV_OFFSET_METHODS = {
+    "mean": ("per-KV-head means of calibration K (after RoPE) and V, subtracted before they are "
+             "stored; V's is added back to the attention output"),
+    "attention": ("per-KV-head means of calibration K (after RoPE) and V weighted by the attention each "
+                  "token receives, subtracted before they are stored; V's is added back to the attention output")}
 KV_SCALE_METHODS = {"fp8": f"amax * {FP8_HEADROOM} / 448 per KV head",
                     "int8": "MSE-optimal clip per KV head (search over 0.30..1.00 x amax) / 127"}
 
@@ -41,6 +44,18 @@ def kv_head_offsets(x: torch.Tensor) -> torch.Tensor:
     spent on that constant swamps their variation: measured by simulation, fp8 K error (mean KL)
     halves with the offset removed."""
     return x.float().mean(dim=0)
+
+
+def attention_weighted_offsets(stats: dict, key: str) -> torch.Tensor:
+    """Per-KV-head offsets (H, D) float32 for K ('k') or V ('v'): the calibration keys / values
+    weighted by the attention they receive (kv_sample_hook's stats 'w', 'kw', 'vw').
+
+    The offset can be any vector (kv_head_offsets), so it can be put where the rounding error
+    costs most: a stored key's error moves its score, and a stored value's error moves the
+    output, in proportion to the attention it receives; sum_s p_s ||x_s - c||^2 is least at the
+    attention-weighted mean. It pulls the offset toward the attention sink (the first token,
+    which most heads attend to and which E4M3 otherwise stores with its full 3-bit relative error)."""
+    return (stats[key + "w"] / stats["w"].clamp_min(1e-12)[:, None]).float()
 
 
 def kv_head_scales(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:

@@ -31,7 +31,8 @@ KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
 from . import calibration as calib
 from .calibration_mix import mix_samples, source_chat_template
-from .kv_scales import KV_OFFSET_METHOD, KV_SCALE_METHODS, kv_head_offsets, kv_head_scales
+from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
+                        kv_head_scales)
 from .heldout_eval import evaluate_held_out
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, linear_in_features, quantize_layer
@@ -68,6 +69,7 @@ class QuantOptions:
     auto_candidates: Optional[str] = None
     layer_plan: Optional[dict] = None
     head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
+    kv_offsets: str = "mean"  # quantized KV cache: kv_scales.KV_OFFSET_METHODS
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -289,17 +291,17 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
         if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
             continue
         kv_stats: dict = {}
-        handle = None
+        handle, pos = None, ({} if o.kv_offsets == "attention" else None)
         if o.kv_cache_dtype != "auto":
-            hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i)
+            hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i, positions=pos)
             handle = layer.qkv_proj.register_forward_hook(hook)
         # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
-        runner.run_layer(i, advance=True)
+        runner.run_layer(i, advance=True, on_chunk=None if pos is None else (lambda p: pos.__setitem__("p", p)))
         if handle is not None:
             handle.remove()
             for key in ("k", "v"):
                 x = torch.cat(kv_stats[key])
-                offset = kv_head_offsets(x)
+                offset = kv_head_offsets(x) if pos is None else attention_weighted_offsets(kv_stats, key)
                 kv_scales[f"layers.{i}.{key}_offset"] = offset
                 x = x - offset
                 if kv_rotation == "hadamard":
@@ -322,7 +324,7 @@ def _report(o: QuantOptions, float_tensors: dict, new: dict, layer_reports: dict
                                   else "round to nearest (no tokenizer for calibration)")
     if o.kv_cache_dtype != "auto":
         report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
-        report["kv_offsets"] = KV_OFFSET_METHOD
+        report["kv_offsets"] = KV_OFFSET_METHODS[o.kv_offsets]
         report["kv_rotation"] = kv_rotation
     return report
 
