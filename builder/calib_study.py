@@ -22,7 +22,7 @@ import os
 import time
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tritium.backend.config import EngineConfig, QuantConfig
 from tritium.backend.loader import load_engine
@@ -40,14 +40,38 @@ from .quant_pipeline import (CALIBRATED, QuantOptions, _calibration_runner, _flo
 class Scorer:
     """Scores models on the held-out domains against the float reference (cached log-probs)."""
 
-    def __init__(self, float_engine: str, num_tokens: dict, out: str):
+    def __init__(self, float_engine: str, num_tokens: dict, out: str, ref_dir=None):
         self.cfg, self.reference, self.tokenizer = load_engine(float_engine, "cpu")
         self.tensors = load_file(os.path.join(float_engine, "rank0.safetensors"))
         self.ids = {d: encode_text(self.tokenizer, domain_text(d), num_tokens[d]) for d in HELD_OUT_DOMAINS}
         self.cache = {d: {} for d in HELD_OUT_DOMAINS}
         self.out = out
+        self.ref_dir = ref_dir
+
+    def _reference_log_probs(self) -> None:
+        """Fill self.cache with the reference's log-probs: computed here, or read from ref_dir
+        where another study process wrote them (it holds ref_dir/computing meanwhile)."""
+        if self.ref_dir is None or all(self.cache.values()):
+            return
+        os.makedirs(self.ref_dir, exist_ok=True)
+        lock, done = os.path.join(self.ref_dir, "computing"), os.path.join(self.ref_dir, "done")
+        while os.path.exists(lock) and not os.path.exists(done):
+            time.sleep(10)
+        if os.path.exists(done):
+            for d in HELD_OUT_DOMAINS:
+                t = load_file(os.path.join(self.ref_dir, f"{d}.safetensors"))
+                self.cache[d] = {(int(k.split("_")[1]), tuple(w)): t[k] for k in t if k.startswith("window_")
+                                 for w in [windows_of(self, d)[int(k.split("_")[1])]]}
+            return
+        open(lock, "w").close()
+        for d in HELD_OUT_DOMAINS:
+            evaluate(self.reference, self.ids[d], reference=self.reference, reference_cache=self.cache[d])
+            save_file({f"window_{i}": v.contiguous() for (i, _), v in self.cache[d].items()},
+                      os.path.join(self.ref_dir, f"{d}.safetensors"))
+        open(done, "w").close()
 
     def score(self, name: str, model, **info) -> None:
+        self._reference_log_probs()
         row = {"variant": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **info}
         for d in HELD_OUT_DOMAINS:
             r = evaluate(model, self.ids[d], reference=self.reference, reference_cache=self.cache[d])
@@ -62,6 +86,11 @@ class Scorer:
         m = DecoderLM(cfg)
         m.load_engine_weights(tensors)
         return m.eval()
+
+
+def windows_of(s: "Scorer", domain: str):
+    from .quant_eval import windows
+    return windows(s.ids[domain], min(s.cfg.limits.max_seq_len, s.reference.cfg.limits.max_seq_len))
 
 
 def run_head(s: Scorer, source: str, methods, calibration_text=None) -> None:
@@ -106,16 +135,18 @@ def main() -> None:
     ap.add_argument("--num-tokens", default="kjv=8192,devil=2048", help="tokens per held-out domain")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ref-dir", default=None, help="share the reference's log-probs between study processes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tokens = {k: int(v) for k, v in (kv.split("=") for kv in args.num_tokens.split(","))}
-    s = Scorer(args.float_engine, tokens, args.out)
+    s = Scorer(args.float_engine, tokens, args.out, args.ref_dir)
     if args.part == "head":
         run_head(s, args.source, args.methods.split(","))
         score_engines(s, args.engines)
     elif args.part == "kv":
         doc = {"calibration_text": args.docstrings} if args.docstrings else None
         variants = [("kv fp8 mix", dict(kv_cache_dtype="fp8"), 2.0),
+                    ("kv fp8 mix attention offsets", dict(kv_cache_dtype="fp8", kv_offsets="attention"), 2.0),
                     ("kv int8 mix", dict(kv_cache_dtype="int8"), 2.0)]
         if doc:
             variants += [("kv fp8 docstrings", dict(kv_cache_dtype="fp8", **doc), 2.0),
