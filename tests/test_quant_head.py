@@ -188,3 +188,32 @@ def test_awq_clip_rows_never_worse_than_rtn_and_clips_an_outlier_row():
         return ((d @ H) * d).sum(1)
     assert (row_err(s) <= row_err(rtn_s) + 1e-9).all()
     assert row_err(s)[5] < 0.8 * row_err(rtn_s)[5]
+
+
+def test_centring_is_a_choice_for_every_method():
+    """centre=True adds the bias correction to any method's head (its rounding unchanged: the
+    same int8 rows as without it); centre=False builds an AWQ head without it."""
+    w, x, tensors = _tied_head_case()
+    stats = head_stats(x[:256])
+    acc = HessianAccumulator(w.shape[1])
+    acc.add(x[:256])
+    stats["H"] = acc.hessian()
+    for method in ("int4-rtn", "int4-gptq"):
+        plain, centred = dict(tensors), dict(tensors)
+        p_plain, p_centred = {"embed_tokens": LayerQuant("int8")}, {"embed_tokens": LayerQuant("int8")}
+        quantize_embeddings(plain, p_plain, method, tied=True, head_stats=stats)
+        rep = quantize_embeddings(centred, p_centred, method, tied=True, head_stats=stats, centre=True)
+        assert not p_plain["embed_tokens"].centred and "head_input_mean" not in plain
+        assert p_centred["embed_tokens"].centred and rep["embed_tokens"]["bias_correction_rms"] > 0
+        assert torch.equal(plain["embed_tokens.qweight"], centred["embed_tokens.qweight"])
+        torch.testing.assert_close(centred["head_input_mean"], x[:256].mean(0))
+        torch.testing.assert_close(centred["head_mean_logits"], x[:256].mean(0) @ w.t(), rtol=1e-5, atol=1e-4)
+    rq, _ = quantize_int8(w)
+    plain = dict(tensors)
+    quantize_embeddings(plain, {"embed_tokens": LayerQuant("int8")}, "int4-rtn", tied=True, head_stats=stats)
+    assert torch.equal(plain["embed_tokens.qweight"], rq)  # rtn stays round to nearest
+    awq = dict(tensors)
+    p_awq = {"embed_tokens": LayerQuant("int8")}
+    rep = quantize_embeddings(awq, p_awq, "int4-awq", tied=True, head_stats=stats, centre=False)
+    assert not p_awq["embed_tokens"].centred and "head_input_mean" not in awq
+    assert "mean-centred" not in rep["embed_tokens"]["rounding"]
