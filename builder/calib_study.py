@@ -146,11 +146,12 @@ def main() -> None:
     elif args.part == "kv":
         doc = {"calibration_text": args.docstrings} if args.docstrings else None
         variants = [("kv fp8 mix", dict(kv_cache_dtype="fp8"), 2.0),
-                    ("kv fp8 mix attention offsets", dict(kv_cache_dtype="fp8", kv_offsets="attention"), 2.0),
-                    ("kv int8 mix", dict(kv_cache_dtype="int8"), 2.0)]
+                    ("kv fp8 mix attention offsets", dict(kv_cache_dtype="fp8", kv_offsets="attention"), 2.0)]
         if doc:
-            variants += [("kv fp8 docstrings", dict(kv_cache_dtype="fp8", **doc), 2.0),
-                         ("kv int8 docstrings", dict(kv_cache_dtype="int8", **doc), 2.0)]
+            variants += [("kv fp8 docstrings", dict(kv_cache_dtype="fp8", **doc), 2.0)]
+        variants += [("kv int8 mix", dict(kv_cache_dtype="int8"), 2.0)]
+        if doc:
+            variants += [("kv int8 docstrings", dict(kv_cache_dtype="int8", **doc), 2.0)]
         run_kv(s, args.source, variants)
         score_engines(s, args.engines)
     elif args.part == "kv-attention":
