@@ -219,7 +219,7 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
                                  auto_candidates=None)
         new, qcfg, kvcfg, report = quantize_engine_weights(cfg, tensors, o2, tokenizer=tokenizer,
                                                            model_factory=model_factory)
-        increase = report["eval"]["perplexity_increase"]
+        increase = report["eval"]["budget_check"]["perplexity_increase"]
         builds.append({"rung": idx, "bytes": _nbytes(new), "ppl_increase_pct": 100 * increase})
         if increase <= budget or idx == top or len(builds) == MAX_BUILDS:
             break
@@ -230,7 +230,8 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
     for opt in chosen.values():
         counts[opt.name] = counts.get(opt.name, 0) + 1
     summary = {"max_ppl_increase_pct": o.max_ppl_increase, "measured_ppl_increase_pct": 100 * increase,
-               "met": met, "held_out_text": report["eval"].get("text"), "held_out_tokens": report["eval"]["tokens"],
+               "met": met, "held_out_text": report["eval"]["budget_check"]["text"],
+               "held_out_tokens": report["eval"]["budget_check"]["tokens"],
                "int4_method": method, "choices": dict(sorted(counts.items()))}
     qcfg = dataclasses.replace(qcfg, method="auto", group_size=None, budget=summary)
     report["method"] = "auto"

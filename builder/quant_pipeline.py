@@ -34,6 +34,7 @@ from .calibration_mix import mix_samples, source_chat_template
 from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
                         kv_head_scales)
 from .heldout_eval import evaluate_held_out
+from .quant_eval import encode_text, evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, linear_in_features, quantize_layer
 from .quantize_fp8 import has_float8
@@ -373,4 +374,13 @@ def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, mod
     ref = _float_model(cfg, float_tensors, model_factory)
     qmodel = (model_factory or DecoderLM)(dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg))
     qmodel.load_engine_weights(q_tensors)
-    return evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
+    result = evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
+    if o.layer_plan is not None:
+        # --quantization auto checks its budget on the builder's evaluation text (never a held-out
+        # domain, so the domains above stay an independent score of the chosen plan)
+        ids = encode_text(tokenizer, calib.default_eval_text(), o.eval_tokens)
+        check = evaluate(qmodel, ids, reference=ref, progress=o.progress)
+        result["budget_check"] = {**{k: check[k] for k in ("perplexity", "perplexity_increase", "mean_kl",
+                                                            "top1_agreement", "tokens")},
+                                  "text": "builder evaluation text (calibration.default_eval_text)"}
+    return result
