@@ -74,6 +74,8 @@ class ModelConfig:
 class LayerQuant:
     """How one linear layer is stored; see QuantConfig.layouts for the packing."""
     method: str  # "none" | "int8" | "fp8" | "int4"
+    # int4: always set. int8 / fp8: None = one scale per output channel; set = group-wise scales
+    # (K // group_size, N) (kernels/quant_layouts.py, the grouped layouts).
     group_size: Optional[int] = None
     act_order: bool = False  # int4: a g_idx tensor is stored (GPTQ act-order with dynamic groups)
     # Why this group size, e.g. "source Q4_1 blocks of 32" or "128 does not divide 576 -> 64".
@@ -89,6 +91,9 @@ class LayerQuant:
     # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
     # input's logits from the float weights) is added to its output (int4-awq; builder/quant_head.py).
     centred: bool = False
+    # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) float32 is stored beside
+    # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
+    asymmetric: bool = False
 
 
 @dataclass(frozen=True)

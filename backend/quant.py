@@ -3,6 +3,8 @@
 Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
     int8: qweight int8 (N, K), scales float32 (N,)
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,)
+    int8 / fp8 with LayerQuant.group_size: scales float32 (K//G, N), zeros float32 (K//G, N) when
+          LayerQuant.asymmetric
     int4: qweight uint8 (N, K//2), scales/zeros (K//G, N) stored float16, held float32, optional g_idx int32 (K,)
     bias (engine dtype, optional) for all.
 On CPU the layers convert their weights once (lazily, on the first call after a load or a device
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from tritium.kernels import cpu_native, ops
-from tritium.kernels.quant_layouts import dequantize_int4, unpack_int4
+from tritium.kernels.int8pack_guard import int8pack_mm_safe
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, unpack_int4
 
 # From this many rows on, Int8Linear on CPU runs the native AVX512-BF16 kernel (kernels/cpu_gemm.c)
 # instead of torch's _weight_int8pack_mm: about 1.5x faster at 16-64 rows, slower for one row.
@@ -77,28 +80,71 @@ class _QuantLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:
+    """scales (K//G, N) and, for asymmetric groups, zeros (K//G, N) of a grouped int8 / fp8 layer;
+    per-output-channel scales (N,) when the layer has no group size."""
+    g = getattr(layer_quant, "group_size", None)
+    mod.group_size = g
+    if g is None:
+        mod.register_buffer("scales", torch.empty(mod.out_features, dtype=torch.float32))
+        mod.register_buffer("zeros", None)
+        return
+    if g <= 0 or mod.in_features % g:
+        raise ValueError(f"{what} layer: group_size {g} must divide in_features {mod.in_features}")
+    shape = (mod.in_features // g, mod.out_features)
+    mod.register_buffer("scales", torch.empty(shape, dtype=torch.float32))
+    asym = bool(getattr(layer_quant, "asymmetric", False))
+    mod.register_buffer("zeros", torch.empty(shape, dtype=torch.float32) if asym else None)
+
+
 class Int8Linear(_QuantLinearBase):
-    """W8A16: y = x (qweight * scales[:, None])^T via aten._weight_int8pack_mm on CPU."""
+    """W8A16: y = x (qweight * scales[:, None])^T via aten._weight_int8pack_mm on CPU.
+
+    Grouped (layer_quant.group_size): y = x (qweight * scales[g] + zeros[g])^T; on CPU the native
+    kernel applies each group's scale to its partial sums (kernels/cpu_gemm.c), prefill-sized
+    batches dequantize to bfloat16 once per call into a scratch buffer and use oneDNN."""
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+        _register_group_params(self, layer_quant, "int8")
 
     def _pack(self):
+        if self.group_size is not None:
+            native = cpu_native.supports(self.in_features) and self.group_size % 32 == 0 and cpu_native.available()
+            if native:
+                zeros = self.zeros.float().contiguous() if self.zeros is not None else None
+                return ("native", self.qweight.clone(memory_format=torch.contiguous_format),
+                        self.scales.float().contiguous(), zeros)
+            # no native kernel here (another CPU, odd shapes): one dense bfloat16 copy
+            return ("dense", dequantize_grouped(self.qweight, self.scales, self.zeros, self.group_size,
+                                                torch.bfloat16), None, None)
         # bf16 always: torch's fp32 int8 path is much slower for M > 1 (see Int4Linear._pack).
         # clone: a fresh, 64-byte-aligned copy. Tensors from safetensors' load_file can sit at
         # any 8-byte offset of the file, and the packed kernel's vector loads crash on those.
         return (self.qweight.clone(memory_format=torch.contiguous_format), self.scales.to(torch.bfloat16),
                 self.scales.float().contiguous())
 
+    def _forward_grouped(self, x2: torch.Tensor) -> torch.Tensor:
+        kind, qw, scales, zeros = self._get_packed()
+        if kind == "dense":
+            return torch.nn.functional.linear(x2.to(torch.bfloat16), qw)
+        if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS:
+            w = cpu_native.int8g_to_bf16(qw, scales, zeros, self.group_size, _scratch_bf16(qw.shape))
+            return torch.nn.functional.linear(x2.to(torch.bfloat16), w)
+        return cpu_native.w8g_gemm(x2, qw, scales, zeros, self.group_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x.is_cuda and hasattr(ops, "linear_w8a16"):
+            if self.group_size is not None:
+                return self._finish(ops.linear_w8a16(x2, self.qweight, self.scales, zeros=self.zeros,
+                                                     group_size=self.group_size), x)
             return self._finish(ops.linear_w8a16(x2, self.qweight, self.scales), x)
         if x.is_cuda:  # no kernel: dense fallback in the activation dtype
-            w = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-            return self._finish(x2 @ w.t(), x)
+            return self._finish(x2 @ self._dequantize(x.dtype).t(), x)
+        if self.group_size is not None:
+            return self._finish(self._forward_grouped(x2), x)
         qw, scales, scales_f32 = self._get_packed()
         if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS and cpu_native.available():
             w = cpu_native.int8_to_bf16(qw, _scratch_bf16(qw.shape))
@@ -107,23 +153,40 @@ class Int8Linear(_QuantLinearBase):
         if x2.shape[0] >= NATIVE_INT8_MIN_ROWS and cpu_native.supports(self.in_features) \
                 and cpu_native.available():
             return self._finish(cpu_native.w8a16_gemm(x2, qw, scales_f32), x)
+        if not int8pack_mm_safe(self.in_features):
+            # widths where torch's packed kernel is known to crash (kernels/int8pack_guard.py)
+            w = qw.to(torch.bfloat16)
+            return self._finish(torch.nn.functional.linear(x2.to(torch.bfloat16), w).float() * scales_f32, x)
         y = torch.ops.aten._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), qw, scales)
         return self._finish(y, x)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.group_size is not None:
+            return dequantize_grouped(self.qweight, self.scales, self.zeros, self.group_size, dtype)
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
 
 class Fp8Linear(_QuantLinearBase):
     """FP8 E4M3 weights. CPU: weight-only, dequantized per call; CUDA: ops.linear_fp8 (dynamic
-    per-token activation quantization where the device has FP8 matmul)."""
+    per-token activation quantization where the device has FP8 matmul). Grouped (layer_quant.
+    group_size): weight-only everywhere, ops.linear_w8a16 with the group scales / zeros on CUDA."""
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
         if not hasattr(torch, "float8_e4m3fn"):
             raise ValueError("fp8 engine: this torch build has no float8_e4m3fn dtype")
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
-        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+        _register_group_params(self, layer_quant, "fp8")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self.group_size is not None:
+            if x.is_cuda and hasattr(ops, "linear_w8a16"):
+                return self._finish(ops.linear_w8a16(x2, self.qweight, self.scales, zeros=self.zeros,
+                                                     group_size=self.group_size), x)
+            cdtype = _cpu_compute_dtype(self.dtype) if not x.is_cuda else x.dtype
+            w = dequantize_grouped(self.qweight, self.scales, self.zeros, self.group_size, cdtype)
+            return self._finish(x2.to(cdtype) @ w.t(), x)
         if x.is_cuda and hasattr(ops, "linear_fp8"):
             return self._finish(ops.linear_fp8(x2, self.qweight, self.scales), x)
         cdtype = _cpu_compute_dtype(self.dtype) if not x.is_cuda else x.dtype

@@ -20,7 +20,7 @@ from typing import Tuple
 import torch
 
 from .gptq_rows import gptq_rows
-from .quantize_fp8 import FP8_E4M3_MAX, fp8_scales, round_fp8
+from .quantize_fp8 import FP8_E4M3_MAX, fp8_group_params, fp8_scales, round_fp8
 
 SCALE_STEPS = tuple(2.0 ** (j / 16) for j in range(-4, 16))  # multiples of amax / 448 searched
 
@@ -55,3 +55,17 @@ def gptq_fp8_quantize(w: torch.Tensor, hessian: torch.Tensor, block_size: int = 
     Q = gptq_rows(w, hessian, scales, round_fp8, block_size, damp_percent)
     assert Q.abs().max() <= FP8_E4M3_MAX
     return Q.to(torch.float8_e4m3fn), scales
+
+
+def gptq_fp8_grouped(w: torch.Tensor, hessian: torch.Tensor, group_size: int, asymmetric: bool,
+                     block_size: int = 128, damp_percent: float = 0.01):
+    """GPTQ on the E4M3 grid with group-wise (scale, zero) fixed up front by fp8_group_params
+    (static groups, act-order column order). A group whose best choice is the integer grid
+    -8..7 (a 4-bit source block) is rounded on that grid, so GPTQ keeps it exact when the
+    weight lies on it. Returns quantize_fp8_grouped's (qweight, scales (K/G, N), zeros or None)."""
+    w = w.float()
+    s, z = fp8_group_params(w, group_size, asymmetric)
+    se = s.repeat_interleave(group_size, dim=1)
+    ze = z.repeat_interleave(group_size, dim=1) if z is not None else None
+    Q = gptq_rows(w, hessian, se, round_fp8, block_size, damp_percent, zeros=ze)
+    return Q.to(torch.float8_e4m3fn), s.t().contiguous(), None if z is None else z.t().contiguous()

@@ -11,7 +11,7 @@ decreasing H diagonal (the paper's act-order); with one scale per row that order
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -21,9 +21,13 @@ from .quantize_int8 import int8_row_scales
 
 def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
               round_codes: Callable[[torch.Tensor], torch.Tensor], block_size: int = 128,
-              damp_percent: float = 0.01) -> torch.Tensor:
+              damp_percent: float = 0.01, zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Codes (N, K) float32 of w (N, K) on the grid round_codes(.) * scales[:, None], chosen
-    column by column with GPTQ's error feedback under the input Hessian (K, K)."""
+    column by column with GPTQ's error feedback under the input Hessian (K, K).
+
+    scales may also be (N, K), one per weight (group-wise scales expanded), with zeros (N, K):
+    then column k's grid is round_codes((w - zeros[:, k]) / scales[:, k]) * scales[:, k] + zeros[:, k]
+    (group parameters fixed up front: the paper's static groups)."""
     W = w.float().clone()
     n, k = W.shape
     if hessian.shape != (k, k):
@@ -32,6 +36,8 @@ def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
     zero_dead_inputs(W, H)
     perm = torch.argsort(torch.diag(H), descending=True)
     W, H = W[:, perm], H[perm][:, perm]
+    S = scales.float()[:, perm] if scales.dim() == 2 else None
+    Z = zeros.float()[:, perm] if zeros is not None else None
     Hinv = inverse_hessian_factor(H, damp_percent)
     Q = torch.empty(n, k)
     for i1 in range(0, k, block_size):
@@ -40,9 +46,11 @@ def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            q = round_codes(W1[:, i] / scales)
+            s_col = scales if S is None else S[:, i1 + i]
+            z_col = 0.0 if Z is None else Z[:, i1 + i]
+            q = round_codes((W1[:, i] - z_col) / s_col)
             Q[:, i1 + i] = q
-            err = (W1[:, i] - q * scales) / Hinv1[i, i]
+            err = (W1[:, i] - (q * s_col + z_col)) / Hinv1[i, i]
             W1[:, i:].sub_(torch.outer(err, Hinv1[i, i:]))
             Err1[:, i] = err
         # Lazy batch update of all later columns (the paper's block trick).

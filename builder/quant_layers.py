@@ -14,10 +14,12 @@ from tritium.kernels.quant_layouts import dequantize_int4
 
 from .awq import awq_search_scale, pooled_head_stat
 from .gptq import gptq_quantize
-from .gptq_fp8 import gptq_fp8_quantize
-from .quantize_fp8 import dequantize_fp8, quantize_fp8
+from tritium.kernels.quant_layouts import dequantize_grouped
+
+from .gptq_fp8 import gptq_fp8_grouped, gptq_fp8_quantize
+from .quantize_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_grouped
 from .quantize_int4 import quantize_int4
-from .quantize_int8 import dequantize_int8, quantize_int8
+from .quantize_int8 import dequantize_int8, quantize_int8, quantize_int8_grouped, quantize_int8_source_grid
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -30,6 +32,8 @@ def linear_in_features(m, lin: str) -> int:
 
 def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
     """One float weight (N, K) -> (engine tensors by suffix, dequantized float32 weight)."""
+    if lq.method in ("int8", "fp8") and lq.group_size:
+        return _quantize_grouped(w, lq, stats)
     if lq.method == "int8":
         q, s = quantize_int8(w)
         return {"qweight": q, "scales": s}, dequantize_int8(q, s)
@@ -55,6 +59,24 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
     if g_idx is not None:
         out["g_idx"] = g_idx
     return out, dequantize_int4(q, s, z, lq.group_size, g_idx)
+
+
+def _quantize_grouped(w: torch.Tensor, lq, stats: Optional[dict]):
+    """Group-wise int8 / fp8 (symmetric, or asymmetric keeping a source grid): engine tensors and
+    the dequantized float32 weight. fp8 uses GPTQ (static groups) when Hessians exist."""
+    g, z = lq.group_size, None
+    if lq.method == "int8" and lq.asymmetric:
+        q, s, z = quantize_int8_source_grid(w, g)
+    elif lq.method == "int8":
+        q, s = quantize_int8_grouped(w, g)
+    elif stats and "H" in stats:
+        q, s, z = gptq_fp8_grouped(w, stats["H"].hessian(), g, lq.asymmetric)
+    else:
+        q, s, z = quantize_fp8_grouped(w, g, lq.asymmetric)
+    out = {"qweight": q, "scales": s}
+    if z is not None:
+        out["zeros"] = z
+    return out, dequantize_grouped(q, s, z, g)
 
 
 def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, stats: dict) -> dict:

@@ -25,7 +25,8 @@ from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTA
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, LayerQuant,
                                     QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
-from tritium.kernels.quant_layouts import FP8_LAYOUT, INT4_LAYOUT, INT8_LAYOUT
+from tritium.kernels.quant_layouts import (FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT,
+                                           INT8_LAYOUT)
 
 KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
@@ -42,6 +43,7 @@ from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .source_grid import linear_source_blocks, plan_group_size
 
 DEFAULT_GROUP_SIZE = 128
+PER_ROW = -1  # --group-size -1 (int8 / fp8): one scale per output channel (GPTQ's convention)
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
 CALIBRATED = ("int4-awq", "int4-gptq")
@@ -114,6 +116,10 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
                          f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
     if not isinstance(o.eval_tokens, int) or o.eval_tokens < 0 or o.eval_tokens == 1:
         raise ValueError(f"--eval-tokens must be 0 (no evaluation) or >= 2, got {o.eval_tokens}")
+    if o.quantization in ("int8", "fp8") and o.group_size not in SUPPORTED_GROUP_SIZES + (PER_ROW,):
+        raise ValueError(f"--group-size {o.group_size} not supported for {o.quantization}; allowed: "
+                         f"{PER_ROW} (one scale per output channel) or "
+                         f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
     if not isinstance(o.calibration_samples, int) or o.calibration_samples < 1:
         raise ValueError(f"--calibration-samples must be >= 1, got {o.calibration_samples}")
     if (o.quantization == "fp8" or o.kv_cache_dtype == "fp8") and not has_float8():
@@ -124,7 +130,7 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
         if len(text) < calib.MIN_CALIBRATION_CHARS:
             raise ValueError(f"--calibration-text {o.calibration_text}: calibration text too short "
                              f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
-    if cfg is not None and o.quantization.startswith("int4"):
+    if cfg is not None and o.quantization != "none":
         _plan(cfg, o)  # raises if a layer's input dim takes no group size
 
 
@@ -152,8 +158,7 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
     builds also store the embedding (and an untied lm_head) as per-row int8."""
     kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
     plan = {}
-    blocks = linear_source_blocks(o.source, cfg.model.num_layers) if (
-        kind == "int4" and not o.group_size_explicit) else {}
+    blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
     for i in range(cfg.model.num_layers):
         for lin in LINEARS:
             name = f"layers.{i}.{lin}"
@@ -161,7 +166,7 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
                 plan[name] = LayerQuant("none")
                 continue
             if kind != "int4":
-                plan[name] = LayerQuant(kind)
+                plan[name] = _plan_8bit(kind, linear_in_features(cfg.model, lin), name, o, blocks.get(name))
                 continue
             k = linear_in_features(cfg.model, lin)
             g, reason = plan_group_size(k, o.group_size, o.group_size_explicit, blocks.get(name))
@@ -185,6 +190,27 @@ def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
         for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
             plan[name] = LayerQuant("none" if _excluded(name, o.exclude_modules) else "int8")
     return plan
+
+
+def _plan_8bit(kind: str, k: int, name: str, o, source) -> LayerQuant:
+    """int8 / fp8: --group-size N: symmetric groups of N (64/32 where N does not divide K);
+    --group-size -1: one scale per output channel; default: a linear stored block-quantized in
+    a GGUF source gets asymmetric groups on the source's blocks (its grid kept exactly), any
+    other one scale per output channel (docs/quantization.md has the measurements behind this)."""
+    if o.group_size_explicit and o.group_size == PER_ROW:
+        return LayerQuant(kind, group_reason="--group-size -1: per output channel")
+    if o.group_size_explicit:
+        g, reason = plan_group_size(k, o.group_size, True, None)
+        if g is None:
+            raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
+                             f"not a multiple of {o.group_size}, 64 or 32")
+        return LayerQuant(kind, group_size=g, group_reason=reason)
+    if source is not None:
+        g, reason = plan_group_size(k, DEFAULT_GROUP_SIZE, False, source)
+        if g == source[1]:
+            return LayerQuant(kind, group_size=g, group_reason=reason + " (asymmetric, source grid)",
+                              asymmetric=True)
+    return LayerQuant(kind)
 
 
 def load_source_tokenizer(source: Optional[str]):
@@ -243,10 +269,13 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
                                              head_stats, centre=o.head_centring))
     new.update(kv_scales)
-    layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT}
-    used = {lq.method for lq in plan.values()}
+    layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT,
+               "int8 grouped": INT8_GROUPED_LAYOUT, "fp8 grouped": FP8_GROUPED_LAYOUT}
+    used = {lq.method + (" grouped" if lq.method in ("int8", "fp8") and lq.group_size else "")
+            for lq in plan.values()}
     qcfg = QuantConfig(method=o.quantization,
-                       group_size=o.group_size if o.quantization.startswith("int4") else None,
+                       group_size=o.group_size if o.quantization.startswith("int4") or (
+                           o.quantization in ("int8", "fp8") and o.group_size_explicit) else None,
                        layers=dict(plan),
                        layouts={k: v for k, v in layouts.items() if k in used},
                        calibration=calibration_info)

@@ -6,7 +6,7 @@ The scale maps each row's amax onto E4M3's largest finite value (448).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -44,3 +44,54 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_fp8: float weight (N, K)."""
     return dequantize_rowwise(qweight, scales, dtype)
+
+
+# ---- group-wise fp8 (LayerQuant.group_size set; kernels/quant_layouts.py FP8_GROUPED_LAYOUT) ----
+
+def fp8_group_params(w: torch.Tensor, group_size: int, asymmetric: bool
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Scales and zeros (N, K // G) (zeros None when symmetric) of w (N, K) in groups of G input
+    channels; see quantize_fp8_grouped for the choices."""
+    n, k = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} must divide in_features {k}")
+    wg = w.float().reshape(n, k // group_size, group_size)
+    amax = wg.abs().amax(dim=2).clamp_min(1e-12)
+    if not asymmetric:
+        return amax / FP8_E4M3_MAX, None
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+    # candidates (scale, zero): the group's [min, max] onto [-8, 7] (integers there are exact in
+    # E4M3, so a Q4_1 block's d * q + m is reproduced exactly), onto E4M3's [-448, 448] around
+    # the midpoint, and the symmetric amax / 448.
+    s4 = ((hi - lo) / 15).clamp_min(1e-12)
+    s8 = ((hi - lo) / (2 * FP8_E4M3_MAX)).clamp_min(1e-12)
+    cands = [(s4, lo + 8 * s4), (s8, (hi + lo) / 2), (amax / FP8_E4M3_MAX, torch.zeros_like(amax))]
+    best_err = best_s = best_z = None
+    for s, z in cands:
+        codes = round_fp8((wg - z[:, :, None]) / s[:, :, None])
+        err = ((codes * s[:, :, None] + z[:, :, None] - wg) ** 2).sum(dim=2)
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return best_s, best_z
+
+
+def quantize_fp8_grouped(w: torch.Tensor, group_size: int, asymmetric: bool = False
+                         ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Float weight (N, K) -> (qweight float8_e4m3fn (N, K), scales float32 (K // G, N), zeros
+    float32 (K // G, N) or None), rounding each (w - zero) / scale to the nearest E4M3 value.
+
+    Symmetric: scale = group amax / 448. Asymmetric (source-grid aware): per group the least-error
+    of [min, max] onto integers -8..7 (exact for a 4-bit source block), [min, max] onto
+    [-448, 448], and the symmetric choice."""
+    if not has_float8():
+        raise ValueError("quantization 'fp8' needs a torch build with float8_e4m3fn")
+    n, k = w.shape
+    s, z = fp8_group_params(w, group_size, asymmetric)
+    se = s.repeat_interleave(group_size, dim=1)
+    ze = z.repeat_interleave(group_size, dim=1) if z is not None else 0.0
+    q = ((w.float() - ze) / se).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s.t().contiguous(), None if z is None else z.t().contiguous()

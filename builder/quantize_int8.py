@@ -10,7 +10,7 @@ no code leaves [-127, 127].
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -46,3 +46,77 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_int8: float weight (N, K)."""
     return dequantize_rowwise(qweight, scales, dtype)
+
+
+# ---- group-wise int8 (LayerQuant.group_size set; kernels/quant_layouts.py INT8_GROUPED_LAYOUT) ----
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} must divide in_features {k}")
+    return w.float().reshape(n, k // group_size, group_size)
+
+
+def _pack_groups(c: torch.Tensor, s: torch.Tensor, z: Optional[torch.Tensor]):
+    """codes (N, Gn, G), scales / zeros (N, Gn) -> qweight (N, K), scales / zeros (Gn, N)."""
+    n = c.shape[0]
+    return (c.reshape(n, -1), s.t().contiguous(), None if z is None else z.t().contiguous())
+
+
+def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float weight (N, K) -> (qweight int8 (N, K), scales float32 (K // G, N)): symmetric,
+    scale = amax / 127 of each group of `group_size` input channels of a row."""
+    wg = _groups(w, group_size)
+    s = (wg.abs().amax(dim=2) / 127.0).clamp_min(1e-10)
+    c = torch.round(wg / s[:, :, None]).clamp_(-127, 127)
+    q, scales, _ = _pack_groups(c.to(torch.int8), s, None)
+    return q, scales
+
+
+def _asym_candidate(wg: torch.Tensor, levels: int, lo_code: int, hi_code: int):
+    """(codes, scale, zero) mapping each group's [min, max] onto codes [lo_code, hi_code]
+    (levels = hi_code - lo_code): w = code * scale + zero. A group whose values lie on a grid
+    min + d * j, j = 0..m, with `levels` a multiple of m, gets integer codes: exact."""
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+    s = ((hi - lo) / levels).clamp_min(1e-10)
+    z = lo - lo_code * s
+    c = torch.round((wg - z[:, :, None]) / s[:, :, None]).clamp_(lo_code, hi_code)
+    return c, s, z
+
+
+def _pick(cands, wg: torch.Tensor):
+    """Per group, the candidate (codes, scale, zero) of least squared error."""
+    best = None
+    for c, s, z in cands:
+        err = ((c * s[:, :, None] + z[:, :, None] - wg) ** 2).sum(dim=2)
+        if best is None:
+            best = [err, c, s, z]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better[:, :, None], c, best[1])
+        best[2] = torch.where(better, s, best[2])
+        best[3] = torch.where(better, z, best[3])
+    return best[1], best[2], best[3]
+
+
+def quantize_int8_source_grid(w: torch.Tensor, group_size: int
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int8 that keeps a block-quantized source's grid:
+    (qweight int8 (N, K), scales float32 (K // G, N), zeros float32 (K // G, N)).
+
+    Per group the least-error of three (scale, zero) choices, each exact for one GGUF block type:
+    - min/max onto codes -128..127 (255 steps): a Q4_1 block (w = d * q + m, q = 0..15 spanning
+      [min, max]) lands on codes 17 q - 128, since 255 = 15 * 17;
+    - symmetric amax / 127, zero 0: a Q8_0 block (w = d * q, |q| <= 127, amax at 127);
+    - symmetric |min| / 128, zero 0: a Q4_0 block (w = d * (q - 8)) whose extreme is -8 d, codes 16 (q - 8).
+    Anywhere else this is ordinary asymmetric (or symmetric) group-wise int8."""
+    wg = _groups(w, group_size)
+    amax = wg.abs().amax(dim=2).clamp_min(1e-10)
+    zero = torch.zeros_like(amax)
+    cands = [_asym_candidate(wg, 255, -128, 127)]
+    for div in (127.0, 128.0):
+        s = amax / div
+        cands.append((torch.round(wg / s[:, :, None]).clamp_(-128 if div == 128.0 else -127, 127), s, zero))
+    c, s, z = _pick(cands, wg)
+    return _pack_groups(c.to(torch.int8), s, z)

@@ -66,6 +66,63 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
     }
 }
 
+/* Group-wise scales: out[r] = sum_g scale[g] * sum_{k in g} x[r][k] w[n][k], groups of G (a
+ * multiple of 32) input channels; per-group partial sums in MR registers, totals in MR more. */
+INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *sn,
+                     int64_t sstride, float *out, const int MR_) {
+    __m512 tot[MR], acc[MR];
+    for (int r = 0; r < MR_; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = g0; k < g0 + G; k += 32) {
+            __m512bh wv = cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)(wn + k)));
+            for (int r = 0; r < MR_; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
+        }
+        const __m512 s = _mm512_set1_ps(sn[(g0 / G) * sstride]);
+        for (int r = 0; r < MR_; r++) tot[r] = _mm512_fmadd_ps(acc[r], s, tot[r]);
+    }
+    for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(tot[r]);
+}
+
+/* y (M, N) float32 = x (M, K) bf16 @ (q * scale[k / G, n])^T; scale (K/G, N) float32. The
+ * zero-point term (sum_{k in g} x[r][k]) * zero[g][n] of asymmetric groups is added by the caller. */
+void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
+                      int64_t M, int64_t N, int64_t K, int64_t G) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t mr = M - m0 < MR ? M - m0 : MR;
+            for (int64_t n = nb * NB; n < n1; n++) {
+                float out[MR];
+#define W8G(R) w8g_rows(x + m0 * K, K, G, w + n * K, scale + n, N, out, R)
+                DISPATCH(W8G, mr)
+                for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r];
+            }
+        }
+    }
+}
+
+/* Grouped int8 -> bfloat16 (N, K): w = q * scale[k / G, n] (+ zero[k / G, n] when zero is not
+ * NULL) in float32, rounded to nearest even; G % 32 == 0. */
+void tritium_int8g_to_bf16(const int8_t *w, const float *scale, const float *zero, int64_t N, int64_t K,
+                           int64_t G, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += 32) {
+            const int64_t g = k / G;
+            const __m512 s = _mm512_set1_ps(scale[g * N + n]);
+            const __m512 z = _mm512_set1_ps(zero ? zero[g * N + n] : 0.0f);
+            __m256i q = _mm256_loadu_si256((const __m256i *)(w + n * K + k));
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+            _mm512_storeu_si512((void *)(out + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
 /* w (N, K) int8 -> out (N, K) bfloat16, exact (|q| <= 127 has 7 significant bits). */
 void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
     const int64_t whole = n / 32 * 32;

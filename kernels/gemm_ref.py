@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .quant_layouts import dequantize_int4, dequantize_rowwise
+from .quant_layouts import dequantize_grouped, dequantize_int4, dequantize_rowwise
 
 FP8_E4M3_MAX = 448.0
 # Floor of a per-token amax, so an all-zero row gets a finite scale (and quantizes to zeros).
@@ -26,9 +26,14 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Weight-only int8 (or fp8) GEMM: x @ (q * scales[:, None])^T (+ bias) in x's dtype."""
-    w = dequantize_rowwise(qweight, scales, x.dtype)
+                   bias: Optional[torch.Tensor] = None, zeros: Optional[torch.Tensor] = None,
+                   group_size: Optional[int] = None) -> torch.Tensor:
+    """Weight-only int8 (or fp8) GEMM: x @ (q * scales[:, None])^T (+ bias) in x's dtype; with
+    group_size, the grouped layout x @ (q * scales[g, n] + zeros[g, n])^T."""
+    if group_size:
+        w = dequantize_grouped(qweight, scales, zeros, group_size, x.dtype)
+    else:
+        w = dequantize_rowwise(qweight, scales, x.dtype)
     return F.linear(x, w, bias)
 
 

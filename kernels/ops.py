@@ -138,11 +138,12 @@ def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, g_idx, bias)
 
 
-def linear_w8a16(x, qweight, scales, bias=None):
-    """Weight-only int8 (or fp8) GEMM: x @ (qweight * scales[:, None])^T (+ bias)."""
+def linear_w8a16(x, qweight, scales, bias=None, zeros=None, group_size=None):
+    """Weight-only int8 (or fp8) GEMM: x @ (qweight * scales[:, None])^T (+ bias); with group_size,
+    the grouped layout x @ (qweight * scales[g, n] + zeros[g, n])^T."""
     if use_triton(x) and (qweight.dtype != _FP8 or _fp8_kernels_ok(x)):
-        return _tk("quant_gemm").w8a16_gemm(x, qweight, scales, bias)
-    return w8a16_gemm_ref(x, qweight, scales, bias)
+        return _tk("quant_gemm").w8a16_gemm(x, qweight, scales, bias, zeros=zeros, group_size=group_size)
+    return w8a16_gemm_ref(x, qweight, scales, bias, zeros, group_size)
 
 
 def linear_fp8(x, qweight, scales, bias=None):

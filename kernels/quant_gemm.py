@@ -69,8 +69,9 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
 
 
 @triton.jit
-def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, bias_ptr, out_ptr,
-                       M, N, K, stride_x_m, stride_qw_n, stride_o_m,
+def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size,
+                       GROUPED: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,11 +86,30 @@ def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, bias_ptr, out_ptr,
         cdt = x.dtype
         if UPCAST:
             cdt = tl.float32
-        q = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        # int8 and e4m3 values are exact in fp16 / bf16, so the cast loses nothing
-        acc += mm(x.to(cdt), q.to(tl.float32).to(cdt), IEEE)
-    # per-output-channel scale factors out of the K sum: y = (x @ q^T) * scale[n]
-    acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0)[None, :]
+        wmask = kmask[:, None] & nmask[None, :]
+        q = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=wmask, other=0.0)
+        if not GROUPED:
+            # int8 and e4m3 values are exact in fp16 / bf16, so the cast loses nothing
+            acc += mm(x.to(cdt), q.to(tl.float32).to(cdt), IEEE)
+        elif GROUP_ALIGNED:
+            # the K tile lies in one group g: y += (x @ q^T) * scale[g, n] + (sum_k x) * zero[g, n]
+            g = k0 // group_size
+            sg = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)
+            acc += mm(x.to(cdt), q.to(tl.float32).to(cdt), IEEE) * sg[None, :]
+            if HAS_ZEROS:
+                zg = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * zg[None, :]
+        else:
+            # groups cut the tile: w[k, n] = q * scale[g, n] + zero[g, n] per element, g = k // G
+            g = (rk // group_size).to(tl.int64)
+            sg = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            w = q.to(tl.float32) * sg
+            if HAS_ZEROS:
+                w += tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
+    if not GROUPED:
+        # per-output-channel scale factors out of the K sum: y = (x @ q^T) * scale[n]
+        acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0)[None, :]
     _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
 
 
@@ -208,25 +228,46 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 
 def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Weight-only GEMM: y = x @ (qweight * scales[:, None])^T (+ bias); qweight int8 or e4m3 (N, K)."""
+               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+               zeros: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
+    """Weight-only GEMM: y = x @ (qweight * scales[:, None])^T (+ bias); qweight int8 or e4m3 (N, K).
+    With group_size: scales (and optional zeros) float32 (K // G, N), y = x @ (q * scales[g, n] + zeros[g, n])^T."""
     check_dtype("qweight", qweight, (torch.int8, torch.float8_e4m3fn))
     n, k = qweight.shape
     check_last_contiguous("qweight", qweight)
-    check_shape("scales", scales, (n,))
+    if group_size is None:
+        if zeros is not None:
+            raise ValueError("zeros: only with group_size (the grouped layout)")
+        check_shape("scales", scales, (n,))
+    else:
+        if group_size <= 0 or k % group_size:
+            raise ValueError(f"group_size: must divide in_features {k}, got {group_size}")
+        check_shape("scales", scales, (k // group_size, n))
+        check_last_contiguous("scales", scales)
+        if zeros is not None:
+            check_shape("zeros", zeros, (k // group_size, n))
+            check_dtype("zeros", zeros, (torch.float32,))
+            if zeros.stride() != scales.stride():
+                raise ValueError("zeros: must have the same strides as scales")
     check_dtype("scales", scales, (torch.float32,))
     _check_bias(bias, n)
     x2 = _prep_x(x, k)
-    check_device(x2, qweight=qweight, scales=scales, bias=bias)
+    check_device(x2, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
     m = x2.shape[0]
     out = _out_2d(out, x, m, n)
     if m:
         block_m, block_n, block_k = _tiles(m)
+        grouped = group_size is not None
+        if grouped and group_size & (group_size - 1) == 0:
+            block_k = max(16, min(block_k, group_size))  # a K tile inside one group when possible
         upcast = dot_upcast(x.dtype)
-        # x: (M, K); qweight: (N, K); scales: (N,); out: (M, N). Grid: (M tiles, N tiles).
+        # x: (M, K); qweight: (N, K); scales: (N,) or (K//G, N); zeros: (K//G, N); out: (M, N).
+        # Grid: (M tiles, N tiles).
         _w8a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x2, qweight, scales, bias if bias is not None else x2, out,
-            m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
+            x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else x2, out,
+            m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0) if grouped else 0, out.stride(0),
+            group_size or 1, GROUPED=grouped, HAS_ZEROS=zeros is not None,
+            GROUP_ALIGNED=grouped and group_size % block_k == 0,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32, num_warps=4)
     return out.reshape(*x.shape[:-1], n)

@@ -12,6 +12,12 @@ them and the kernels and runtime that read them.
           (scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
     int8: qweight int8 (N, K), scales float32 (N,), each a bfloat16 value:  w[n, k] = q[n, k] * scales[n]
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,):  w[n, k] = float(q[n, k]) * scales[n]
+    int8 / fp8 grouped (LayerQuant.group_size = G set): the same qweight, with
+          scales  float32 (K // G, N)
+          zeros   float32 (K // G, N)  only when LayerQuant.asymmetric (else zero = 0)
+          w[n, k] = float(q[n, k]) * scales[g, n] + zeros[g, n],   g = k // G
+          Scales and zeros stay float32 so a source grid (e.g. a Q4_1 block's d * q + m) is
+          represented to float32 rounding.
 
 This module holds only the layouts and their exact inverses (no quantizer), so the runtime and
 the kernels can read engines without importing the builder.
@@ -29,6 +35,10 @@ INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd 
 INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
                "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
                "+ head_mean_logits, both float32, (K,) and (N,)")
+INT8_GROUPED_LAYOUT = ("qweight int8 (N, K); scales float32 (K//G, N); zeros float32 (K//G, N) when asymmetric; "
+                       "w[n,k] = qweight[n,k] * scales[g,n] + zeros[g,n], g = k // G (zeros absent: 0)")
+FP8_GROUPED_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (K//G, N); zeros float32 (K//G, N) when "
+                      "asymmetric; w[n,k] = float(qweight[n,k]) * scales[g,n] + zeros[g,n], g = k // G")
 FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
               "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
 
@@ -67,3 +77,18 @@ def dequantize_rowwise(qweight: torch.Tensor, scales: torch.Tensor,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float weight (N, K) of the int8 or fp8 layout: q * scales[n]."""
     return (qweight.float() * scales.float()[:, None]).to(dtype)
+
+
+def dequantize_grouped(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                       group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weight (N, K) of the grouped int8 / fp8 layout: q * scales[g, n] (+ zeros[g, n]),
+    g = k // group_size (computed in float32, returned in `dtype`)."""
+    n, k = qweight.shape
+    if group_size <= 0 or k % group_size or scales.shape != (k // group_size, n):
+        raise ValueError(f"grouped layout: scales {tuple(scales.shape)} do not fit qweight {(n, k)} "
+                         f"with group_size {group_size}")
+    q = qweight.float().view(n, k // group_size, group_size)
+    w = q * scales.float().t()[:, :, None]
+    if zeros is not None:
+        w = w + zeros.float().t()[:, :, None]
+    return w.reshape(n, k).to(dtype)

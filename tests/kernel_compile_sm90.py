@@ -73,9 +73,11 @@ def variants():
             "bias_ptr": bf, "out_ptr": bf}, dict(HAS_GIDX=gidx, GROUP_ALIGNED=aligned, HAS_BIAS=True, BLOCK_M=16,
                                                  BLOCK_N=64, BLOCK_K=64, UPCAST=False, IEEE=False), 4
     for w in ("*i8", "*fp8e4nv"):
-        yield f"w8a16 w={w}", qg._w8a16_gemm_kernel, {
-            "x_ptr": bf, "qw_ptr": w, "scales_ptr": f32, "bias_ptr": bf, "out_ptr": bf}, dict(
-                HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, UPCAST=False, IEEE=False), 4
+        for grouped, zeros, aligned in ((False, False, False), (True, True, True), (True, True, False)):
+            yield f"w8a16 w={w} grouped={grouped} aligned={aligned}", qg._w8a16_gemm_kernel, {
+                "x_ptr": bf, "qw_ptr": w, "scales_ptr": f32, "zeros_ptr": f32, "bias_ptr": bf, "out_ptr": bf}, dict(
+                    GROUPED=grouped, HAS_ZEROS=zeros, GROUP_ALIGNED=aligned, HAS_BIAS=False, BLOCK_M=64,
+                    BLOCK_N=64, BLOCK_K=32, UPCAST=False, IEEE=False), 4
     yield "fp8_quant_per_token", qg._fp8_quant_per_token_kernel, {
         "x_ptr": bf, "xq_ptr": "*fp8e4nv", "scale_ptr": f32}, dict(BLOCK_K=1024), 4
     yield "fp8_gemm", qg._fp8_gemm_kernel, {

@@ -66,6 +66,27 @@ def test_w8a16_gemm_kernel(case):
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))
+def test_w8a16_grouped_gemm_kernel(case):
+    """The grouped int8 / fp8 layout (scales (K/G, N), optional zeros) against its torch reference,
+    with K tiles inside one group (G a power of two) and groups cutting tiles (G = 48)."""
+    rng, seed = new_rng()
+    dtype = DTYPES[case % 3]
+    m, n, _ = _mnk(rng)
+    group = (32, 64, 128, 48)[case % 4]
+    k = group * rng.randint(1, 4)
+    if case % 2:
+        qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    else:
+        qweight = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(k // group, n) * 0.01 + 1e-4
+    zeros = torch.randn(k // group, n) * 0.05 if case % 3 else None
+    x, bias, out = _x_bias_out(m, n, k, dtype, case)
+    got = w8a16_gemm(x, qweight, scales, bias, out=out, zeros=zeros, group_size=group)
+    ref = gemm_ref.w8a16_gemm_ref(x, qweight, scales, bias, zeros, group)
+    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} G={group} zeros={zeros is not None}")
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
 def test_fp8_quant_per_token_kernel(case):
     rng, seed = new_rng()
     dtype = DTYPES[case % 3]
@@ -108,3 +129,7 @@ def test_gemm_kernels_reject_bad_input():
         w8a16_gemm(torch.randn(2, 32), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
     with pytest.raises(ValueError, match="qweight"):
         fp8_gemm(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(ValueError, match="scales"):  # grouped: scales must be (K // G, N)
+        w8a16_gemm(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), group_size=32)
+    with pytest.raises(ValueError, match="zeros"):
+        w8a16_gemm(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8), zeros=torch.zeros(8))
