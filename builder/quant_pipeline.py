@@ -256,8 +256,11 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     plan = {} if o.quantization == "none" else dict(o.layer_plan) if o.layer_plan is not None else _plan(cfg, o)
     kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
-    # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding.
-    calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None)
+    # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding;
+    # not when every fp8 linear keeps its source grid (asymmetric groups on the source blocks,
+    # exact there: the error GPTQ would feed back is zero).
+    fp8_gptq = any(lq.method == "fp8" and not lq.asymmetric for lq in plan.values())
+    calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None and fp8_gptq)
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
     if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):
@@ -351,12 +354,18 @@ def _report(o: QuantOptions, float_tensors: dict, new: dict, layer_reports: dict
     report["weight_bytes_ratio"] = report["weight_bytes"] / report["float_weight_bytes"]
     if o.quantization == "fp8":
         report["fp8_rounding"] = ("GPTQ error feedback on the E4M3 grid (act-order)" if calibrated
+                                  else "round to nearest (source grid kept)" if not _fp8_needs_gptq(layer_reports)
                                   else "round to nearest (no tokenizer for calibration)")
     if o.kv_cache_dtype != "auto":
         report["kv_scales"] = KV_SCALE_METHODS[o.kv_cache_dtype]
         report["kv_offsets"] = KV_OFFSET_METHODS[o.kv_offsets]
         report["kv_rotation"] = kv_rotation
     return report
+
+
+def _fp8_needs_gptq(layer_reports: dict) -> bool:
+    return any(e.get("method") == "fp8" and "source grid" not in (e.get("group_reason") or "")
+               for e in layer_reports.values())
 
 
 def _nbytes(tensors) -> int:

@@ -5,6 +5,8 @@ keep some output rows, row-parallel layers (o, down) keep some input columns, th
 and LM head keep a range of vocabulary rows. Quantized tensors move with what they describe:
 - int8 / fp8 per-output-channel `scales` (N,) follow the rows they scale; a row-parallel layer
   keeps every output channel, so every rank gets all its scales.
+- grouped int8 / fp8 (LayerQuant.group_size set) keep their `scales` / `zeros` (K/G, N) like
+  int4's: columns for column-parallel layers, whole groups for row-parallel ones.
 - int4 `qweight` (N, K/2) is unpacked, sliced and repacked; `scales` / `zeros` (K/G, N) keep
   their columns for column-parallel layers and their groups (rows) for row-parallel ones. A
   row-parallel rank must hold whole groups: the split of the down projection's inputs is chosen
@@ -38,9 +40,14 @@ def _method(cfg: EngineConfig, name: str) -> str:
     return getattr(lq, "method", "none") if lq is not None else "none"
 
 
-def _select_out(t: torch.Tensor, leaf: str, method: str, rows: torch.Tensor) -> torch.Tensor:
+def _grouped(lq) -> bool:
+    """int4, or int8 / fp8 with group-wise scales: scales / zeros are (K/G, N)."""
+    return lq is not None and (lq.method == "int4" or (lq.method in ("int8", "fp8") and bool(lq.group_size)))
+
+
+def _select_out(t: torch.Tensor, leaf: str, method: str, rows: torch.Tensor, grouped: bool = False) -> torch.Tensor:
     """Column-parallel: keep output features `rows`."""
-    if leaf in ("scales", "zeros") and method == "int4":
+    if leaf in ("scales", "zeros") and grouped:
         return t[:, rows]
     if leaf == "g_idx":
         return t
@@ -48,21 +55,21 @@ def _select_out(t: torch.Tensor, leaf: str, method: str, rows: torch.Tensor) -> 
 
 
 def _select_in(t: torch.Tensor, leaf: str, method: str, cols: torch.Tensor, group_size: Optional[int],
-               g_idx: Optional[torch.Tensor], rank: int, layer: str) -> torch.Tensor:
+               g_idx: Optional[torch.Tensor], rank: int, layer: str, grouped: bool = False) -> torch.Tensor:
     """Row-parallel: keep input features `cols` (sorted)."""
     if leaf == "bias":
         return t if rank == 0 else torch.zeros_like(t)
-    if method != "int4":
+    if not grouped:
         return t[:, cols] if leaf in ("weight", "qweight") else t
     if leaf == "qweight":
-        return pack_int4(unpack_int4(t)[:, cols])
+        return pack_int4(unpack_int4(t)[:, cols]) if method == "int4" else t[:, cols]
     full = g_idx.long()[cols] if g_idx is not None else cols // group_size
     kept = torch.unique(full)  # sorted group ids this rank holds
     if leaf in ("scales", "zeros"):
         return t[kept]
     if leaf == "g_idx":
         return torch.searchsorted(kept, full).to(t.dtype)
-    raise TensorParallelError(f"{layer}: unexpected int4 tensor {leaf!r}")
+    raise TensorParallelError(f"{layer}: unexpected {method} tensor {leaf!r}")
 
 
 def _check_whole_groups(layer: str, cols: torch.Tensor, group_size: int, g_idx: Optional[torch.Tensor],
@@ -72,7 +79,7 @@ def _check_whole_groups(layer: str, cols: torch.Tensor, group_size: int, g_idx: 
     bad = [int(i) for i in torch.nonzero(counts).flatten() if counts[i] != group_size]
     if bad:
         raise TensorParallelError(
-            f"{layer}: int4 group {bad[0]} (group size {group_size}) would be split between tensor-parallel "
+            f"{layer}: quantization group {bad[0]} (group size {group_size}) would be split between tensor-parallel "
             f"ranks (rank {rank} of {n} holds {int(counts[bad[0]])} of its input channels); pick a "
             f"tensor-parallel size whose per-rank input width is a multiple of the group size")
 
@@ -81,7 +88,7 @@ def _intermediate_unit(cfg: EngineConfig) -> int:
     unit = 1
     for i in range(cfg.model.num_layers):
         lq = cfg.quantization.layers.get(f"layers.{i}.down_proj")
-        if lq is not None and lq.method == "int4":
+        if _grouped(lq):
             unit = unit * lq.group_size // math.gcd(unit, lq.group_size)
     return unit
 
@@ -120,25 +127,27 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
                 layer = f"layers.{i}.{lin}"
                 method = _method(cfg, layer)
                 lq = cfg.quantization.layers.get(layer)
+                grouped = _grouped(lq)
                 if lin == "qkv_proj":
                     q0, q1 = lay.q_heads
                     k0, k1 = lay.kv_heads
                     nq, nkv = m.num_heads * hd, m.num_kv_heads * hd
                     rows = torch.cat([torch.arange(q0 * hd, q1 * hd), nq + torch.arange(k0 * hd, k1 * hd),
                                       nq + nkv + torch.arange(k0 * hd, k1 * hd)])
-                    out = _select_out(t, leaf, method, rows)
+                    out = _select_out(t, leaf, method, rows, grouped)
                 elif lin == "gate_up_proj":
                     c = inter_cols[i][r]
-                    out = _select_out(t, leaf, method, torch.cat([c, inter + c]))
+                    out = _select_out(t, leaf, method, torch.cat([c, inter + c]), grouped)
                 else:
                     if lin == "o_proj":
                         cols = torch.arange(lay.q_heads[0] * hd, lay.q_heads[1] * hd)
                     else:
                         cols = inter_cols[i][r]
                     g_idx = tensors.get(f"{layer}.g_idx")
-                    if method == "int4":
+                    if grouped:
                         _check_whole_groups(layer, cols, lq.group_size, g_idx, r, n)
-                    out = _select_in(t, leaf, method, cols, getattr(lq, "group_size", None), g_idx, r, layer)
+                    out = _select_in(t, leaf, method, cols, getattr(lq, "group_size", None), g_idx, r, layer,
+                                     grouped)
             elif kv:
                 out = t[lay.kv_heads[0]:lay.kv_heads[1]]
             elif name in _VOCAB_ROWS:

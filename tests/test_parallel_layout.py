@@ -14,7 +14,7 @@ from tritium.backend.config import EngineConfig, LayerQuant, ModelConfig, QuantC
 from tritium.backend.parallel import step_message as msg
 from tritium.backend.parallel.layout import TensorParallelError, head_ranges, local_config, plan_layout
 from tritium.backend.step_arrays import StepArrays
-from tritium.kernels.quant_layouts import dequantize_int4, pack_int4
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, pack_int4
 from tritium.builder.tp_shard import shard_engine_tensors
 
 
@@ -140,7 +140,7 @@ def test_int4_group_crossing_a_rank_boundary_is_refused():
                "layers.0.o_proj.scales": torch.rand(96 // 32, m.hidden_size)[:1],
                "layers.0.o_proj.zeros": torch.rand(1, m.hidden_size)}
     cfg = _cfg({"layers.0.o_proj": LayerQuant("int4", group_size=g)})
-    with pytest.raises(TensorParallelError, match="layers.0.o_proj: int4 group .* would be split"):
+    with pytest.raises(TensorParallelError, match="layers.0.o_proj: quantization group .* would be split"):
         shard_engine_tensors(cfg, tensors, 2)
 
 
@@ -158,3 +158,74 @@ def test_local_config_and_engine_json_layout_round_trip():
     from tritium.backend.config import EngineFormatError
     with pytest.raises(EngineFormatError, match="tensor_parallel.ranks must list 2 ranks"):
         EngineConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_grouped_int8_shards_sum_to_the_full_layer(asymmetric):
+    """Grouped int8 (scales / zeros (K/G, N)): column-parallel qkv keeps its output columns of
+    the scales, row-parallel o_proj and down_proj keep whole groups; summed over ranks the
+    row-parallel partial products equal the full layer, and each rank's column slice is exact."""
+    torch.manual_seed(2)
+    m = _model()
+    g = 16
+    qkv_rows = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    k_o, k_d = m.num_heads * m.head_dim, m.intermediate_size
+
+    def layer(n, k):
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        s = torch.rand(k // g, n) * 0.1 + 0.01
+        z = torch.randn(k // g, n) * 0.1 if asymmetric else None
+        return q, s, z
+
+    tensors, full = {}, {}
+    for lin, (n, k) in {"qkv_proj": (qkv_rows, m.hidden_size), "o_proj": (m.hidden_size, k_o),
+                        "down_proj": (m.hidden_size, k_d)}.items():
+        q, s, z = layer(n, k)
+        tensors.update({f"layers.0.{lin}.qweight": q, f"layers.0.{lin}.scales": s})
+        if z is not None:
+            tensors[f"layers.0.{lin}.zeros"] = z
+        full[lin] = dequantize_grouped(q, s, z, g).double()
+    tensors["layers.0.gate_up_proj.weight"] = torch.randn(2 * k_d, m.hidden_size)
+    lq = LayerQuant("int8", group_size=g, asymmetric=asymmetric)
+    cfg = _cfg({f"layers.0.{lin}": lq for lin in ("qkv_proj", "o_proj", "down_proj")})
+    layout, shards = shard_engine_tensors(cfg, tensors, 2)
+    x = torch.randn(5, k_o, dtype=torch.float64)
+    xd = torch.randn(5, k_d, dtype=torch.float64)
+    tot_o, tot_d = torch.zeros(5, m.hidden_size, dtype=torch.float64), torch.zeros(5, m.hidden_size, dtype=torch.float64)
+    o0, d0 = 0, 0
+    for r, sh in enumerate(shards):
+        lay = layout["ranks"][r]
+        ko, kd = (lay["q_heads"][1] - lay["q_heads"][0]) * m.head_dim, lay["intermediate"]
+        p = "layers.0."
+        for lin, kk in (("o_proj", ko), ("down_proj", kd)):
+            assert sh[p + lin + ".scales"].shape == (kk // g, m.hidden_size)
+            assert (p + lin + ".zeros" in sh) == asymmetric
+        wo = dequantize_grouped(sh[p + "o_proj.qweight"], sh[p + "o_proj.scales"], sh.get(p + "o_proj.zeros"), g)
+        wd = dequantize_grouped(sh[p + "down_proj.qweight"], sh[p + "down_proj.scales"],
+                                sh.get(p + "down_proj.zeros"), g)
+        tot_o += x[:, o0:o0 + ko] @ wo.double().t()
+        tot_d += xd[:, d0:d0 + kd] @ wd.double().t()
+        o0, d0 = o0 + ko, d0 + kd
+        # column-parallel: this rank's rows of the full dequantized qkv, exactly
+        wq = dequantize_grouped(sh[p + "qkv_proj.qweight"], sh[p + "qkv_proj.scales"], sh.get(p + "qkv_proj.zeros"), g)
+        assert sh[p + "qkv_proj.scales"].shape == (m.hidden_size // g, wq.shape[0])
+        q0, q1 = lay["q_heads"]
+        assert torch.equal(wq[: (q1 - q0) * m.head_dim].double(), full["qkv_proj"][q0 * m.head_dim:q1 * m.head_dim])
+    torch.testing.assert_close(tot_o, x @ full["o_proj"].t(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(tot_d, xd @ full["down_proj"].t(), rtol=1e-10, atol=1e-10)
+
+
+def test_grouped_int8_group_crossing_a_rank_boundary_is_refused():
+    m = _model()
+    tensors = {"layers.0.o_proj.qweight": torch.zeros(m.hidden_size, 96, dtype=torch.int8),
+               "layers.0.o_proj.scales": torch.rand(96 // 64 + 1, m.hidden_size)}
+    cfg = _cfg({"layers.0.o_proj": LayerQuant("int8", group_size=64)})
+    with pytest.raises(TensorParallelError, match="layers.0.o_proj: quantization group .* would be split"):
+        shard_engine_tensors(cfg, tensors, 2)
+
+
+def test_grouped_int8_down_proj_sets_the_intermediate_split_unit():
+    # intermediate 128 over 3 ranks: 43/43/42 unconstrained, whole groups of 32 give 64/32/32
+    cfg = _cfg({"layers.0.down_proj": LayerQuant("int8", group_size=32)})
+    layout, _ = shard_engine_tensors(cfg, {}, 3)
+    assert [r["intermediate"] for r in layout["ranks"]] == [64, 32, 32]

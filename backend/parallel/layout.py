@@ -14,7 +14,7 @@ KV heads on the same rank, with the same query-to-KV ratio as the full model:
 - num_kv_heads < N: each KV head is replicated on N / num_kv_heads ranks, which split its query
   heads; needs N a multiple of num_kv_heads and the group size a multiple of N / num_kv_heads.
 The MLP's intermediate features and the vocabulary are split evenly (in units of the int4 group
-size for the row-parallel down projection). Layout entries are half-open [start, end) ranges.
+size for the row-parallel down projection, int4 or grouped int8 / fp8). Layout entries are half-open [start, end) ranges.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def plan_layout(model_cfg, n: int, intermediate_unit: int = 1) -> List[RankLayou
         inter = balanced(m.intermediate_size, n, intermediate_unit)
     except TensorParallelError as e:
         raise TensorParallelError(f"tensor_parallel_size {n}: intermediate_size {m.intermediate_size} "
-                                  f"cannot be split in units of {intermediate_unit} (int4 group size): {e}") from None
+                                  f"cannot be split in units of {intermediate_unit} (quantization group size): {e}") from None
     vocab = balanced(m.vocab_size, n)
     return [RankLayout(q, kv, b - a, v) for (q, kv), (a, b), v in zip(heads, inter, vocab)]
 
