@@ -60,12 +60,14 @@ def fp8_group_params(w: torch.Tensor, group_size: int, asymmetric: bool
     if not asymmetric:
         return amax / FP8_E4M3_MAX, None
     lo, hi = wg.amin(dim=2), wg.amax(dim=2)
-    # candidates (scale, zero): the group's [min, max] onto [-8, 7] (integers there are exact in
-    # E4M3, so a Q4_1 block's d * q + m is reproduced exactly), onto E4M3's [-448, 448] around
-    # the midpoint, and the symmetric amax / 448.
+    # candidates (scale, zero): the group's [min, max] onto [-8, 7] (integers up to 16 are exact
+    # in E4M3, so a Q4_1 block's d * q + m is reproduced exactly), amax onto 8 with zero 0 (a
+    # Q4_0 block's d * (q - 8)), [min, max] onto E4M3's [-448, 448] around the midpoint, and
+    # the symmetric amax / 448.
     s4 = ((hi - lo) / 15).clamp_min(1e-12)
     s8 = ((hi - lo) / (2 * FP8_E4M3_MAX)).clamp_min(1e-12)
-    cands = [(s4, lo + 8 * s4), (s8, (hi + lo) / 2), (amax / FP8_E4M3_MAX, torch.zeros_like(amax))]
+    zero = torch.zeros_like(amax)
+    cands = [(s4, lo + 8 * s4), (amax / 8, zero), (s8, (hi + lo) / 2), (amax / FP8_E4M3_MAX, zero)]
     best_err = best_s = best_z = None
     for s, z in cands:
         codes = round_fp8((wg - z[:, :, None]) / s[:, :, None])
@@ -85,8 +87,8 @@ def quantize_fp8_grouped(w: torch.Tensor, group_size: int, asymmetric: bool = Fa
     float32 (K // G, N) or None), rounding each (w - zero) / scale to the nearest E4M3 value.
 
     Symmetric: scale = group amax / 448. Asymmetric (source-grid aware): per group the least-error
-    of [min, max] onto integers -8..7 (exact for a 4-bit source block), [min, max] onto
-    [-448, 448], and the symmetric choice."""
+    of [min, max] onto -8..7 (exact for a Q4_1 block), amax onto 8 (exact for Q4_0), [min, max]
+    onto [-448, 448], and the symmetric choice. A Q8_0 block (128 levels) has no exact E4M3 form."""
     if not has_float8():
         raise ValueError("quantization 'fp8' needs a torch build with float8_e4m3fn")
     n, k = w.shape

@@ -109,14 +109,15 @@ def quantize_int8_source_grid(w: torch.Tensor, group_size: int
     - min/max onto codes -128..127 (255 steps): a Q4_1 block (w = d * q + m, q = 0..15 spanning
       [min, max]) lands on codes 17 q - 128, since 255 = 15 * 17;
     - symmetric amax / 127, zero 0: a Q8_0 block (w = d * q, |q| <= 127, amax at 127);
-    - symmetric |min| / 128, zero 0: a Q4_0 block (w = d * (q - 8)) whose extreme is -8 d, codes 16 (q - 8).
+    - symmetric amax / 120, zero 0: a Q4_0 block (w = d * (q - 8), d of either sign, so its
+      values are j * |d| with |j| <= 8 and amax = 8 |d|) lands on codes 15 j.
     Anywhere else this is ordinary asymmetric (or symmetric) group-wise int8."""
     wg = _groups(w, group_size)
     amax = wg.abs().amax(dim=2).clamp_min(1e-10)
     zero = torch.zeros_like(amax)
     cands = [_asym_candidate(wg, 255, -128, 127)]
-    for div in (127.0, 128.0):
+    for div in (127.0, 120.0):
         s = amax / div
-        cands.append((torch.round(wg / s[:, :, None]).clamp_(-128 if div == 128.0 else -127, 127), s, zero))
+        cands.append((torch.round(wg / s[:, :, None]).clamp_(-127, 127), s, zero))
     c, s, z = _pick(cands, wg)
     return _pack_groups(c.to(torch.int8), s, z)
