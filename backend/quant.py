@@ -80,6 +80,33 @@ class _QuantLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _int4_form(q: torch.Tensor, scales: torch.Tensor, zeros, group_size: int):
+    """torch's packed int4 form (packed weight, bf16 (K/G, N, 2) scale/zero) of a grouped int8
+    weight whose codes in every group take at most 16 evenly spaced values (a 4-bit source grid
+    kept by the builder: Q4_1 lands on codes 17 q - 128), else None. With c = cmin + t j,
+    j = 0..15: w = c s + z = (j - 8) (t s) + (cmin s + z + 8 t s). The scale and zero are then
+    rounded to bfloat16, as for int4 engines (relative 2^-9)."""
+    n, k = q.shape
+    c = q.view(n, k // group_size, group_size).to(torch.int32)
+    cmin = c.amin(dim=2)
+    d = c - cmin[:, :, None]
+    t = d[:, :, 0]
+    for j in range(1, group_size):
+        t = torch.gcd(t, d[:, :, j])
+    t = t.clamp_min(1)
+    if bool((d.amax(dim=2) > 15 * t).any()):
+        return None
+    j = (d // t[:, :, None]).reshape(n, k)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(j.contiguous(), 1)
+    except RuntimeError:
+        return None
+    st = scales.t() * t  # (N, K/G)
+    zt = cmin * scales.t() + (zeros.t() if zeros is not None else 0.0) + 8 * st
+    sz = torch.stack((st.t(), zt.t()), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
+    return packed, sz
+
+
 def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:
     """scales (K//G, N) and, for asymmetric groups, zeros (K//G, N) of a grouped int8 / fp8 layer;
     per-output-channel scales (N,) when the layer has no group size."""
@@ -100,9 +127,11 @@ def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:
 class Int8Linear(_QuantLinearBase):
     """W8A16: y = x (qweight * scales[:, None])^T via aten._weight_int8pack_mm on CPU.
 
-    Grouped (layer_quant.group_size): y = x (qweight * scales[g] + zeros[g])^T; on CPU the native
-    kernel applies each group's scale to its partial sums (kernels/cpu_gemm.c), prefill-sized
-    batches dequantize to bfloat16 once per call into a scratch buffer and use oneDNN."""
+    Grouped (layer_quant.group_size): y = x (qweight * scales[g] + zeros[g])^T. On CPU, decode-sized
+    batches run torch's packed int4 GEMM where every group's codes fit 4 bits (a 4-bit source
+    grid, see _int4_form), else the native kernel that applies each group's scale to its
+    partial sums (kernels/cpu_gemm.c); prefill-sized batches dequantize to bfloat16 once per
+    call into a scratch buffer and use oneDNN."""
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
@@ -114,11 +143,12 @@ class Int8Linear(_QuantLinearBase):
             native = cpu_native.supports(self.in_features) and self.group_size % 32 == 0 and cpu_native.available()
             if native:
                 zeros = self.zeros.float().contiguous() if self.zeros is not None else None
-                return ("native", self.qweight.clone(memory_format=torch.contiguous_format),
-                        self.scales.float().contiguous(), zeros)
+                qw = self.qweight.clone(memory_format=torch.contiguous_format)
+                four = _int4_form(qw, self.scales.float(), zeros, self.group_size)
+                return ("int4" if four is not None else "native", qw, self.scales.float().contiguous(), zeros, four)
             # no native kernel here (another CPU, odd shapes): one dense bfloat16 copy
             return ("dense", dequantize_grouped(self.qweight, self.scales, self.zeros, self.group_size,
-                                                torch.bfloat16), None, None)
+                                                torch.bfloat16), None, None, None)
         # bf16 always: torch's fp32 int8 path is much slower for M > 1 (see Int4Linear._pack).
         # clone: a fresh, 64-byte-aligned copy. Tensors from safetensors' load_file can sit at
         # any 8-byte offset of the file, and the packed kernel's vector loads crash on those.
@@ -126,12 +156,16 @@ class Int8Linear(_QuantLinearBase):
                 self.scales.float().contiguous())
 
     def _forward_grouped(self, x2: torch.Tensor) -> torch.Tensor:
-        kind, qw, scales, zeros = self._get_packed()
+        kind, qw, scales, zeros, four = self._get_packed()
         if kind == "dense":
             return torch.nn.functional.linear(x2.to(torch.bfloat16), qw)
         if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS:
             w = cpu_native.int8g_to_bf16(qw, scales, zeros, self.group_size, _scratch_bf16(qw.shape))
             return torch.nn.functional.linear(x2.to(torch.bfloat16), w)
+        if kind == "int4":
+            packed, sz = four
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed,
+                                                              self.group_size, sz)
         return cpu_native.w8g_gemm(x2, qw, scales, zeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

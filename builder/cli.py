@@ -34,7 +34,9 @@ def register(sub) -> None:
     p.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for every layer (default: a GGUF linear stored block-quantized, e.g. "
                         "Q4_1, uses its block size 32; otherwise 128, per layer falling back to 64 or 32 "
-                        "when 128 does not divide)")
+                        "when 128 does not divide). int8 / fp8: symmetric groups of this size (same fallback), "
+                        "or -1 for one scale per output channel; default: a block-quantized GGUF linear keeps "
+                        "its source grid (asymmetric groups on its blocks), others one scale per output channel")
     p.add_argument("--kv-cache-dtype", default="auto", choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV-cache dtype: auto (= --dtype), fp8 (E4M3) or int8, with per-head scales")
     p.add_argument("--kv-rotation", default="auto", choices=("auto",) + SUPPORTED_KV_ROTATIONS,

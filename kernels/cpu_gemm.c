@@ -66,28 +66,29 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
     }
 }
 
-/* Group-wise scales: out[r] = sum_g scale[g] * sum_{k in g} x[r][k] w[n][k], groups of G (a
- * multiple of 32) input channels; per-group partial sums in MR registers, totals in MR more. */
+/* Group-wise scales: each block of 32 weights is dequantized once, w = q * scale[g] + zero[g]
+ * in float32 rounded to bfloat16 (the rounding of the prefill path, tritium_int8g_to_bf16), and
+ * multiplies MR_ rows of x with VDPBF16PS: the same inner loop as w8_rows. */
 INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *sn,
-                     int64_t sstride, float *out, const int MR_) {
-    __m512 tot[MR], acc[MR];
-    for (int r = 0; r < MR_; r++) tot[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-        for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = g0; k < g0 + G; k += 32) {
-            __m512bh wv = cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)(wn + k)));
-            for (int r = 0; r < MR_; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
-        }
-        const __m512 s = _mm512_set1_ps(sn[(g0 / G) * sstride]);
-        for (int r = 0; r < MR_; r++) tot[r] = _mm512_fmadd_ps(acc[r], s, tot[r]);
+                     const float *zn, int64_t sstride, float *out, const int MR_) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t g = (k / G) * sstride;
+        const __m512 s = _mm512_set1_ps(sn[g]), z = _mm512_set1_ps(zn ? zn[g] : 0.0f);
+        __m256i q = _mm256_loadu_si256((const __m256i *)(wn + k));
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+        __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+        for (int r = 0; r < MR_; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
     }
-    for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(tot[r]);
+    for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* y (M, N) float32 = x (M, K) bf16 @ (q * scale[k / G, n])^T; scale (K/G, N) float32. The
- * zero-point term (sum_{k in g} x[r][k]) * zero[g][n] of asymmetric groups is added by the caller. */
-void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
+/* y (M, N) float32 = x (M, K) bf16 @ bf16(q * scale[k / G, n] + zero[k / G, n])^T; scale and
+ * zero (K/G, N) float32, zero NULL for symmetric groups; G % 32 == 0. */
+void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t G) {
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
@@ -97,7 +98,7 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, fl
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {
                 float out[MR];
-#define W8G(R) w8g_rows(x + m0 * K, K, G, w + n * K, scale + n, N, out, R)
+#define W8G(R) w8g_rows(x + m0 * K, K, G, w + n * K, scale + n, zero ? zero + n : 0, N, out, R)
                 DISPATCH(W8G, mr)
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r];
             }

@@ -88,7 +88,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
-    lib.tritium_w8g_gemm.argtypes = [p, p, p, p, i64, i64, i64, i64]
+    lib.tritium_w8g_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
     lib.tritium_int8g_to_bf16.argtypes = [p, p, p, i64, i64, i64, p]
     lib.tritium_int8g_to_bf16.restype = None
@@ -133,20 +133,19 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
 
 def w8g_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
              group_size: int) -> torch.Tensor:
-    """The grouped int8 layout: x (M, K) @ (qweight int8 (N, K) * scales[k // G, n] + zeros[k // G, n])^T
-    -> float32 (M, N); scales / zeros float32 (K // G, N), zeros None for symmetric groups.
-    K and G must be multiples of 32 (`supports`). The zero term is sum_g (sum_{k in g} x_k) zeros[g]:
-    one small (M, K/G) @ (K/G, N) product."""
+    """The grouped int8 layout: x (M, K) @ W^T -> float32 (M, N), W = qweight int8 (N, K) *
+    scales[k // G, n] + zeros[k // G, n] (float32 (K // G, N), zeros None for symmetric groups)
+    rounded to bfloat16 as int8g_to_bf16 does, products summed in float32. K and G multiples of 32."""
     n, k = qweight.shape
     assert qweight.dtype == torch.int8 and qweight.is_contiguous() and scales.dtype == torch.float32
     assert group_size % _ALIGN == 0 and k % group_size == 0 and scales.shape == (k // group_size, n)
-    assert scales.is_contiguous()
+    assert scales.is_contiguous() and (zeros is None or (zeros.is_contiguous() and zeros.shape == scales.shape
+                                                         and zeros.dtype == torch.float32))
     xb = _check(x, k)
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-    _lib().tritium_w8g_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(),
+    _lib().tritium_w8g_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+                            zeros.data_ptr() if zeros is not None else None, y.data_ptr(),
                             xb.shape[0], n, k, group_size)
-    if zeros is not None:
-        y.addmm_(xb.float().view(xb.shape[0], k // group_size, group_size).sum(-1), zeros)
     return y
 
 
