@@ -112,6 +112,8 @@ def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:
     per-output-channel scales (N,) when the layer has no group size."""
     g = getattr(layer_quant, "group_size", None)
     mod.group_size = g
+    if g is None and getattr(layer_quant, "asymmetric", False):
+        raise ValueError(f"{what} layer: asymmetric needs a group_size (zeros are per group)")
     if g is None:
         mod.register_buffer("scales", torch.empty(mod.out_features, dtype=torch.float32))
         mod.register_buffer("zeros", None)
