@@ -155,6 +155,26 @@ def test_grouped_linear_matches_dequantized_matmul(method, asymmetric, native, m
         assert _rel(y.float(), ref) < 1e-2, (m, _rel(y.float(), ref))
 
 
+def test_grid_int8_linear_without_native_kernel_runs_packed_int4(monkeypatch):
+    """On a 4-bit source grid (the gguf package's Q4_1) and without the native kernel, the
+    grouped int8 linear runs torch's packed int4 GEMM (codes 17 q - 128 re-expressed as q), and
+    still matches the exact layout to bfloat16 accuracy."""
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    w = _gguf_grid(Q.Q4_1, n=64, k=256)
+    q, s, z = quantize_int8_source_grid(w, 32)
+    lin = make_linear(256, 64, False, torch.bfloat16, LayerQuant("int8", group_size=32, asymmetric=True))
+    _load(lin, {"qweight": q, "scales": s, "zeros": z})
+    lin.prepare_for_device("cpu")
+    assert lin._get_packed()[0] == "int4"
+    for m in (1, 7, 70):
+        x = torch.randn(m, 256).to(torch.bfloat16)
+        assert _rel(lin(x).float(), x.float() @ w.t()) < 1e-2, m
+    # off the grid (symmetric groups of a Q4_1 weight) the codes do not fit 4 bits: dense copy
+    lin2 = make_linear(256, 64, False, torch.bfloat16, LayerQuant("int8", group_size=32))
+    _load(lin2, dict(zip(("qweight", "scales"), quantize_int8_grouped(w, 32))))
+    assert lin2._get_packed()[0] == "dense"
+
+
 @pytest.mark.parametrize("zeros", [False, True])
 def test_native_grouped_gemm_matches_reference(zeros):
     if not cpu_native.available():
