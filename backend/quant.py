@@ -146,7 +146,8 @@ class Int8Linear(_QuantLinearBase):
             zeros = self.zeros.float().contiguous() if self.zeros is not None else None
             qw = self.qweight.clone(memory_format=torch.contiguous_format)
             if native:
-                return ("native", qw, self.scales.float().contiguous(), zeros, None)
+                return ("native", qw, self.scales.float().contiguous(), zeros,
+                        cpu_native.pack_group_params(self.scales, zeros))
             # No native kernel here (another CPU, odd shapes): torch's packed int4 GEMM where the
             # codes fit 4 bits (measured slower than the native kernel on SmolLM2, 1 thread:
             # 0.80x vs 1.04x of bf16 at batch 1), else one dense bfloat16 copy.
@@ -162,6 +163,7 @@ class Int8Linear(_QuantLinearBase):
                 self.scales.float().contiguous())
 
     def _forward_grouped(self, x2: torch.Tensor) -> torch.Tensor:
+        # four: the int4 form (kind "int4") or the native kernel's packed group parameters
         kind, qw, scales, zeros, four = self._get_packed()
         if kind == "dense":
             return torch.nn.functional.linear(x2.to(torch.bfloat16), qw)
@@ -172,7 +174,7 @@ class Int8Linear(_QuantLinearBase):
         if x2.shape[0] >= DEQUANT_INT8_MIN_ROWS:
             w = cpu_native.int8g_to_bf16(qw, scales, zeros, self.group_size, _scratch_bf16(qw.shape))
             return torch.nn.functional.linear(x2.to(torch.bfloat16), w)
-        return cpu_native.w8g_gemm(x2, qw, scales, zeros, self.group_size)
+        return cpu_native.w8g_gemm(x2, qw, four, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -68,29 +68,32 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
 
 /* Group-wise scales: each block of 32 weights is dequantized once, w = q * scale[g] + zero[g]
  * in float32 rounded to bfloat16 (the rounding of the prefill path, tritium_int8g_to_bf16), and
- * multiplies MR_ rows of x with VDPBF16PS: the same inner loop as w8_rows. */
-INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *sn,
-                     const float *zn, int64_t sstride, float *out, const int MR_) {
+ * multiplies MR_ rows of x with VDPBF16PS: the same inner loop as w8_rows. pn: this channel's
+ * (scale, zero) pairs, or scales only when NZ == 1, contiguous over groups. */
+INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
+                     const int NZ, float *out, const int MR_) {
     __m512 acc[MR];
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const int64_t g = (k / G) * sstride;
-        const __m512 s = _mm512_set1_ps(sn[g]), z = _mm512_set1_ps(zn ? zn[g] : 0.0f);
-        __m256i q = _mm256_loadu_si256((const __m256i *)(wn + k));
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-        __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-        for (int r = 0; r < MR_; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
+    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
+        const __m512 s = _mm512_set1_ps(pn[0]), z = _mm512_set1_ps(NZ == 2 ? pn[1] : 0.0f);
+        for (int64_t k = g0; k < g0 + G; k += 32) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(wn + k));
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+            __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+            for (int r = 0; r < MR_; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
+        }
     }
     for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* y (M, N) float32 = x (M, K) bf16 @ bf16(q * scale[k / G, n] + zero[k / G, n])^T; scale and
- * zero (K/G, N) float32, zero NULL for symmetric groups; G % 32 == 0. */
-void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *zero, float *y,
+/* y (M, N) float32 = x (M, K) bf16 @ bf16(q * scale[n][k / G] + zero[n][k / G])^T; params
+ * (N, K/G, nz) float32: (scale, zero) pairs when nz == 2, scales only when nz == 1 (zero 0),
+ * laid out per channel so a channel's parameters are read in order; G % 32 == 0. */
+void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, int64_t nz, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t G) {
-    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t nblocks = (N + NB - 1) / NB, per_n = (K / G) * nz;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
@@ -98,8 +101,13 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *scale, co
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {
                 float out[MR];
-#define W8G(R) w8g_rows(x + m0 * K, K, G, w + n * K, scale + n, zero ? zero + n : 0, N, out, R)
-                DISPATCH(W8G, mr)
+                if (nz == 2) {
+#define W8G2(R) w8g_rows(x + m0 * K, K, G, w + n * K, params + n * per_n, 2, out, R)
+                    DISPATCH(W8G2, mr)
+                } else {
+#define W8G1(R) w8g_rows(x + m0 * K, K, G, w + n * K, params + n * per_n, 1, out, R)
+                    DISPATCH(W8G1, mr)
+                }
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r];
             }
         }

@@ -88,7 +88,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
-    lib.tritium_w8g_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
+    lib.tritium_w8g_gemm.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
     lib.tritium_int8g_to_bf16.argtypes = [p, p, p, i64, i64, i64, p]
     lib.tritium_int8g_to_bf16.restype = None
@@ -131,20 +131,25 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     return y
 
 
-def w8g_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             group_size: int) -> torch.Tensor:
+def pack_group_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torch.Tensor:
+    """scales / zeros (K // G, N) float32 of the grouped layout -> the kernel's (N, K // G, 2)
+    (scale, zero) pairs, or (N, K // G, 1) scales when zeros is None: one channel's parameters
+    contiguous, as w8g_gemm reads them (done once per weight, at load)."""
+    parts = (scales.float().t(),) if zeros is None else (scales.float().t(), zeros.float().t())
+    return torch.stack(parts, dim=-1).contiguous()
+
+
+def w8g_gemm(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, group_size: int) -> torch.Tensor:
     """The grouped int8 layout: x (M, K) @ W^T -> float32 (M, N), W = qweight int8 (N, K) *
-    scales[k // G, n] + zeros[k // G, n] (float32 (K // G, N), zeros None for symmetric groups)
-    rounded to bfloat16 as int8g_to_bf16 does, products summed in float32. K and G multiples of 32."""
+    scales[k // G, n] + zeros[k // G, n] rounded to bfloat16 as int8g_to_bf16 does, products summed
+    in float32; params = pack_group_params(scales, zeros). K and G multiples of 32."""
     n, k = qweight.shape
-    assert qweight.dtype == torch.int8 and qweight.is_contiguous() and scales.dtype == torch.float32
-    assert group_size % _ALIGN == 0 and k % group_size == 0 and scales.shape == (k // group_size, n)
-    assert scales.is_contiguous() and (zeros is None or (zeros.is_contiguous() and zeros.shape == scales.shape
-                                                         and zeros.dtype == torch.float32))
+    assert qweight.dtype == torch.int8 and qweight.is_contiguous() and group_size % _ALIGN == 0
+    assert k % group_size == 0 and params.dtype == torch.float32 and params.is_contiguous()
+    assert params.shape[:2] == (n, k // group_size) and params.shape[2] in (1, 2)
     xb = _check(x, k)
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-    _lib().tritium_w8g_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
-                            zeros.data_ptr() if zeros is not None else None, y.data_ptr(),
+    _lib().tritium_w8g_gemm(xb.data_ptr(), qweight.data_ptr(), params.data_ptr(), params.shape[2], y.data_ptr(),
                             xb.shape[0], n, k, group_size)
     return y
 

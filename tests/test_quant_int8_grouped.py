@@ -186,7 +186,7 @@ def test_native_grouped_gemm_matches_reference(zeros):
         s = torch.rand(k // g, n) * 0.01 + 1e-4
         z = torch.randn(k // g, n) * 0.01 if zeros else None
         x = torch.randn(m, k).to(torch.bfloat16)
-        got = cpu_native.w8g_gemm(x, q, s, z, g)
+        got = cpu_native.w8g_gemm(x, q, cpu_native.pack_group_params(s, z), g)
         wb = cpu_native.int8g_to_bf16(q, s, z, g)
         assert torch.equal(wb, dequantize_grouped(q, s, z, g).to(torch.bfloat16)), (seed, n, k, g)
         # the kernel's contract: the weight rounded once to bfloat16, products summed in float32
