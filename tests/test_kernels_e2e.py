@@ -165,15 +165,16 @@ def test_engine_greedy_kernel_e2e(family, tiny_engine, monkeypatch):
 
 def test_ops_registry_kernel_sides_agree(monkeypatch):
     """Every op of the registry gives the same answer on its triton and reference sides."""
-    from tritium.builder.quantize_fp8 import quantize_fp8
+    from tritium.builder.quantize_fp8 import quantize_fp8, quantize_fp8_grouped
     from tritium.builder.quantize_int4 import quantize_int4
-    from tritium.builder.quantize_int8 import quantize_int8
+    from tritium.builder.quantize_int8 import quantize_int8, quantize_int8_source_grid
     from tritium.kernels import ops
     from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
     rng, seed = new_rng()
     x, w, b = torch.randn(5, 64), torch.randn(48, 64) * 0.1, torch.randn(48)
     q4 = quantize_int4(w, 32)
     q8, qf = quantize_int8(w), quantize_fp8(w)
+    q8g, qfg = quantize_int8_source_grid(w, 32), quantize_fp8_grouped(w, 32, asymmetric=True)
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
     cs = rope_cos_sin_cache(rope_inv_freq(16, 10000.0), 32)
     pos = torch.randint(0, 32, (5,))
@@ -183,6 +184,8 @@ def test_ops_registry_kernel_sides_agree(monkeypatch):
         "silu_mul": lambda: ops.silu_mul(x),
         "linear_w4a16": lambda: ops.linear_w4a16(x, *q4, 32, None, b),
         "linear_w8a16": lambda: ops.linear_w8a16(x, *q8, b),
+        "linear_w8a16 grouped": lambda: ops.linear_w8a16(x, *q8g[:2], b, zeros=q8g[2], group_size=32),
+        "linear_w8a16 fp8 grouped": lambda: ops.linear_w8a16(x, *qfg[:2], b, zeros=qfg[2], group_size=32),
         "linear_fp8": lambda: ops.linear_fp8(x, *qf, b),
     }
     for name, call in calls.items():
