@@ -176,7 +176,7 @@ def test_tensor_parallel_act_order_import_splits_whole_groups_or_says_why(src, t
     """GPTQ act-order groups mix input channels of every attention head, so o_proj cannot be split
     by heads: the build says so. Without act-order the split works (each rank whole groups)."""
     ck = prequant_checkpoint(src, str(tmp_path / "ck"), "gptq_v1_sym_desc_act_g32")
-    with pytest.raises(ValueError, match=r"o_proj: int4 group \d+ .* would be split between tensor-parallel ranks"):
+    with pytest.raises(ValueError, match=r"o_proj: .*group .* would be split between tensor-parallel ranks"):
         build_engine(BuildOptions(source=ck, output=str(tmp_path / "e"), progress=False, tensor_parallel_size=2))
     ok = prequant_checkpoint(src, str(tmp_path / "ok"), "gptq_v1_asym_g64")
     cfg = build_engine(BuildOptions(source=ok, output=str(tmp_path / "e2"), progress=False, tensor_parallel_size=2))
