@@ -4,10 +4,18 @@ large activations. For each group of linears sharing an input, alpha is grid-sea
 calibration inputs to minimise the output error of the group-quantized layer; the chosen s is
 multiplied into the weight columns and divided out of the previous op (folded), so the float
 function is unchanged and only the rounding is redistributed.
+
+`awq_search` is the int4 builder's search: its loss is the layer's output error over every
+calibration token, written through the inputs' second moment H = X^T X (the loss
+||X (Q(W s)/s - W)^T||^2 = sum_n d_n^T H d_n), and besides the paper's s = mean|x|^alpha it tries
+the "duo" scales s = mean|x|^alpha / mean|w_hat|^(1 - alpha) (w_hat: weights over their group's
+max, AutoAWQ's and llm-compressor's default). `awq_clip_int4` is the paper's weight clipping
+search (its reference code's auto_clip) on the int4 grid, run after the scales are folded.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -88,3 +96,100 @@ def pooled_head_stat(x_mean_abs: torch.Tensor, num_heads: int, num_kv_heads: int
     group = num_heads // num_kv_heads
     pooled = x_mean_abs.view(num_kv_heads, group, head_dim).mean(dim=1, keepdim=True)
     return pooled.expand(num_kv_heads, group, head_dim).reshape(-1)
+
+
+def group_weight_mean(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per input channel mean of |w| over its group's max |w| (K,): the weight statistic of duo
+    scaling (AutoAWQ's `duo_scaling`, llm-compressor's default)."""
+    n, k = w.shape
+    wg = w.float().abs().reshape(n, k // group_size, group_size)
+    wg = wg / wg.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    return wg.reshape(n, k).mean(dim=0)
+
+
+def hessian_loss(d: torch.Tensor, hessian: torch.Tensor) -> float:
+    """sum_n d_n^T H d_n: the squared output error of a weight error d (N, K) over the
+    calibration inputs whose second moment is H (K, K)."""
+    return float(((d @ hessian) * d).sum())
+
+
+@dataclasses.dataclass
+class AwqChoice:
+    """The outcome of awq_search."""
+    scales: torch.Tensor   # (K,) multiplied into the weight columns, divided out of the previous op
+    alpha: float           # exponent of the activation statistic
+    duo: bool              # True: s = x^alpha / w^(1 - alpha); False: s = x^alpha
+    loss: float            # output error of the chosen scales
+    rtn_loss: float        # output error of plain RTN (alpha = 0)
+
+
+def awq_search(weights: Sequence[torch.Tensor], hessian: torch.Tensor, x_mean_abs: torch.Tensor,
+               group_size: int, n_grid: int = 20, duo: bool = True,
+               w_mean: Optional[torch.Tensor] = None) -> AwqChoice:
+    """AWQ's scale search for linears sharing one input, scored on the output error over all
+    calibration tokens (hessian: H = X^T X of that input, (K, K)); x_mean_abs: mean |x| (K,).
+
+    Tries s = x^alpha for alpha in 0, 1/n_grid, ..., (n_grid-1)/n_grid and, with duo, also
+    s = x^alpha / w^(1-alpha) (w: w_mean, default group_weight_mean of the weights; o_proj under
+    GQA passes it pooled like its x statistic); scales are centred so that max(s) * min(s) = 1. alpha = 0 without duo is plain RTN, so the result is never worse than
+    RTN on the calibration inputs."""
+    W = torch.cat([w.float() for w in weights], dim=0)
+    H = hessian.float()
+    xs = x_mean_abs.float().clamp_min(1e-5)
+    if duo:
+        ws = (group_weight_mean(W, group_size) if w_mean is None else w_mean.float()).clamp_min(1e-5)
+    best = None
+    rtn_loss = None
+    for r in range(n_grid):
+        alpha = r / n_grid
+        for use_duo in ((False, True) if duo else (False,)):
+            s = xs.pow(alpha) / ws.pow(1 - alpha) if use_duo else xs.pow(alpha)
+            s = s / (s.max() * s.min()).sqrt()
+            loss = hessian_loss(fake_quantize_int4(W * s, group_size) / s - W, H)
+            if r == 0 and not use_duo:
+                rtn_loss = loss
+            if best is None or loss < best.loss:
+                best = AwqChoice(s, alpha, use_duo, loss, 0.0)
+    best.rtn_loss = rtn_loss
+    return best
+
+
+CLIP_RATIOS = tuple(1.0 - i / 20 for i in range(11))  # 1.0 down to 0.5, as the paper's code
+
+
+def awq_clip_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                  ratios: Sequence[float] = CLIP_RATIOS, clip_rows: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's weight clipping search on the asymmetric int4 grid: each (row, group) is clamped to
+    [-r amax, r amax] before its min/max grid is fitted, with r picked per (row, group) to minimise
+    that group's output error d^T H_gg d (H_gg: the group's diagonal block of H = X^T X; the
+    paper's code measures the same error on sampled tokens, group by group).
+
+    w: (N, K) float weight (already AWQ-scaled; H must then be of the scaled inputs).
+    clip_rows: optional bool (N,), rows searched; the others keep r = 1 (the paper's code skips
+    q and k, whose error the output loss does not see through the attention softmax).
+    Returns (scale, zero), each (N, K // group_size), for quantize_int4(params=...); r = 1 is
+    plain min/max, so no group's error exceeds round-to-nearest's."""
+    n, k = w.shape
+    ng = k // group_size
+    wg = w.float().reshape(n, ng, group_size)
+    H = hessian.float().reshape(ng, group_size, ng, group_size)
+    Hg = torch.stack([H[g, :, g, :] for g in range(ng)])              # (ng, G, G)
+    amax = wg.abs().amax(dim=-1, keepdim=True)
+    best_err = best_s = best_z = None
+    for r in (1.0,) + tuple(r for r in ratios if r != 1.0):
+        clipped = wg.clamp(-r * amax, r * amax)
+        scale, zero = int4_params(clipped)
+        q = int4_codes(wg, scale[..., None], zero[..., None])
+        d = (q - 8.0) * scale[..., None] + zero[..., None] - wg
+        err = torch.einsum("ngi,gij,ngj->ng", d, Hg, d)
+        if best_err is None:
+            best_err, best_s, best_z = err, scale, zero
+            continue
+        better = err < best_err
+        if clip_rows is not None:
+            better &= clip_rows[:, None]
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, scale, best_s)
+        best_z = torch.where(better, zero, best_z)
+    return best_s, best_z

@@ -12,7 +12,7 @@ import torch
 
 from tritium.kernels.quant_layouts import dequantize_int4
 
-from .awq import awq_search_scale, pooled_head_stat
+from .awq import awq_clip_int4, awq_search, awq_search_scale, group_weight_mean, pooled_head_stat
 from .gptq import gptq_quantize
 from tritium.kernels.quant_layouts import dequantize_grouped
 
@@ -50,6 +50,9 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size,
                                        act_order=lq.act_order or lq.static_groups,
                                        static_groups=lq.static_groups)
+    elif method == "int4-awq" and stats and "awq_H" in stats:
+        params = awq_clip_int4(w, stats["awq_H"], lq.group_size, clip_rows=stats.get("clip_rows"))
+        q, s, z = quantize_int4(w, lq.group_size, params)
     else:
         q, s, z = quantize_int4(w, lq.group_size)
     # Stored as float16 (half the bytes of float32; 11-bit mantissa, far finer than a 4-bit step).
@@ -90,15 +93,26 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
     nq, nkv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     alphas = {}
 
-    def search(lin, stat=None):
+    def search(lin, stat=None, pool=None):
         lq = plan.get(pre + lin)
         if lq is None or lq.method != "int4":
             return None
         st = stats[lin]
-        s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
-                                       lq.group_size)
-        alphas[lin] = alpha
-        return s
+        if "H" not in st:  # no Hessian collected: the sampled-rows search of the paper's code
+            s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
+                                           lq.group_size)
+            alphas[lin] = alpha
+            return s
+        H = st["H"].hessian()
+        w_mean = pool(group_weight_mean(W[lin], lq.group_size)) if pool else None
+        choice = awq_search([W[lin]], H, st["mean_abs"] if stat is None else stat, lq.group_size,
+                            w_mean=w_mean)
+        alphas[lin] = choice.alpha
+        alphas[lin + ".duo"] = choice.duo
+        # The clip search (quantize_weight) sees the scaled weight, so it needs H of the scaled
+        # inputs x / s: H / (s s^T).
+        st["awq_H"] = H / torch.outer(choice.scales, choice.scales)
+        return choice.scales
 
     def fold_norm(norm_name, s):
         t = new[pre + norm_name]
@@ -108,7 +122,12 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
     if s is not None:
         W["qkv_proj"] = W["qkv_proj"] * s
         fold_norm("input_norm.weight", s)
-    s = search("o_proj", pooled_head_stat(stats["o_proj"]["mean_abs"], m.num_heads, m.num_kv_heads, m.head_dim))
+    def pool(t):  # o_proj's scales are shared by the query heads of a KV head (folded into v rows)
+        return pooled_head_stat(t, m.num_heads, m.num_kv_heads, m.head_dim)
+    if "qkv_proj" in stats and "H" in stats["qkv_proj"]:
+        # AWQ's clipping skips q and k (the paper's code): their error acts through the softmax.
+        stats["qkv_proj"]["clip_rows"] = torch.arange(nq + 2 * nkv) >= nq + nkv
+    s = search("o_proj", pool(stats["o_proj"]["mean_abs"]), pool)
     if s is not None:
         group = m.num_heads // m.num_kv_heads
         s_kv = s.view(m.num_kv_heads, group, m.head_dim)[:, 0].reshape(-1)
@@ -162,6 +181,8 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
                                    "act-order, g_idx" if lq.act_order else "column order")
         if lin in alphas:
             entry["awq_alpha"] = alphas[lin]
+        if lin + ".duo" in alphas:
+            entry["awq_duo_scaling"] = alphas[lin + ".duo"]
         if stats and "H" in stats.get(lin, {}):
             H = stats[lin]["H"].hessian()
             d = deq - orig[lin]

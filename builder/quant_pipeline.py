@@ -382,9 +382,9 @@ def _collect_layer_inputs(runner, i: int, method: str) -> dict:
 
     def on_input(name, x):
         s = stats[name]
-        if method in HESSIAN_METHODS:
+        if method in HESSIAN_METHODS or method == "int4-awq":  # AWQ: its loss over all tokens
             s.setdefault("H", HessianAccumulator(x.shape[1])).add(x)
-        else:
+        if method not in HESSIAN_METHODS:
             s["abs_sum"] = s.get("abs_sum", 0) + x.abs().sum(0)
             s["n"] = s.get("n", 0) + x.shape[0]
             stride = max(1, runner.num_tokens // AWQ_SEARCH_TOKENS)

@@ -81,12 +81,23 @@ def recipe_for(method: str, groups: dict, duo_scaling: bool = True) -> list:
     raise ValueError(f"--method {method!r}: allowed gptq, awq")
 
 
+def _cpu_only_workarounds() -> None:
+    """llm-compressor 0.14's AWQ pins its cached activations (IntermediatesCache.pin_memory) for
+    faster host-to-device copies; pinning needs an accelerator and raises on a CPU-only torch.
+    Without an accelerator there is no copy to speed up, so pinning becomes a no-op."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    if not torch.cuda.is_available():
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+
+
 def cmd_quantize(a) -> None:
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(a.threads)
+    _cpu_only_workarounds()
     with open(a.windows) as f:
         windows = json.load(f)["windows"]
     lens = {len(w) for w in windows}
