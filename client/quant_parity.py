@@ -67,6 +67,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--import-cli", default=None, metavar="PATH",
                    help="`tritium` executable that imports compressed-tensors checkpoints (default: this one)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every step (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="evaluations run at once (default 1)")
     a = p.parse_args(argv)
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in a.methods if m not in METHODS]
@@ -84,6 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--group-size {a.group_size}: allowed 32, 64, 128, 256")
     if a.calibration_samples < 1:
         p.error(f"--calibration-samples must be >= 1, got {a.calibration_samples}")
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
     if a.num_tokens < 2:
         p.error(f"--num-tokens must be >= 2, got {a.num_tokens}")
     a.text = a.text or ["/work/data/heldout_prose_kjv_1samuel.txt"]
@@ -183,6 +186,18 @@ def _last_json(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
 
 
+def _cached_eval(path: str, cmd: List[str], log: str, env: dict) -> dict:
+    """The JSON result of an evaluation command, kept at path (reused when present)."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    res = _last_json(_run(cmd, log, env))
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(path + ".tmp", path)
+    return res
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
     w = os.path.abspath(a.workdir)
@@ -210,7 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    "--calibration-samples", str(a.calibration_samples),
                                    "--exclude-modules", "embed_tokens"] + common, log, env)
         engines[(method, "Tritium")] = out
-    hf_rows: List[Row] = []
+    jobs = []  # (Row without result, result file, command)
+    os.makedirs(os.path.join(w, "evals"), exist_ok=True)
+
+    def result_file(name, text):
+        return os.path.join(w, "evals", f"{name}--{os.path.basename(text)}.json")
     for method in a.methods:
         scheme = a.schemes[method]
         qdir = os.path.join(w, f"llmc-{method}-{scheme.lower()}-g{a.group_size}")
@@ -227,16 +246,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except RuntimeError as e:
             print(f"import of {qdir} failed; scoring it in HF transformers instead:\n{e}", flush=True)
             for text in a.text:
-                res = _last_json(_run([a.llmcompressor_python, TOOLKIT_SCRIPT, "hf-eval", "--model", qdir,
-                                       "--reference", fdir, "--text", text, "--num-tokens", str(a.num_tokens),
-                                       "--dtype", a.dtype, "--threads", str(a.threads)], log, env))
-                hf_rows.append(Row(method, tool, os.path.basename(text), res, "HF transformers"))
-    rows = list(hf_rows)
+                jobs.append((Row(method, tool, os.path.basename(text), {}, "HF transformers"),
+                             result_file(os.path.basename(qdir) + "--hf", text),
+                             [a.llmcompressor_python, TOOLKIT_SCRIPT, "hf-eval", "--model", qdir,
+                              "--reference", fdir, "--text", text, "--num-tokens", str(a.num_tokens),
+                              "--dtype", a.dtype, "--threads", str(a.threads)]))
     for (method, tool), edir in engines.items():
         for text in a.text:
-            res = _last_json(_run(_tritium(None) + ["eval", "--engine", edir, "--reference", ref, "--text",
-                                                    text, "--num-tokens", str(a.num_tokens), "--json"], log, env))
-            rows.append(Row(method, tool, os.path.basename(text), res))
+            jobs.append((Row(method, tool, os.path.basename(text), {}),
+                         result_file(os.path.basename(edir), text),
+                         _tritium(None) + ["eval", "--engine", edir, "--reference", ref, "--text", text,
+                                           "--num-tokens", str(a.num_tokens), "--json"]))
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(lambda j: _cached_eval(j[1], j[2], log, env), jobs))
+    rows = [dataclasses.replace(row, result=res) for (row, _, _), res in zip(jobs, results)]
     with open(os.path.join(w, "results.json"), "w") as f:
         json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
     print(format_table(rows))

@@ -37,6 +37,7 @@ def test_parse_args_defaults_and_schemes(tmp_path):
     (["--scheme", "W4A16"], "--scheme 'W4A16'"),
     (["--group-size", "96"], "--group-size 96"),
     (["--calibration-samples", "0"], "--calibration-samples"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
     (["--text", "/nonexistent/heldout.txt"], "/nonexistent/heldout.txt: file not found"),
 ])
 def test_parse_args_rejects_bad_values(tmp_path, capsys, extra, message):
@@ -144,3 +145,20 @@ def test_toolkit_script_runs_without_tritium_on_the_path():
     src = open(tk.__file__).read()
     assert not re.search(r"^\s*(from|import)\s+tritium", src, re.M)
     assert os.path.isfile(qp.TOOLKIT_SCRIPT)
+
+
+def test_cached_eval_reuses_a_result_and_stores_a_new_one(tmp_path):
+    import json
+    import sys
+    done = tmp_path / "done.json"
+    done.write_text(json.dumps({"mean_kl": 0.5}))
+    log = str(tmp_path / "log")
+    # a command that would fail: the stored result is used without running it
+    assert qp._cached_eval(str(done), [sys.executable, "-c", "raise SystemExit(3)"], log, None) == {"mean_kl": 0.5}
+    new = tmp_path / "new.json"
+    cmd = [sys.executable, "-c", "print('progress'); print('{\"mean_kl\": 0.25}')"]
+    assert qp._cached_eval(str(new), cmd, log, None) == {"mean_kl": 0.25}
+    assert json.loads(new.read_text()) == {"mean_kl": 0.25}
+    with pytest.raises(RuntimeError, match="failed"):
+        qp._cached_eval(str(tmp_path / "x.json"), [sys.executable, "-c", "raise SystemExit(3)"], log, None)
+    assert not (tmp_path / "x.json").exists()
