@@ -130,11 +130,13 @@ def cmd_quantize(a) -> None:
     print(json.dumps(info["versions"]))
 
 
-def _log_probs(model, ids) -> "torch.Tensor":
+LOGITS_CHUNK = 512  # rows of vocab-sized log-probs held at once (memory)
+
+
+def _logits(model, ids) -> "torch.Tensor":
     import torch
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
+        return model(torch.tensor([ids])).logits[0, :-1]
 
 
 def cmd_hf_eval(a) -> None:
@@ -155,11 +157,16 @@ def cmd_hf_eval(a) -> None:
         if len(w) < 2:
             continue
         target = torch.tensor(w[1:])[:, None]
-        lp, rp = _log_probs(model, w), _log_probs(ref, w)
-        nll -= lp.gather(1, target).sum().item()
-        ref_nll -= rp.gather(1, target).sum().item()
-        kl += (rp.exp() * (rp - lp)).sum().item()
-        agree += (rp.argmax(-1) == lp.argmax(-1)).sum().item()
+        lq, lr = _logits(model, w), _logits(ref, w)
+        for j in range(0, len(w) - 1, LOGITS_CHUNK):
+            lp = torch.log_softmax(lq[j:j + LOGITS_CHUNK].float(), dim=-1)
+            rp = torch.log_softmax(lr[j:j + LOGITS_CHUNK].float(), dim=-1)
+            t = target[j:j + LOGITS_CHUNK]
+            nll -= lp.gather(1, t).sum().item()
+            ref_nll -= rp.gather(1, t).sum().item()
+            kl += (rp.exp() * (rp - lp)).sum().item()
+            agree += (rp.argmax(-1) == lp.argmax(-1)).sum().item()
+        del lq, lr
         scored += len(w) - 1
     ppl, ref_ppl = math.exp(nll / scored), math.exp(ref_nll / scored)
     print(json.dumps({"perplexity": ppl, "reference_perplexity": ref_ppl, "tokens": scored,
