@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tritium.backend.chat_template import ChatTemplate, read_template_source
 
+from .calibration import default_eval_text
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 PROVENANCE_FILE = os.path.join(DATA_DIR, "PROVENANCE.json")
 CALIBRATION_FILES = {"prose": "calibration/prose.txt", "dialogue": "calibration/dialogue.jsonl",
@@ -70,7 +72,6 @@ def domain_text(domain: str, chat_template=None) -> str:
     if domain not in EVAL_DOMAINS:
         raise ValueError(f"--domain {domain!r} is not a shipped domain; allowed: {', '.join(EVAL_DOMAINS)}")
     if domain == "docstrings":
-        from .calibration import default_eval_text
         return default_eval_text()
     if domain == "dialogue":
         return "".join(render_dialogue(m, chat_template) for m in dialogues())
