@@ -21,6 +21,8 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from tritium.builder.calibration_mix import HELD_OUT_FILES, data_path
+
 TOOLKIT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quant_parity_toolkit.py")
 METHODS = ("gptq", "awq")
 # llm-compressor scheme per method: GPTQ in its W4A16 preset (symmetric), AWQ asymmetric as in
@@ -56,11 +58,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(default gptq=W4A16, awq=W4A16_ASYM); repeat for both")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size (default 128)")
     p.add_argument("--calibration-text", default=None, metavar="FILE",
-                   help="calibration text (default: the builder's default calibration text)")
+                   help="calibration text (default: the standard-library docstrings, "
+                        "builder.calibration.default_calibration_text: one plain text both toolkits read alike)")
     p.add_argument("--calibration-samples", type=int, default=64, help="128-token windows (default 64)")
     p.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="held-out text to score on; repeat for more domains "
-                        "(default /work/data/heldout_prose_kjv_1samuel.txt)")
+                        "(default: the shipped held-out prose, builder/data/eval/kjv_1samuel.txt)")
     p.add_argument("--num-tokens", type=int, default=8192, help="tokens scored per text (default 8192)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of every engine, the float reference included (default float32)")
@@ -89,7 +92,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
     if a.num_tokens < 2:
         p.error(f"--num-tokens must be >= 2, got {a.num_tokens}")
-    a.text = a.text or ["/work/data/heldout_prose_kjv_1samuel.txt"]
+    a.text = a.text or [data_path(HELD_OUT_FILES["kjv"])]
     for f in a.text + ([a.calibration_text] if a.calibration_text else []):
         if not os.path.isfile(f):
             p.error(f"{f}: file not found")
