@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--float-engine", required=True)
     ap.add_argument("--source", required=True, help="the GGUF / checkpoint the float engine was built from")
-    ap.add_argument("--part", required=True, choices=("head", "kv", "kv-attention", "engines"))
+    ap.add_argument("--part", required=True, choices=("head", "kv", "kv-attention", "kv-offsets", "engines"))
     ap.add_argument("--engines", nargs="*", default=[])
     ap.add_argument("--methods", default="int4-rtn,int4-awq,int4-gptq")
     ap.add_argument("--docstrings", default=None, help="the former default calibration text as a file")
@@ -157,6 +157,9 @@ def main() -> None:
     elif args.part == "kv-attention":
         run_kv(s, args.source, [("kv fp8 mix attention offsets", dict(kv_cache_dtype="fp8", kv_offsets="attention"), 2.0),
                                 ("kv int8 mix attention offsets", dict(kv_cache_dtype="int8", kv_offsets="attention"), 2.0)])
+    elif args.part == "kv-offsets":
+        run_kv(s, args.source, [(f"kv {dt} mix {off} offsets", dict(kv_cache_dtype=dt, kv_offsets=off), 2.0)
+                                for dt in ("fp8", "int8") for off in ("mean", "none")])
     else:
         score_engines(s, args.engines)
 

@@ -25,6 +25,7 @@ MAX_SEARCH_ROWS = 4096  # rows of a head's samples scored per clip ratio (stride
 MIN_SCALE = 1e-8        # a head that is all zeros still gets a finite, positive scale
 
 KV_OFFSET_METHODS = {
+    "none": "no offsets: K and V are stored as they are (study option: measures what the offsets buy)",
     "mean": ("per-KV-head means of calibration K (after RoPE) and V, subtracted before they are "
              "stored; V's is added back to the attention output"),
     "attention": ("per-KV-head means of calibration K (after RoPE) and V weighted by the attention each "

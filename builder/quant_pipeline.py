@@ -335,6 +335,8 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
             for key in ("k", "v"):
                 x = torch.cat(kv_stats[key])
                 offset = kv_head_offsets(x) if pos is None else attention_weighted_offsets(kv_stats, key)
+                if o.kv_offsets == "none":
+                    offset = torch.zeros_like(offset)
                 kv_scales[f"layers.{i}.{key}_offset"] = offset
                 x = x - offset
                 if kv_rotation == "hadamard":

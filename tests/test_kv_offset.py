@@ -79,3 +79,26 @@ def test_k_offset_removes_fp8_error_of_a_constant_k_part():
         errs[name] = (attend(kq, ks, vq, v_scale) - exact).abs().max().item()
         assert torch.isfinite(dequantize_kv_ref(kq, ks, torch.float32)).all()
     assert errs["offset"] < 0.5 * errs["none"], errs
+
+
+def test_offsets_none_stores_zero_offsets_and_mean_does_not(tiny_engine):
+    """kv_offsets='none' (the study option that measures what the offsets buy) writes zero
+    offsets; the default 'mean' writes the calibration means (nonzero for a random model)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from tritium.builder.quant_pipeline import quantize_engine_weights
+    fdir = tiny_engine("llama")
+    cfg, _, tokenizer = load_engine(fdir, "cpu")
+    tensors = load_file(os.path.join(fdir, "rank0.safetensors"))
+    offs = {}
+    for method in ("mean", "none"):
+        new, _, kvcfg, report = quantize_engine_weights(cfg, tensors, kv_cache_dtype="int8", kv_offsets=method,
+                                                        calibration_samples=4, eval_tokens=0, progress=False,
+                                                        tokenizer=tokenizer)
+        offs[method] = [t for k, t in sorted(new.items()) if k.endswith(("k_offset", "v_offset"))]
+        assert len(offs[method]) == 2 * cfg.model.num_layers and report["kv_offsets"].startswith(
+            "no offsets" if method == "none" else "per-KV-head means")
+    assert all(bool((t == 0).all()) for t in offs["none"])
+    assert all(float(t.abs().max()) > 0 for t in offs["mean"])
