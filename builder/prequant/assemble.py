@@ -8,6 +8,7 @@ from typing import Dict, Tuple
 import torch
 
 from tritium.backend.config import IMPORTED_QUANTIZATION, LayerQuant, ModelConfig, QuantConfig
+from tritium.kernels.quant_layouts import FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT, INT8_LAYOUT
 
 from ..convert import CheckpointError
 from .awq import read_linear as read_awq
@@ -78,7 +79,7 @@ def imported_engine_tensors(m: ModelConfig, ckpt, dtype: torch.dtype, spec: Impo
                 tensors[f"layers.{i}.{lin}.{suffix}"] = t.contiguous()
             plan[f"layers.{i}.{lin}"] = LayerQuant(
                 fused.method, group_size=fused.group_size, act_order="g_idx" in fused.tensors,
-                group_reason=f"imported ({spec.format})" if fused.method == "int4" else None)
+                group_reason=f"imported ({spec.format})" if fused.group_size is not None else None)
         if m.attention_bias:
             tensors[f"layers.{i}.qkv_proj.bias"] = torch.cat(
                 [float_t(p + "self_attn.q_proj.bias", (qd,)), float_t(p + "self_attn.k_proj.bias", (kvd,)),
@@ -96,12 +97,12 @@ def imported_engine_tensors(m: ModelConfig, ckpt, dtype: torch.dtype, spec: Impo
 def imported_quant_config(spec: ImportSpec, plan: Dict[str, LayerQuant], tensors: Dict[str, torch.Tensor],
                           dtype: torch.dtype) -> Tuple[QuantConfig, dict, int]:
     """(engine.json's QuantConfig, build_report.json's quantization_report, float-equivalent bytes)."""
-    from tritium.kernels.quant_layouts import FP8_LAYOUT, INT4_LAYOUT, INT8_LAYOUT
     layouts = {"int4": INT4_LAYOUT + " (imported: scales and zeros stored float32, exact for the source's "
                                      "float16 / bfloat16 scales)",
                "int8": INT8_LAYOUT + " (imported: the source's scales, not necessarily bfloat16 values)",
                "fp8": FP8_LAYOUT + " (imported: the source's per-tensor or per-channel scales)"}
-    used = {lq.method for lq in plan.values()}
+    layouts["int8 grouped"] = INT8_GROUPED_LAYOUT + " (imported: the source's group scales)"
+    used = {lq.method + (" grouped" if lq.method == "int8" and lq.group_size else "") for lq in plan.values()}
     qcfg = QuantConfig(method=IMPORTED_QUANTIZATION, layers=dict(plan),
                        layouts={k: v for k, v in layouts.items() if k in used}, imported=dict(spec.summary))
     esize = torch.empty((), dtype=dtype).element_size()

@@ -8,7 +8,7 @@ Tensor names and meanings, from compressed-tensors' compressors (0.20):
   optional weight_g_idx int (K,) (the removed "group" act-order of older versions).
   w = (q - zero_point) * scale.
 - pack-quantized 8-bit (compressed-tensors' W8A16): four codes per int32 word, each the signed
-  code plus 128; weight_scale (N, 1) (channel): w = q * scale.
+  code plus 128; weight_scale (N, 1) (channel) or (N, K/G) (group): w = q * scale.
 - int-quantized / naive-quantized (one compressor): weight int8 (N, K), codes unpacked (4-bit
   ones in -8..7), weight_scale, weight_zero_point int8 as computed: w = (q - zero_point) * scale.
 - float-quantized: weight float8_e4m3fn (N, K), weight_scale (1,) / (N, 1): w = float(q) * scale.
@@ -51,15 +51,30 @@ def read_linear(get: Callable, has: Callable, prefix: str, scheme: WeightScheme)
         if scheme.ct_format == "pack-quantized":
             shape = [int(v) for v in get(prefix + ".weight_shape").reshape(-1).tolist()]
             q = _unpack_bytes(get(prefix + ".weight_packed"), *shape)
-            return ImportedLinear("int8", {"qweight": q, "scales": _row_scales(get(prefix + ".weight_scale"), q, prefix)})
-        q = get(prefix + ".weight")
-        if q.dtype != torch.int8:
-            raise CheckpointError(f"{prefix}.weight: dtype {q.dtype}, expected torch.int8 (int-quantized)")
-        return ImportedLinear("int8", {"qweight": q, "scales": _row_scales(get(prefix + ".weight_scale"), q, prefix)})
+        else:
+            q = get(prefix + ".weight")
+            if q.dtype != torch.int8:
+                raise CheckpointError(f"{prefix}.weight: dtype {q.dtype}, expected torch.int8 (int-quantized)")
+        scale = get(prefix + ".weight_scale")
+        if scheme.strategy == "group":
+            return ImportedLinear("int8", {"qweight": q, "scales": _group_scales(scale, q, scheme.group_size, prefix)},
+                                  scheme.group_size)
+        return ImportedLinear("int8", {"qweight": q, "scales": _row_scales(scale, q, prefix)})
     q = get(prefix + ".weight")
     if q.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"{prefix}.weight: dtype {q.dtype} is not supported; supported: float8_e4m3fn")
     return ImportedLinear("fp8", {"qweight": q, "scales": _row_scales(get(prefix + ".weight_scale"), q, prefix)})
+
+
+def _group_scales(scale: torch.Tensor, q: torch.Tensor, group_size: int, prefix: str) -> torch.Tensor:
+    """(K/G, N) float32 scales (Tritium's grouped int8 layout) from weight_scale (N, K/G):
+    w = q * scale[n, k // G], symmetric."""
+    n, k = q.shape
+    if k % group_size:
+        raise CheckpointError(f"{prefix}: group_size {group_size} does not divide in_features {k}")
+    if tuple(scale.shape) != (n, k // group_size):
+        raise CheckpointError(f"{prefix}.weight_scale: shape {tuple(scale.shape)}, expected ({n}, {k // group_size})")
+    return scale.float().t().contiguous()
 
 
 def _row_scales(scale: torch.Tensor, q: torch.Tensor, prefix: str) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..quantize_int4 import SUPPORTED_GROUP_SIZES
 class ImportedLinear:
     method: str                              # "int4" | "int8" | "fp8" | "none"
     tensors: Dict[str, torch.Tensor]         # int4: codes, scales, zeros[, g_idx]; int8/fp8: qweight, scales; none: weight
-    group_size: Optional[int] = None         # int4 only
+    group_size: Optional[int] = None         # int4; int8 with group-wise scales (None: per row)
 
 
 def int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor],
@@ -91,8 +91,15 @@ def fuse(parts: List[ImportedLinear], name: str) -> ImportedLinear:
         if gi[0] is not None:
             t["g_idx"] = gi[0]
         return ImportedLinear("int4", t, parts[0].group_size)
+    sizes = {p.group_size for p in parts}
+    if len(sizes) != 1:
+        raise CheckpointError(f"{name}: its parts use different group sizes {sorted(sizes, key=str)}")
+    group_size = sizes.pop()
     keys = parts[0].tensors.keys()
-    return ImportedLinear(method, {k: torch.cat([p.tensors[k] for p in parts], 0) for k in keys})
+    # per-row scales (N,) stack along the output dim like the codes; grouped scales (K/G, N) side by side
+    return ImportedLinear(method, {k: torch.cat([p.tensors[k] for p in parts],
+                                                1 if (group_size is not None and k == "scales") else 0)
+                                   for k in keys}, group_size)
 
 
 def engine_tensors(lin: ImportedLinear, dtype: torch.dtype) -> Dict[str, torch.Tensor]:

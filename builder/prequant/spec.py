@@ -216,16 +216,12 @@ def _ct_scheme(g: dict, top_format, where: str, path: str) -> WeightScheme:
         gs = _check_int4_group(path, f"{where}.weights.group_size", w.get("group_size") if strategy == "group" else -1)
         return WeightScheme("int4", gs, sym, strategy, fmt, act)
     if wtype == "int" and bits == 8:
-        if strategy == "group":
-            raise CheckpointError(
-                f"{path}: quantization_config.{where}.weights.strategy = 'group' (group-wise int8, group_size "
-                f"{w.get('group_size')}) is not supported yet: Tritium's int8 layout has one scale per output "
-                f"channel; supported: channel")
-        if strategy != "channel":
-            raise _bad(path, f"{where}.weights.strategy", strategy, "channel (8-bit integer)")
+        if strategy not in ("group", "channel"):
+            raise _bad(path, f"{where}.weights.strategy", strategy, "group, channel (8-bit integer)")
         if not sym:
             raise _bad(path, f"{where}.weights.symmetric", w.get("symmetric"), "true (8-bit integer)")
-        return WeightScheme("int8", None, True, strategy, fmt, act)
+        gs = _check_int4_group(path, f"{where}.weights.group_size", w.get("group_size") if strategy == "group" else -1)
+        return WeightScheme("int8", gs, True, strategy, fmt, act)
     if wtype == "float" and bits == 8:
         if fmt not in CT_UNPACKED:
             raise _bad(path, f"{where}.format", fmt, ", ".join(CT_UNPACKED) + " (for fp8 weights)")
