@@ -16,7 +16,6 @@ from tritium.backend.config import EngineConfig, LayerQuant
 from tritium.backend.engine import LLMEngine
 from tritium.backend.loader import load_engine
 from tritium.backend.sampling_params import SamplingParams
-from tritium.builder import calibration as calib
 from tritium.builder.build import BuildOptions, build_engine
 from tritium.builder.quant_auto_alloc import Option, allocation_ladder, lower_hull, total_bytes, total_sensitivity
 from tritium.client.cli import main as cli_main
@@ -124,7 +123,6 @@ def test_mixed_engine_runs_each_linear_in_its_own_format(tiny_checkpoint, tmp_pa
     close to HF's float model."""
     from transformers import AutoModelForCausalLM
 
-    from tritium.builder.quant_pipeline import quantize_engine_weights
     ckpt = tiny_checkpoint("llama", **DIMS)
     plan = {"layers.0.qkv_proj": LayerQuant("none"), "layers.0.o_proj": LayerQuant("int8"),
             "layers.0.gate_up_proj": LayerQuant("int4", group_size=128),

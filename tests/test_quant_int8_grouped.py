@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import quants as gq
 from safetensors.torch import load_file
 from test_gguf_types import TYPES, roundtrip, write_gguf
 

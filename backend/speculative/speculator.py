@@ -21,7 +21,7 @@ history, never on the rest of the batch.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Optional
 
 from .config import SpeculativeConfig
 from .ngram import ngram_propose

@@ -33,7 +33,7 @@ def read_linear(get: Callable, has: Callable, prefix: str, scheme: WeightScheme)
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
         if t.dtype != torch.int32:
             raise CheckpointError(f"{prefix}.{name}: dtype {t.dtype}, expected torch.int32")
-    k, n = qweight.shape[0], qweight.shape[1] * 8
+    n = qweight.shape[1] * 8
     if scales.shape[1] != n or qzeros.shape != (scales.shape[0], n // 8):
         raise CheckpointError(f"{prefix}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                               f"{tuple(scales.shape)} do not fit AWQ's GEMM layout")

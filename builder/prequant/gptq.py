@@ -40,7 +40,7 @@ def read_linear(get: Callable, has: Callable, prefix: str, scheme: WeightScheme,
     for name, t in (("qweight", qweight), ("qzeros", qzeros)):
         if t.dtype != torch.int32:
             raise CheckpointError(f"{prefix}.{name}: dtype {t.dtype}, expected torch.int32")
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    n = qweight.shape[1]
     if scales.shape[1] != n or qzeros.shape != (scales.shape[0], (n + 7) // 8):
         raise CheckpointError(f"{prefix}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                               f"{tuple(scales.shape)} do not fit the GPTQ 4-bit layout")
