@@ -16,6 +16,7 @@ import shutil
 import torch
 
 from tiny_models import make_checkpoint
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, dequantize_rowwise
 
 # dims that every supported group size (32..128) divides; 2 layers
 IMPORT_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -112,3 +113,20 @@ def ct_reference_model(path: str, float_dir: str):
             state[name] = sd[name].float()
     model.load_state_dict(state)
     return model.eval()
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 distance of a from b."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def engine_weight(tensors, cfg, name):
+    """The float weight (N, K) of engine linear `name`, dequantized from its stored layout."""
+    lq = cfg.quantization.layers[name]
+    if lq.method == "int4":
+        return dequantize_int4(tensors[name + ".qweight"], tensors[name + ".scales"], tensors[name + ".zeros"],
+                               lq.group_size, tensors.get(name + ".g_idx"))
+    if lq.group_size is not None:
+        return dequantize_grouped(tensors[name + ".qweight"], tensors[name + ".scales"], tensors.get(name + ".zeros"),
+                                  lq.group_size)
+    return dequantize_rowwise(tensors[name + ".qweight"], tensors[name + ".scales"])

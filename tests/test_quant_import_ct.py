@@ -23,12 +23,12 @@ import torch
 # compressed-tensors (a test dependency, pinned in the `test` extra) is imported inside the helpers,
 # not at collection: it imports triton.language, which must first be imported in interpreter mode
 # by tests/kernel_env.py for the Triton kernel tests of the same session.
-from prequant_ct import ct_dequantized_state, ct_reference_model, float_source, make_ct_checkpoint
+from prequant_ct import (ct_dequantized_state, ct_reference_model, engine_weight, float_source, make_ct_checkpoint,
+                         rel_l2)
 from simple_generate import prompt_logits
 
 from tritium.backend.loader import load_engine
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, dequantize_rowwise
 
 IDS = [5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3]
 PARTS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
@@ -40,19 +40,6 @@ def src(tmp_path_factory):
     return float_source(str(tmp_path_factory.mktemp("float") / "llama"))
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _engine_weight(tensors, cfg, name):
-    lq = cfg.quantization.layers[name]
-    if lq.method == "int4":
-        return dequantize_int4(tensors[name + ".qweight"], tensors[name + ".scales"], tensors[name + ".zeros"],
-                               lq.group_size, tensors.get(name + ".g_idx"))
-    if lq.group_size is not None:
-        return dequantize_grouped(tensors[name + ".qweight"], tensors[name + ".scales"], tensors.get(name + ".zeros"),
-                                  lq.group_size)
-    return dequantize_rowwise(tensors[name + ".qweight"], tensors[name + ".scales"])
 
 
 def _check_import(src, tmp_path, preset, kind, logits_tol, max_ratio=0.1, **kw):
@@ -68,7 +55,7 @@ def _check_import(src, tmp_path, preset, kind, logits_tol, max_ratio=0.1, **kw):
         for lin, parts in PARTS.items():
             name = f"layers.{i}.{lin}"
             assert cfg.quantization.layers[name].method == kind
-            ours = _engine_weight(tensors, cfg, name)
+            ours = engine_weight(tensors, cfg, name)
             theirs = torch.cat([lib[f"model.layers.{i}.{p}.weight"].float() for p in parts], 0)
             assert torch.equal(ours, theirs), (name, (ours - theirs).abs().max().item())
     ref = ct_reference_model(ck, src)
@@ -79,7 +66,7 @@ def _check_import(src, tmp_path, preset, kind, logits_tol, max_ratio=0.1, **kw):
         r = ref(torch.tensor([IDS])).logits[0]
         f = flt(torch.tensor([IDS])).logits[0]
     o = prompt_logits(model, IDS)
-    gap, quant_err = _rel(o, r), _rel(r, f)
+    gap, quant_err = rel_l2(o, r), rel_l2(r, f)
     assert gap < logits_tol, (gap, quant_err)
     assert gap < max_ratio * quant_err, (gap, quant_err)
     return cfg, eng
@@ -175,8 +162,8 @@ def test_tensor_parallel_shards_dequantize_to_the_same_weights(src, tmp_path):
     full = load_file(os.path.join(one, "rank0.safetensors"))
     ranks = [load_file(os.path.join(two, f"rank{r}.safetensors")) for r in range(2)]
     for name, dim in (("layers.0.o_proj", 1), ("layers.1.down_proj", 1), ("layers.0.gate_up_proj", 0)):
-        whole = _engine_weight(full, cfg, name)
-        parts = [_engine_weight(t, cfg, name) for t in ranks]
+        whole = engine_weight(full, cfg, name)
+        parts = [engine_weight(t, cfg, name) for t in ranks]
         if name.endswith("gate_up_proj"):  # each rank holds [gate_r; up_r]
             half = [p.shape[0] // 2 for p in parts]
             glued = torch.cat([parts[0][:half[0]], parts[1][:half[1]], parts[0][half[0]:], parts[1][half[1]:]], 0)

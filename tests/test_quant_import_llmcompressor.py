@@ -30,11 +30,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from prequant_ct import engine_weight, rel_l2
 from simple_generate import prompt_logits
 
 from tritium.backend.loader import load_engine
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.kernels.quant_layouts import dequantize_int4, dequantize_rowwise
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "prequant", "llmc")
 PARTS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
@@ -71,16 +71,6 @@ def checkpoint(variant: str, out: str, qcfg_edit=None, tensor_edit=None) -> str:
     return out
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _engine_weight(tensors, cfg, name):
-    lq = cfg.quantization.layers[name]
-    if lq.method == "int4":
-        return dequantize_int4(tensors[name + ".qweight"], tensors[name + ".scales"], tensors[name + ".zeros"],
-                               lq.group_size, tensors.get(name + ".g_idx"))
-    return dequantize_rowwise(tensors[name + ".qweight"], tensors[name + ".scales"])
 
 
 def _recipe(variant):
@@ -111,7 +101,7 @@ def test_import_matches_llmcompressor(tmp_path, variant):
         for lin, parts in PARTS.items():
             name = f"layers.{i}.{lin}"
             assert cfg.quantization.layers[name].method == kind, name
-            ours = _engine_weight(tensors, cfg, name)
+            ours = engine_weight(tensors, cfg, name)
             theirs = torch.cat([ref[f"model.layers.{i}.{p}.weight"] for p in parts], 0)
             assert torch.equal(ours, theirs), (name, (ours - theirs).abs().max().item())
     _, model, _ = load_engine(eng, "cpu")
@@ -127,7 +117,7 @@ def test_import_matches_llmcompressor(tmp_path, variant):
         assert torch.equal(r, ref["logits"])
     else:
         assert "ignored" in cfg.quantization.imported["groups"]["group_0"]["activations"]
-    gap, quant_err = _rel(o, r), _rel(r, f)
+    gap, quant_err = rel_l2(o, r), rel_l2(r, f)
     print(f"{variant}: engine vs toolkit {gap:.2e}, toolkit vs float {quant_err:.2e}")
     assert gap < logits_tol, (gap, quant_err)
     assert gap < max_ratio * quant_err, (gap, quant_err)
