@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prequant_ct import float_source
+from prequant_ct import float_source, rel_l2
 from simple_generate import prompt_logits
 
 from tritium.backend.loader import load_engine
@@ -64,10 +64,6 @@ def prequant_checkpoint(src: str, out: str, variant: str, qcfg_edit=None, tensor
     return out
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _check_weights(eng: str, cfg, variant: str) -> None:
     tensors = load_file(os.path.join(eng, "rank0.safetensors"))
     ref = load_file(os.path.join(FIXTURES, f"{variant}.reference.safetensors"))
@@ -103,7 +99,7 @@ def test_import_matches_the_library(src, tmp_path, variant):
         r = ref_model(torch.tensor([IDS])).logits[0]
         f = flt(torch.tensor([IDS])).logits[0]
     o = prompt_logits(model, IDS)
-    gap, apart = _rel(o, r), _rel(r, f)
+    gap, apart = rel_l2(o, r), rel_l2(r, f)
     assert gap < 2e-2, gap
     # the fixture's layer differs from the float model's: a wrong mapping would land far from r
     assert gap < 0.1 * apart, (gap, apart)
