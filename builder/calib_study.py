@@ -33,7 +33,7 @@ from . import kv_scales
 from .calibration_mix import HELD_OUT_DOMAINS, domain_text
 from .quant_eval import encode_text, evaluate
 from .quant_head import quantize_embeddings
-from .quant_pipeline import (CALIBRATED, QuantOptions, _calibration_runner, _float_model, _plan,
+from .quant_pipeline import (CALIBRATED, QuantOptions, _calibration_runner, _float_model, plan_layers,
                              _quantize_layers, quantize_engine_weights)
 
 
@@ -98,7 +98,7 @@ def run_head(s: Scorer, source: str, methods, calibration_text=None) -> None:
     for method in methods:
         o = QuantOptions.of(quantization=method, source=source, head_centring=True, progress=True,
                             calibration_text=calibration_text, eval_tokens=0)
-        plan = _plan(s.cfg, o)
+        plan = plan_layers(s.cfg, o)
         model = _float_model(s.cfg, s.tensors)
         runner, info = _calibration_runner(model, s.tokenizer, o)
         new = dict(s.tensors)

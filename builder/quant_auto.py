@@ -37,7 +37,8 @@ from .quant_auto_alloc import Option, allocation_ladder, total_bytes, total_sens
 from .quant_auto_sensitivity import (AUTO_INT4_METHODS, AUTO_KINDS, INT4_GROUP_SIZES, SENSITIVITY_SAMPLES,
                                      candidate_layer_quants, measure_sensitivities, swap_module)
 from .quant_eval import encode_text, window_log_probs, windows
-from .quant_pipeline import (DEFAULT_EVAL_TOKENS, QuantOptions, _excluded, _float_model, _plan, _read_text,
+from .quant_plan import excluded, plan_layers
+from .quant_pipeline import (DEFAULT_EVAL_TOKENS, QuantOptions, _float_model, _read_text,
                              load_source_tokenizer, quantize_engine_weights, validate_quant_args)
 
 # RTN: the verified model then *is* the built one (no calibration differs between the two), and
@@ -151,14 +152,14 @@ def _candidates(cfg: EngineConfig, o: QuantOptions, method: str, kinds):
     base = dataclasses.replace(o, quantization=method, layer_plan=None, exclude_modules=None)
     int4_plans = {}
     if "int4" in kinds:
-        int4_plans[0] = _plan(cfg, base)  # --group-size if given, else the source grid / default rule
+        int4_plans[0] = plan_layers(cfg, base)  # --group-size if given, else the source grid / default rule
         if not o.group_size_explicit:
             for g in INT4_GROUP_SIZES:
                 try:
-                    int4_plans[g] = _plan(cfg, dataclasses.replace(base, group_size=g, group_size_explicit=True))
+                    int4_plans[g] = plan_layers(cfg, dataclasses.replace(base, group_size=g, group_size_explicit=True))
                 except ValueError:
                     pass  # no layer takes this group size
-    cands = candidate_layer_quants(cfg, kinds, int4_plans, lambda n: _excluded(n, o.exclude_modules))
+    cands = candidate_layer_quants(cfg, kinds, int4_plans, lambda n: excluded(n, o.exclude_modules))
     if o.tensor_parallel_size > 1:  # only int4 group sizes that every rank holds whole
         for name, c in cands.items():
             kept = {k: lq for k, lq in c.items() if _fits_tensor_parallel(cfg.model, name, lq, o.tensor_parallel_size)}

@@ -47,7 +47,7 @@ def head_names(m) -> Tuple[str, ...]:
 def candidate_layer_quants(cfg, kinds, int4_plans: Dict[int, dict], excluded) -> Dict[str, Dict[str, LayerQuant]]:
     """{linear name: {candidate name: LayerQuant}} over every linear and the embedding / head.
 
-    int4_plans: {group size: the int4 plan (quant_pipeline._plan) for that group size}; key 0 is
+    int4_plans: {group size: the int4 plan (quant_plan.plan_layers) for that group size}; key 0 is
     the default plan (the GGUF source grid where there is one). excluded(name) -> keep float."""
     m = cfg.model
     out: Dict[str, Dict[str, LayerQuant]] = {}

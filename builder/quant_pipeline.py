@@ -13,7 +13,6 @@ already-quantized layers < i).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import time
 from typing import Dict, Optional, Tuple
@@ -22,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
-                                    SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, LayerQuant,
+                                    SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig,
                                     QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
 from tritium.kernels.quant_layouts import (FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT,
@@ -37,13 +36,11 @@ from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_
 from .heldout_eval import evaluate_held_out
 from .quant_eval import encode_text, evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
-from .quant_layers import LINEARS, linear_in_features, quantize_layer
+from .quant_layers import LINEARS, quantize_layer
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
-from .source_grid import linear_source_blocks, plan_group_size
+from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
 
-DEFAULT_GROUP_SIZE = 128
-PER_ROW = -1  # --group-size -1 (int8 / fp8): one scale per output channel (GPTQ's convention)
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
 CALIBRATED = ("int4-awq", "int4-gptq")
@@ -64,9 +61,9 @@ class QuantOptions:
     source: Optional[str] = None
     act_order: bool = True
     eval_tokens: int = DEFAULT_EVAL_TOKENS
-    tensor_parallel_size: int = 1  # > 1: int4-gptq's o_proj uses static groups (see _plan)
+    tensor_parallel_size: int = 1  # > 1: int4-gptq's o_proj uses static groups (see quant_plan.plan_layers)
     # --quantization auto (builder/quant_auto.py): the budget and its flags, and the per-linear
-    # plan it hands back to this pipeline ({name: LayerQuant}; replaces _plan when given).
+    # plan it hands back to this pipeline ({name: LayerQuant}; replaces plan_layers when given).
     max_ppl_increase: Optional[float] = None
     auto_int4_method: Optional[str] = None
     auto_candidates: Optional[str] = None
@@ -87,11 +84,6 @@ class QuantOptions:
         if "group_size_explicit" not in given:
             given["group_size_explicit"] = "group_size" in given
         return cls(**given)
-
-
-def _excluded(name: str, patterns: Optional[str]) -> bool:
-    """--exclude-modules: comma-separated fnmatch globs over names like 'layers.3.down_proj'."""
-    return bool(patterns) and any(fnmatch.fnmatch(name, p.strip()) for p in patterns.split(",") if p.strip())
 
 
 def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> None:
@@ -131,7 +123,7 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
             raise ValueError(f"--calibration-text {o.calibration_text}: calibration text too short "
                              f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
     if cfg is not None and o.quantization != "none":
-        _plan(cfg, o)  # raises if a layer's input dim takes no group size
+        plan_layers(cfg, o)  # raises if a layer's input dim takes no group size
 
 
 def resolve_kv_rotation(kv_rotation: str, kv_cache_dtype: str, head_dim: int) -> str:
@@ -148,69 +140,6 @@ def _read_text(path: str, flag: str) -> str:
         raise ValueError(f"{flag} {path}: file not found")
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
-
-
-def _plan(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
-    """Per-linear LayerQuant for every linear in the model (method 'none' when excluded).
-
-    int4 group sizes: explicit --group-size, else the GGUF source's own block size where the
-    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. int4
-    builds also store the embedding (and an untied lm_head) as per-row int8."""
-    kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
-    plan = {}
-    blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
-    for i in range(cfg.model.num_layers):
-        for lin in LINEARS:
-            name = f"layers.{i}.{lin}"
-            if _excluded(name, o.exclude_modules):
-                plan[name] = LayerQuant("none")
-                continue
-            if kind != "int4":
-                plan[name] = _plan_8bit(kind, linear_in_features(cfg.model, lin), name, o, blocks.get(name))
-                continue
-            k = linear_in_features(cfg.model, lin)
-            g, reason = plan_group_size(k, o.group_size, o.group_size_explicit, blocks.get(name))
-            if g is None:
-                raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
-                                 f"not a multiple of {o.group_size}, 64 or 32")
-            act_order = bool(o.act_order and o.quantization == "int4-gptq")
-            on_grid = name in blocks and g == blocks[name][1]
-            if act_order and not on_grid and lin == "o_proj" and o.tensor_parallel_size > 1:
-                # o_proj's inputs are split by attention head, and act-order's g_idx groups mix
-                # channels of every head: at tensor parallelism it uses static groups (act-order
-                # column order, contiguous groups) so that each rank holds whole groups.
-                plan[name] = LayerQuant("int4", group_size=g, group_reason=reason, static_groups=True)
-                continue
-            # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
-            # static groups (act-order's column order, parameters fixed per source block, no g_idx).
-            plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
-                                    group_reason=reason,
-                                    static_groups=act_order and on_grid)
-    if kind == "int4":
-        for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
-            plan[name] = LayerQuant("none" if _excluded(name, o.exclude_modules) else "int8")
-    return plan
-
-
-def _plan_8bit(kind: str, k: int, name: str, o, source) -> LayerQuant:
-    """int8 / fp8: --group-size N: symmetric groups of N (64/32 where N does not divide K);
-    --group-size -1: one scale per output channel; default: a linear stored block-quantized in
-    a GGUF source gets asymmetric groups on the source's blocks (its grid kept exactly), any
-    other one scale per output channel (docs/quantization.md has the measurements behind this)."""
-    if o.group_size_explicit and o.group_size == PER_ROW:
-        return LayerQuant(kind, group_reason="--group-size -1: per output channel")
-    if o.group_size_explicit:
-        g, reason = plan_group_size(k, o.group_size, True, None)
-        if g is None:
-            raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
-                             f"not a multiple of {o.group_size}, 64 or 32")
-        return LayerQuant(kind, group_size=g, group_reason=reason)
-    if source is not None:
-        g, reason = plan_group_size(k, DEFAULT_GROUP_SIZE, False, source)
-        if g == source[1]:
-            return LayerQuant(kind, group_size=g, group_reason=reason + " (asymmetric, source grid)",
-                              asymmetric=True)
-    return LayerQuant(kind)
 
 
 def load_source_tokenizer(source: Optional[str]):
@@ -253,7 +182,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     t0 = time.time()
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}
-    plan = {} if o.quantization == "none" else dict(o.layer_plan) if o.layer_plan is not None else _plan(cfg, o)
+    plan = {} if o.quantization == "none" else dict(o.layer_plan) if o.layer_plan is not None else plan_layers(cfg, o)
     kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding;
