@@ -126,11 +126,11 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
                     softcap=None):
     """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode.
     softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
-    if softcap is not None:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
-                                                        k_scale, v_scale)
+                                                        k_scale, v_scale, softcap=softcap)
+    if softcap is not None:  # CPU: SDPA has no soft-cap; the reference computes the scores itself
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
     # CPU: the batched torch path (same contract as paged_attention_ref, which stays the oracle).
     return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
 
