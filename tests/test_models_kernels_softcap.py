@@ -51,3 +51,39 @@ def test_softcap_must_be_positive():
     bt, sl = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
     with pytest.raises(ValueError, match="softcap"):
         paged_decode(q, kc, kc.clone(), bt, sl, 0.125, softcap=0.0)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,window", [(8, 2, 64, 16, None), (4, 1, 32, 4, 7)])
+def test_native_cpu_decode_softcap_matches_float64(hq, hkv, d, bs, window):
+    """The native AVX512-BF16 decode kernel (kernels/cpu_decode_attention.c) with a soft-cap, on
+    decode rows of a bf16 cache, against cap * tanh(s / cap) attention written out in float64."""
+    from tritium.kernels import cpu_native
+    from tritium.kernels.attention_metadata import AttentionMetadata
+    from tritium.kernels.paged_attention import paged_attention_cpu
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
+        pytest.skip("CPU without AVX512-BF16: soft-capped decode rows use paged_attention_ref here")
+    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
+    rng, seed = new_rng()
+    seq_lens = [rng.randint(1, 60) for _ in range(6)]
+    need = [-(-s // bs) for s in seq_lens]
+    perm = torch.randperm(sum(need) + 2).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    kc = torch.randn(len(perm), bs, hkv, d).to(torch.bfloat16)
+    vc = torch.randn(len(perm), bs, hkv, d).to(torch.bfloat16)
+    q = torch.randn(len(seq_lens), hq, d).to(torch.bfloat16)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, bs)
+    cap, scale = rng.uniform(0.5, 3.0), d ** -0.5
+    out = paged_attention_cpu(q, kc, vc, meta, scale, window, softcap=cap)
+    for b, (slen, table) in enumerate(zip(seq_lens, tables)):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(slen)])
+        k = kc.view(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        v = vc.view(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
+        s = cap * torch.tanh(s / cap)
+        if window is not None:
+            s[:, : max(0, slen - window)] = float("-inf")
+        want = torch.einsum("hk,khd->hd", s.softmax(-1), v)
+        torch.testing.assert_close(out[b].double(), want, atol=2e-2, rtol=2e-2, msg=lambda m: f"seed={seed}: {m}")
