@@ -35,10 +35,11 @@ class GuardLimits:
 class GuardError(Exception):
     """A request the guard answers itself: HTTP `status` with {"error": message}."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Tuple[Tuple[str, str], ...] = ()):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers  # extra response headers (WWW-Authenticate on a 401)
 
 
 # Content types forwarded as they are; those in _AS_JSON are forwarded as application/json.
@@ -139,7 +140,7 @@ def json_part(body: bytes, header_length: Optional[str]) -> bytes:
 
 
 # ---- HTTP/1.1 message heads ------------------------------------------------------------------
-_REASONS = {400: "Bad Request", 413: "Payload Too Large", 415: "Unsupported Media Type",
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large", 415: "Unsupported Media Type",
             431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
             503: "Service Unavailable"}
 
@@ -179,9 +180,10 @@ def parse_head(head: bytes) -> Request:
     return Request(parts[0], parts[1], parts[2], headers)
 
 
-def error_response(status: int, message: str) -> bytes:
+def error_response(status: int, message: str, headers: Tuple[Tuple[str, str], ...] = ()) -> bytes:
     body = json.dumps({"error": f"tritium guard: {message}"}).encode()
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
