@@ -128,6 +128,19 @@ def check_json_depth(data: bytes, limits: GuardLimits) -> None:
                               f"(--max-json-depth)")
 
 
+def check_json_syntax(data: bytes) -> None:
+    """Raise GuardError 400 unless `data` (non-empty) is UTF-8 JSON: tritonserver 2.51 answers
+    a malformed JSON body with a 500, which a client must never see for its own mistake."""
+    if not data.strip():
+        return
+    try:
+        json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise GuardError(400, f"the request body is not UTF-8 (byte {e.start}); JSON must be UTF-8") from None
+    except ValueError as e:  # after check_json_depth: no RecursionError here
+        raise GuardError(400, f"the request body is not valid JSON: {e}") from None
+
+
 def json_part(body: bytes, header_length: Optional[str]) -> bytes:
     """The JSON part of an inference body: all of it, or the first Inference-Header-Content-Length
     bytes when binary tensor data follows (Triton's binary data extension)."""
@@ -185,6 +198,20 @@ def error_response(status: int, message: str, headers: Tuple[Tuple[str, str], ..
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
     return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+# tritonserver 2.51 answers these client mistakes with a 5xx (its request converters use
+# TRITONSERVER_ERROR_INTERNAL / UNSUPPORTED): the guard passes them on as 400.
+_CLIENT_MISTAKES = (b'{"error":"Unable to parse ', b'{"error":"failed to parse ',
+                    b'{"error":"HTTP end point doesn\'t support models with decoupled')
+
+
+def upstream_status(status: int, body: bytes) -> int:
+    """The status to relay for tritonserver's (status, body): 400 for a known client mistake it
+    reports as 500 / 501, else `status`."""
+    if status in (500, 501) and body.startswith(_CLIENT_MISTAKES):
+        return 400
+    return status
 
 
 def parse_response_head(head: bytes) -> Tuple[int, List[Tuple[str, str]]]:

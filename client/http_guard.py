@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 
 from tritium.client.guard_auth import GuardKeys, check_access
 from tritium.client.http_checks import (GuardError, GuardLimits, Request, check_body_size, check_json_depth,
+                                        check_json_syntax, upstream_status,
                                         decode_body, error_response, forward_content_type, json_part,
                                         parse_content_length, parse_head, parse_response_head)
 
@@ -116,7 +117,7 @@ class Guard:
         if te and length is not None:
             raise GuardError(400, "both Transfer-Encoding and Content-Length")
         if te and [t.strip().lower() for t in ",".join(te).split(",")] != ["chunked"]:
-            raise GuardError(501, f"Transfer-Encoding {','.join(te)!r} is not supported; use chunked or Content-Length")
+            raise GuardError(400, f"Transfer-Encoding {','.join(te)!r} is not supported; use chunked or Content-Length")
         ctype = forward_content_type(req.get("content-type"))
         if length is not None:
             check_body_size(length, self.limits)
@@ -127,7 +128,10 @@ class Guard:
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = await asyncio.wait_for(self._read_body(reader, length, bool(te)), BODY_TIMEOUT_S)
             body = decode_body(body, req.get("content-encoding"), self.limits)
-            check_json_depth(json_part(body, req.get("inference-header-content-length")), self.limits)
+            part = json_part(body, req.get("inference-header-content-length"))
+            check_json_depth(part, self.limits)
+            if ctype != "application/octet-stream":
+                check_json_syntax(part)
         except BaseException:
             self.buffered_bytes -= reserved
             raise
@@ -193,12 +197,19 @@ class Guard:
             raise _StaleUpstream() from None
         except (ConnectionError, OSError):
             raise _StaleUpstream() from None
-        resp = parse_response_head(head)
+        status, headers = parse_response_head(head)
+        cl = [v for k, v in headers if k == "content-length"]
+        if status in (500, 501) and req.method != "HEAD" and cl and cl[0].isdigit() and int(cl[0]) <= 2 ** 16:
+            body = await up_r.readexactly(int(cl[0]))
+            new = upstream_status(status, body)
+            if new != status:  # a client mistake tritonserver calls a server error
+                head = f"HTTP/1.1 {new} Bad Request\r\n".encode() + head.split(b"\r\n", 1)[1]
+            writer.write(head + body)
+            await writer.drain()
+            return "close" not in ",".join(v for k, v in headers if k == "connection").lower()
         writer.write(head)
-        status, headers = resp
         conn = ",".join(v for k, v in headers if k == "connection").lower()
         te = ",".join(v for k, v in headers if k == "transfer-encoding").lower()
-        cl = [v for k, v in headers if k == "content-length"]
         if req.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             pass
         elif "chunked" in te:

@@ -54,14 +54,44 @@ async def _read_json(request, max_body_bytes: int) -> dict:
         if len(body) > max_body_bytes:
             raise OpenAIError(413, f"request body is larger than {max_body_bytes} bytes")
     try:
-        d = json.loads(body.decode("utf-8"))
+        d = json.loads(body.decode("utf-8"), parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise OpenAIError(400, f"the request body must be JSON ({e})") from None
     except (RecursionError, ValueError):
         raise OpenAIError(400, "the request body must be JSON (nested too deeply or a number too large)") from None
     if not isinstance(d, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    bad_text = _lone_surrogate(d)
+    if bad_text is not None:  # "\ud800" is valid JSON but no text: it cannot be encoded for Triton
+        raise OpenAIError(400, f"{bad_text} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape); "
+                               "text must be valid Unicode", param=bad_text.split("[")[0].split(".")[0],
+                          code="invalid_parameter")
     return d
+
+
+def _parse_int(digits: str):
+    """JSON integers; one too long for Python's int() (4,300 digits) becomes inf, so that the field
+    check that follows names the field ("max_tokens must be ...") instead of failing the whole body."""
+    return int(digits) if len(digits) <= 4000 else float("inf")
+
+
+def _lone_surrogate(d) -> Optional[str]:
+    """The path ("messages[0].content") of the first string or key holding a lone surrogate, else None."""
+    stack = [("", d)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((f"{path}.{k}" if path else str(k), k))
+                stack.append((f"{path}.{k}" if path else str(k), x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
 
 
 async def _unless_disconnected(request, aw: Awaitable):

@@ -68,6 +68,14 @@ def bearer_token(authorization: Optional[str]) -> Optional[str]:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def key_headers(api_key: Optional[str], protocol: str) -> Dict[str, str]:
+    """The header carrying `api_key` on `protocol` "http" / "grpc" ({} without a key)."""
+    if not api_key:
+        return {}
+    prefix = GRPC_HEADER_PREFIX if protocol == "grpc" else ""
+    return {prefix + API_KEY_HEADER: f"Bearer {api_key}"}
+
+
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and `localhost`; 0.0.0.0, :: and every other address are not."""
     if host.lower() == "localhost":
