@@ -252,8 +252,7 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.log_level = log_level
         self.security = security
-        # tritium serve: tritonserver's gRPC serves the same certificate, so trust that file.
-        self.triton_tls_ca = triton_tls_ca or (security.tls_cert if security is not None else None)
+        self.triton_tls_ca = triton_tls_ca or None
         self._server = None
         self._thread = None
 

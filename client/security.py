@@ -97,8 +97,8 @@ class Security:
     internal_admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def __post_init__(self):
-        check_key(self.api_key, "--api-key")
-        check_key(self.admin_key, "--admin-key")
+        check_key(self.api_key, f"--api-key / ${API_KEY_ENV}")
+        check_key(self.admin_key, f"--admin-key / ${ADMIN_KEY_ENV}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together: give both PEM files or neither")
 

@@ -106,8 +106,8 @@ def _security(args):
     """The keys and TLS files; a non-loopback --host with no API key is refused (exit 2) unless --insecure."""
     from tritium.client.security import check_exposure, security_from_args
     sec = security_from_args(args)
-    what = f"inference (HTTP {args.http_port}, gRPC {args.grpc_port}" + \
-           (f", OpenAI API {args.openai_port})" if args.openai_port != -1 else ")") + f" and metrics ({args.metrics_port})"
+    openai = f", {args.openai_port} (OpenAI API)" if args.openai_port != -1 else ""
+    what = f"inference on ports {args.http_port} (HTTP), {args.grpc_port} (gRPC){openai} and metrics on {args.metrics_port}"
     check_exposure(args.host, sec, args.insecure, what)
     return sec
 
@@ -123,7 +123,8 @@ def _openai_server(args, security):
     except ImportError:
         raise OSError("the OpenAI API needs fastapi and uvicorn: pip install 'tritium[serve]' "
                       "(or --openai-port -1 to serve without it)") from None
-    return OpenAIServer("", host=args.host, port=args.openai_port, security=security)
+    # tritonserver's gRPC serves the same certificate: the API trusts that file to reach it
+    return OpenAIServer("", host=args.host, port=args.openai_port, security=security, triton_tls_ca=security.tls_cert)
 
 
 def run(args: argparse.Namespace) -> int:
