@@ -182,7 +182,8 @@ def _serve(args, ports, limits, openai, security) -> int:
             auth = " -H \"Authorization: Bearer $TRITIUM_API_KEY\"" if security.api_key else ""
             tls = f" --cacert {security.tls_cert}" if security.tls else ""
             print(f"try: curl -s{tls} {openai.url}/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'")
-        print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --chat --stream "{HINT_QUESTION}"')
+        tls = f" --tls-ca {security.tls_cert}" if security.tls else ""  # the key: from $TRITIUM_API_KEY
+        print(f'try: tritium generate --url {srv.grpc_url}{tls} --model {llm} --chat --stream "{HINT_QUESTION}"')
         print("Ctrl-C stops the server.", flush=True)
         while not stop.is_set():
             if srv.proc.poll() is not None:

@@ -273,6 +273,51 @@ def test_hostile_openai(openai_url, case):
     assert "Traceback" not in err and field.lower() in err.lower(), (name, status, raw[:300])
 
 
+FUZZ_VALUES = [None, -1, 0, 2 ** 63, 1e308, -1e308, "x" * 5000, "", [], {}, [[[[]]]], True, "\ud800", "\x00",
+               {"1": [1] * 1000}, ["a"] * 2000, 3.5, "NaN"]
+OPENAI_FIELDS = ["model", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs",
+                 "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "stream", "stream_options",
+                 "response_format", "max_completion_tokens", "tools", "user"]
+TRITON_FIELDS = ["text_input", "max_tokens", "temperature", "top_k", "top_p", "stream", "stop_words", "bad_words",
+                 "sampling_parameters", "num_return_sequences", "return_log_probs", "seed", "min_tokens"]
+NUM_FUZZ = 150  # per surface; seeded, so every run sends the same requests
+
+
+def _fuzz(url, path, base, fields, surface, seed):
+    import random
+    rng = random.Random(seed)
+    wrong = []
+    for _ in range(NUM_FUZZ):
+        body, changed = dict(base), rng.sample(fields, rng.randint(1, 3))
+        for f in changed:
+            body[f] = rng.choice(FUZZ_VALUES)
+        status, out, raw = request(url, "POST", path, json.dumps(body).encode())
+        TALLY.add(surface, status)
+        err = error_text(out) if status != 200 else ""
+        named = any(f.lower() in err.lower() for f in changed) or "JSON" in err
+        if not (status == 200 or 400 <= status < 500 or status == 503) or "Traceback" in err \
+                or (status != 200 and not named):
+            wrong.append((changed, status, raw[:200]))
+    return wrong
+
+
+def test_hostile_fuzz_openai_and_triton_http(server, openai_url):
+    """Seeded random mutations of 1-3 fields: 200, or a 4xx / 503 naming one of the fields changed."""
+    wrong = _fuzz(openai_url, "/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=2), OPENAI_FIELDS, "openai fuzz", 1)
+    wrong += _fuzz(server.http_url, f"/v2/models/{MODEL}/generate", dict(text_input="hi", max_tokens=2),
+                   TRITON_FIELDS, "triton-http fuzz", 2)
+    assert not wrong, "\n".join(map(str, wrong[:20]))
+
+
+def test_openai_body_over_the_limit_is_413(openai_url):
+    from tritium.client.openai_server import DEFAULT_MAX_BODY_BYTES
+    body = b'{"model": "tiny", "prompt": "' + b"a" * (DEFAULT_MAX_BODY_BYTES + 10) + b'"}'
+    status, out, _ = request(openai_url, "POST", "/v1/completions", body)
+    TALLY.add("openai", status)
+    assert status == 413 and "larger than" in error_text(out)
+
+
 def _drop_after_first_bytes(url: str, path: str, body: dict) -> None:
     host, port = url.split("://")[-1].rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=60)
