@@ -128,13 +128,13 @@ def check_json_depth(data: bytes, limits: GuardLimits) -> None:
                               f"(--max-json-depth)")
 
 
-def check_json_syntax(data: bytes) -> None:
-    """Raise GuardError 400 unless `data` (non-empty) is UTF-8 JSON: tritonserver 2.51 answers
-    a malformed JSON body with a 500, which a client must never see for its own mistake."""
+def check_json_syntax(data: bytes):
+    """The parsed JSON of `data` (None if empty); GuardError 400 unless it is UTF-8 JSON:
+    tritonserver 2.51 answers a malformed JSON body with a 500, never right for a client's mistake."""
     if not data.strip():
-        return
+        return None
     try:
-        json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise GuardError(400, f"the request body is not UTF-8 (byte {e.start}); JSON must be UTF-8") from None
     except ValueError as e:  # after check_json_depth: no RecursionError here

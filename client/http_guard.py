@@ -22,6 +22,7 @@ import ssl
 import sys
 from typing import List, Optional, Tuple
 
+from tritium.client.generate_checks import check_generate_fields, is_generate
 from tritium.client.guard_auth import GuardKeys, check_access
 from tritium.client.http_checks import (GuardError, GuardLimits, Request, check_body_size, check_json_depth,
                                         check_json_syntax, upstream_status,
@@ -131,7 +132,9 @@ class Guard:
             part = json_part(body, req.get("inference-header-content-length"))
             check_json_depth(part, self.limits)
             if ctype != "application/octet-stream":
-                check_json_syntax(part)
+                parsed = check_json_syntax(part)
+                if parsed is not None and is_generate(req.target):
+                    check_generate_fields(parsed)
         except BaseException:
             self.buffered_bytes -= reserved
             raise

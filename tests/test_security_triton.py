@@ -210,10 +210,11 @@ def test_admin_grpc_calls_refused_without_the_key(server):
 # ---- hostile clients: Triton inference over HTTP and gRPC ------------------------------------------
 def _triton_http_cases():
     gen = f"/v2/models/{MODEL}/generate"
-    # tritonserver's own type errors name its parser's view ('data'), not the field: no field checked
-    return [("not JSON", gen, b"{nope", "JSON"), ("wrong type", gen, b'{"text_input": 5}', None),
+    return [("not JSON", gen, b"{nope", "JSON"), ("wrong type", gen, b'{"text_input": 5}', "text_input"),
             ("max_tokens absurd", gen, b'{"text_input": "hi", "max_tokens": 1000000000000}', "max_tokens"),
-            ("temperature string", gen, b'{"text_input": "hi", "temperature": "hot"}', None),
+            ("temperature string", gen, b'{"text_input": "hi", "temperature": "hot"}', "temperature"),
+            ("seed list", gen, b'{"text_input": "hi", "seed": [1, 2]}', "seed"),
+            ("max_tokens object", gen, b'{"text_input": "hi", "max_tokens": {"a": 1}}', "max_tokens"),
             ("sampling_parameters deep", gen, json.dumps({"text_input": "hi", "sampling_parameters":
                                                           "[" * 5000}).encode(), "sampling_parameters"),
             ("invalid UTF-8", gen, b'{"text_input": "\xff\xfe"}', "UTF-8"),
@@ -343,7 +344,7 @@ def test_dropped_streams_give_their_blocks_back(server, openai_url):
         TALLY.add("dropped streams", "dropped")
     for i in range(4):  # gRPC: the stream closes with its request still running
         c = grpcclient.InferenceServerClient(server.grpc_url)
-        c.start_stream(callback=lambda *a: None)
+        c.start_stream(callback=lambda result, error: None)
         inp = grpcclient.InferInput("text_input", [1, 1], "BYTES")
         inp.set_data_from_numpy(np.array([[b"drop"]], dtype=np.object_))
         c.async_stream_infer(MODEL, [inp])
