@@ -72,6 +72,7 @@ OPENAI_FIELD_CASES = [
     ("stop wrong type", CHAT, chat(stop=5), "stop"),
     ("seed huge", CHAT, chat(seed=2 ** 80), "seed"),
     ("prompt list of ints out of range", COMP, comp(prompt=[10 ** 12]), "prompt"),
+    ("prompt id that would wrap to int32", COMP, comp(prompt=[2 ** 32 + 5]), "prompt"),
     ("prompt wrong type", COMP, comp(prompt={"a": 1}), "prompt"),
     ("prompts too many", COMP, comp(prompt=["hi"] * 10_000), "prompt"),
     ("prompt 2 MB", COMP, comp(prompt="a " * 1_000_000), "prompt"),

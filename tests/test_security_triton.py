@@ -311,6 +311,34 @@ def test_hostile_fuzz_openai_and_triton_http(server, openai_url):
     assert not wrong, "\n".join(map(str, wrong[:20]))
 
 
+GRPC_ALIASES = {"num_return_sequences": "n must be"}  # the backend's sampling-parameter name
+
+
+def test_hostile_fuzz_triton_grpc(server):
+    """Seeded random tensors for 1-2 contract inputs (wrong dtypes, shapes, NaN, huge values) over
+    gRPC streaming: a response, or an error naming one of the inputs changed."""
+    import random
+    from serving_utils import raw_grpc
+    rng = random.Random(3)
+    values = [np.array([[1.5]], dtype=np.float32), np.array([[2 ** 31 - 1]], dtype=np.int32),
+              np.array([[-7]], dtype=np.int32), np.array([[float("nan")]], dtype=np.float32),
+              np.array([[b"\xff" * 10]], dtype=np.object_), np.array([[b"x"] * 5], dtype=np.object_),
+              np.array([[3, 4]], dtype=np.int32), np.array([[1e30]], dtype=np.float32), "x" * 3000, "", 0, 1]
+    fields = ["max_tokens", "temperature", "top_k", "top_p", "seed", "stop_words", "num_return_sequences",
+              "min_tokens", "stream", "sampling_parameters", "return_log_probs", "bad_words"]
+    wrong = []
+    for _ in range(60):
+        changed = rng.sample(fields, rng.randint(1, 2))
+        req = {"text_input": "hi", "max_tokens": 2}
+        req.update({f: values[rng.randrange(len(values))] for f in changed})
+        outs, err = raw_grpc(server, MODEL, req)
+        TALLY.add("triton-grpc fuzz", "error" if err else "ok")
+        names = [n for f in changed for n in (f, GRPC_ALIASES.get(f))]
+        if err is not None and ("Traceback" in err or not any(n and n in err for n in names)):
+            wrong.append((changed, err[:200]))
+    assert not wrong, "\n".join(map(str, wrong[:20]))
+
+
 def test_openai_body_over_the_limit_is_413(openai_url):
     from tritium.client.openai_server import DEFAULT_MAX_BODY_BYTES
     body = b'{"model": "tiny", "prompt": "' + b"a" * (DEFAULT_MAX_BODY_BYTES + 10) + b'"}'
