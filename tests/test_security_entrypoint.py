@@ -34,8 +34,7 @@ def container(tiny_engine, tmp_path_factory):
     bindir = root / "bin"
     bindir.mkdir()
     (bindir / "tritonserver").write_text(f"#!/bin/sh\nexport LD_LIBRARY_PATH={w['libs']}\nexec {w['binary']} \"$@\"\n")
-    (bindir / "tritonserver").chmod(0o755)
-    (bindir / "python3").symlink_to(sys.executable)  # the image's python3 has tritium installed
+    (bindir / "tritonserver").chmod(0o755)  # python3: the venv's, first on PATH (it has tritium)
     ports = {k: str(free_port()) for k in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "OPENAI_PORT",
                                            "TRITON_HTTP_PORT", "TRITON_METRICS_PORT")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITIUM_")}
