@@ -153,7 +153,8 @@ def json_part(body: bytes, header_length: Optional[str]) -> bytes:
 
 
 # ---- HTTP/1.1 message heads ------------------------------------------------------------------
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large", 415: "Unsupported Media Type",
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large",
+            415: "Unsupported Media Type",
             431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
             503: "Service Unavailable"}
 

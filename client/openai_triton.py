@@ -54,8 +54,9 @@ class TritonBridge:
 
     async def _unavailable(self, e: Exception) -> OpenAIError:
         if "protocol is restricted" in str(e):  # tritonserver refused our keys
-            return OpenAIError(503, f"tritonserver at {self.url} refuses this API's calls ({' '.join(str(e).split())}): "
-                                    "give it the server's keys (--api-key, --admin-key)", code="triton_unavailable")
+            why = " ".join(str(e).split())
+            return OpenAIError(503, f"tritonserver at {self.url} refuses this API's calls ({why}): give it the "
+                                    "server's keys (--api-key, --admin-key)", code="triton_unavailable")
         return OpenAIError(503, f"cannot reach tritonserver at {self.url} (grpc): {' '.join(str(e).split())}",
                            code="triton_unavailable")
 

@@ -107,7 +107,8 @@ def _security(args):
     from tritium.client.security import check_exposure, security_from_args
     sec = security_from_args(args)
     openai = f", {args.openai_port} (OpenAI API)" if args.openai_port != -1 else ""
-    what = f"inference on ports {args.http_port} (HTTP), {args.grpc_port} (gRPC){openai} and metrics on {args.metrics_port}"
+    what = (f"inference on ports {args.http_port} (HTTP), {args.grpc_port} (gRPC){openai} "
+            f"and metrics on {args.metrics_port}")
     check_exposure(args.host, sec, args.insecure, what)
     return sec
 
@@ -181,7 +182,8 @@ def _serve(args, ports, limits, openai, security) -> int:
                                "max_tokens": 48, "temperature": 0})
             auth = " -H \"Authorization: Bearer $TRITIUM_API_KEY\"" if security.api_key else ""
             tls = f" --cacert {security.tls_cert}" if security.tls else ""
-            print(f"try: curl -s{tls} {openai.url}/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'")
+            print(f"try: curl -s{tls} {openai.url}/chat/completions{auth} -H 'Content-Type: application/json' "
+                  f"-d '{body}'")
         tls = f" --tls-ca {security.tls_cert}" if security.tls else ""  # the key: from $TRITIUM_API_KEY
         print(f'try: tritium generate --url {srv.grpc_url}{tls} --model {llm} --chat --stream "{HINT_QUESTION}"')
         print("Ctrl-C stops the server.", flush=True)

@@ -152,8 +152,9 @@ class TritonServer:
 
     with TritonServer(repo) as srv: ... srv.http_url / srv.grpc_url / srv.metrics_url
     Models load at start (explicit model control, --load-model=*); load/unload via the
-    repository API needs the admin key (`headers("grpc", admin=True)`). stop() sends SIGINT, then SIGKILL to the process group after
-    `stop_timeout` seconds, so no stub survives, and removes the server's shared-memory files.
+    repository API needs the admin key (`headers("grpc", admin=True)`); `security` (client/
+    security.py) sets the keys and TLS, secure by default. stop() sends SIGINT, then SIGKILL to
+    the process group after `stop_timeout` seconds, so no stub survives, and removes the server's shared-memory files.
     start() raises OSError naming the port if one is taken. http_guard False exposes
     tritonserver's HTTP port directly (for comparisons only: a single request can crash it).
     """

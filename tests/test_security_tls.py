@@ -78,9 +78,10 @@ def test_openai_client_over_tls_with_and_without_the_key(served):
     import ssl
     import openai
 
-    def client(key, **kw):
-        return openai.OpenAI(base_url=served.base, api_key=key, max_retries=0, timeout=120, **kw,
-                             http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=served.cert)))
+    def client(key):
+        verify = ssl.create_default_context(cafile=served.cert)
+        return openai.OpenAI(base_url=served.base, api_key=key, max_retries=0, timeout=120,
+                             http_client=openai.DefaultHttpxClient(verify=verify))
     good = client(API_KEY)
     assert [m.id for m in good.models.list()] == [NAME]
     out = good.completions.create(model=NAME, prompt="The quick", max_tokens=3, temperature=0)
