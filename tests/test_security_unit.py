@@ -190,3 +190,23 @@ def test_docker_entrypoint_refuses_to_start_open(tmp_path):
     r = subprocess.run(["sh", os.path.join(ROOT, "docker", "entrypoint.sh")], env=dict(env, TRITIUM_API_KEY="short"),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "at least 16" in r.stderr and not (tmp_path / "started").exists()
+
+
+def test_generate_body_types_follow_the_tensor_contract():
+    from tritium.client.generate_checks import check_generate_fields, is_generate
+    assert is_generate("/v2/models/m/generate") and is_generate("/v2/models/m/versions/2/generate_stream?x=1")
+    assert not is_generate("/v2/models/m/infer") and not is_generate("/v2/models/m/generate/x")
+    check_generate_fields({"text_input": "hi", "max_tokens": [3], "stop_words": ["a", "b"], "stop_words_x": 5,
+                           "temperature": 0.5, "stream": True, "seed": 2 ** 63, "input_ids": [1, 2], "bad_words": []})
+    for body, field, why in (({"text_input": 5}, "text_input", "a string"), ({"seed": -1}, "seed", "[0, 2^64 - 1]"),
+                             ({"max_tokens": 2 ** 31}, "max_tokens", "an integer"),
+                             ({"max_tokens": True}, "max_tokens", "an integer"),
+                             ({"temperature": "hot"}, "temperature", "a finite number"),
+                             ({"stream": 1}, "stream", "true or false"), ({"top_k": [1, 2]}, "top_k", "a list of 2"),
+                             ({"stop_words": [["a"]]}, "stop_words", "a string or a list"),
+                             ({"sampling_parameters": {"n": 2}}, "sampling_parameters", "an object")):
+        with pytest.raises(GuardError) as e:
+            check_generate_fields(body)
+        assert e.value.status == 400 and e.value.message.startswith(field) and why in e.value.message
+    with pytest.raises(GuardError, match="JSON object"):
+        check_generate_fields([1, 2])
