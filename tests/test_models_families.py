@@ -62,10 +62,10 @@ def test_phi3_long_factors_beyond_the_original_context(tiny_checkpoint, tiny_eng
     assert rel_err(prompt_logits(model, ids), ref) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_bf16_within_stated_tolerance(family, tiny_checkpoint, tiny_engine):
     ref_model = hf_model(tiny_checkpoint(family))
-    _, model, _ = load_engine(tiny_engine(family, "bfloat16"), "cpu")
+    _, model, _ = load_engine(tiny_engine(family, "bfloat16", **BUILD.get(family, {})), "cpu")
     ids = PROMPTS[0]
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
