@@ -85,7 +85,7 @@ class GuidedDecodingParams:
             if self.kind == "json":
                 return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
             if self.kind == "json_schema":
-                return xgr.Grammar.from_json_schema(self.guide, any_whitespace=False)
+                return _json_strings_fixed(xgr.Grammar.from_json_schema(self.guide, any_whitespace=False))
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.guide)
             if self.kind == "ebnf_grammar":
@@ -98,6 +98,21 @@ class GuidedDecodingParams:
             msg = _XGR_PREFIX.sub("", str(e)).strip().splitlines()
             raise ValueError(f"{self.source}: the {self.kind} guide does not compile: "
                              f"{msg[0] if msg else type(e).__name__}") from None
+
+
+# xgrammar 0.2.8 writes a string with minLength / maxLength as `"\"" chars{m, n} "\""` with
+# chars ::= [^"\\\r\n]: it lets raw control characters through (invalid JSON, RFC 8259 section 7)
+# and no escapes. The same rule with JSON's own character set, through xgrammar's EBNF parser:
+_BOUNDED_CHARS = '(([^\\"\\\\\\r\\n]))'
+_JSON_CHARS = '(([^\\0-\\x1f\\"\\\\]) | ("\\\\" ([\\"\\\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+
+
+def _json_strings_fixed(grammar):
+    text = str(grammar)
+    if _BOUNDED_CHARS not in text:
+        return grammar
+    import xgrammar as xgr
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHARS, _JSON_CHARS))
 
 
 def from_guide_type(kind: str, guide: Optional[str], source: str = "guided_decoding_guide") -> GuidedDecodingParams:
