@@ -76,8 +76,9 @@ async def _unless_disconnected(request, aw: Awaitable):
             await asyncio.gather(task, return_exceptions=True)
 
 
-def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """The FastAPI app; `triton_url` is tritonserver's gRPC HOST:PORT."""
+def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str = "auto"):
+    """The FastAPI app; `triton_url` is tritonserver's gRPC HOST:PORT; tool_call_parser: hermes,
+    llama3, mistral, or auto (from the model's chat template, client/openai_tools.py)."""
     bridge = TritonBridge(triton_url)
 
     @asynccontextmanager
@@ -191,7 +192,10 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _read_json(request, max_body_bytes)
-        parsed = parse_chat_request(body)
+        fmt = tool_call_parser
+        if fmt == "auto":
+            fmt = await bridge.tool_format(body.get("model")) if isinstance(body, dict) and body.get("tools") else "hermes"
+        parsed = parse_chat_request(body, fmt)
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return await generate(request, parsed, name)
 
@@ -203,7 +207,8 @@ class OpenAIServer:
     with its number), in this thread (run) or a background one (start / stop)."""
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = 9000,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning"):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning",
+                 tool_call_parser: str = "auto"):
         from tritium.client.launch_checks import listen_socket
         self.sock = listen_socket("OpenAI", host, port)
         self.host = host
@@ -211,6 +216,7 @@ class OpenAIServer:
         self.triton_url = triton_url
         self.max_body_bytes = max_body_bytes
         self.log_level = log_level
+        self.tool_call_parser = tool_call_parser
         self._server = None
         self._thread = None
 
@@ -220,7 +226,8 @@ class OpenAIServer:
 
     def _make(self):
         import uvicorn
-        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes), log_level=self.log_level,
+        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes, self.tool_call_parser),
+                             log_level=self.log_level,
                              access_log=False, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(cfg)
         return self._server

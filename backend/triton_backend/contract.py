@@ -57,6 +57,9 @@ INPUTS = (
     TensorSpec("messages", "TYPE_STRING", (1,),
                doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
                    'replaces text_input'),
+    TensorSpec("tools", "TYPE_STRING", (1,),
+               doc="OpenAI tools as JSON [{\"type\": \"function\", \"function\": {...}}], passed to the chat "
+                   "template as `tools` (with messages)"),
     # Structured outputs (backend/guided/surfaces.py declares them).
     *(TensorSpec(name, dtype, (1,), doc=doc) for name, dtype, doc in _GUIDED_INPUTS),
     # Sent by Triton's own OpenAI frontend; num_input_tokens / num_output_tokens always come back.

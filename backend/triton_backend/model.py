@@ -215,7 +215,8 @@ class TritonPythonModel:
                 if p.messages is not None:
                     if self.chat_template is None:
                         raise NoChatTemplateError(self._chat_template_error)
-                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True)
+                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True,
+                                                         **({"tools": p.tools} if p.tools else {}))
                 if p.prompt is not None:
                     if self.tokenizer is None:
                         raise ValueError("text_input needs an engine with a tokenizer; send input_ids instead")

@@ -53,6 +53,7 @@ class ParsedRequest:
     exclude_input_in_output: bool = True
     return_log_probs: bool = False
     messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
+    tools: Optional[List[dict]] = None     # OpenAI tools, for the chat template (with messages)
 
 
 def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
@@ -206,9 +207,10 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     if return_log_probs and params.get("logprobs") is None:
         params["logprobs"] = 0
     messages = _messages(arrays, row, batch)
+    tools = _tools(arrays, row, batch, messages)
     prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
     return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages,
+        prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages, tools=tools,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
         return_log_probs=return_log_probs)
@@ -225,6 +227,25 @@ def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[L
     if flat.size != 1:
         raise ValueError(f"messages must hold exactly one JSON string per batch row, got {flat.size}")
     return parse_messages(_text("messages", flat[0]))
+
+
+def _tools(arrays: Dict[str, np.ndarray], row: int, batch: int, messages) -> Optional[List[dict]]:
+    """The `tools` input: a JSON list of objects, only with messages (the chat template renders it)."""
+    t = _row(arrays, "tools", row, batch)
+    if t is None:
+        return None
+    if messages is None:
+        raise ValueError("tools needs messages (the chat template renders them)")
+    text = _text("tools", np.asarray(t).reshape(-1)[0])
+    if len(text) > MAX_MESSAGES_CHARS:
+        raise ValueError(f"tools has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed")
+    try:
+        v = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("tools must be a JSON list of tool objects") from None
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ValueError("tools must be a JSON list of tool objects")
+    return v or None
 
 
 def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dict[str, object]:
