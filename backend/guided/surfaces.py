@@ -44,6 +44,14 @@ def from_tensors(guide_type: Optional[str], guide: Optional[str]) -> Optional[Gu
     return from_guide_type(guide_type.strip().lower(), guide, GUIDE_TENSOR)
 
 
+def to_tensors(g: Optional[GuidedDecodingParams]) -> Dict[str, str]:
+    """The inverse of from_tensors: the two Triton inputs for a guide (client side)."""
+    if g is None:
+        return {}
+    guide = json.dumps(list(g.guide), ensure_ascii=False) if g.kind == "choice" else (g.guide or "")
+    return {TYPE_TENSOR: g.kind, GUIDE_TENSOR: guide}
+
+
 def _one(fields: Dict[str, object], where: str) -> Optional[GuidedDecodingParams]:
     """vLLM's guide fields (json, regex, choice, grammar, json_object, structural_tag) -> params."""
     given = {k: v for k, v in fields.items() if v not in (None, False)}
