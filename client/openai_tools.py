@@ -105,7 +105,8 @@ def parse_tools(body: dict, fmt: str = "hermes") -> Optional[ToolRequest]:
 
 def call_guide(tr: ToolRequest) -> GuidedDecodingParams:
     """The grammar of exactly one call (to tr.name, or to any tool when required) in tr.format."""
-    import xgrammar as xgr
+    from tritium.backend.guided.xgr import xgrammar
+    xgr = xgrammar()
     key = _ARGS_KEY[tr.format]
     alts = []
     for t in tr.tools:

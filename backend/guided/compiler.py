@@ -8,6 +8,8 @@ Compiled grammars are kept in an LRU of MAX_CACHED_GUIDES entries keyed by (kind
 """
 from __future__ import annotations
 
+from .xgr import xgrammar
+
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +25,7 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     """xgrammar TokenizerInfo from a `tokenizers.Tokenizer` (its tokenizer.json decides the
     vocabulary encoding: byte-level BPE, byte fallback or raw). vocab_size is the model's (the
     LM head may be padded past the tokenizer); ids without a token are never allowed."""
-    import xgrammar as xgr
+    xgr = xgrammar()
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.to_str())
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     encoded: List[str] = [""] * max(vocab_size, max(vocab.values()) + 1)
@@ -50,7 +52,7 @@ class GuideCompiler:
 
     def _xgr_compiler(self):
         if self._compiler is None:  # under self._lock
-            import xgrammar as xgr
+            xgr = xgrammar()
             info = tokenizer_info(self._tokenizer, self.vocab_size, self._eos)
             # xgrammar's own cache off: ours bounds the count and holds the futures.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

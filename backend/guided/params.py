@@ -19,6 +19,8 @@ loop on spaces until max_tokens.
 """
 from __future__ import annotations
 
+from .xgr import xgrammar
+
 import json
 import re
 from dataclasses import dataclass, field
@@ -80,7 +82,7 @@ class GuidedDecodingParams:
     def grammar(self):
         """The xgrammar Grammar (fast, tokenizer-independent); ValueError naming the field if it
         does not convert (unsupported schema keyword, bad regex, undefined rule, ...)."""
-        import xgrammar as xgr
+        xgr = xgrammar()
         try:
             if self.kind == "json":
                 return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
@@ -111,7 +113,7 @@ def _json_strings_fixed(grammar):
     text = str(grammar)
     if _BOUNDED_CHARS not in text:
         return grammar
-    import xgrammar as xgr
+    xgr = xgrammar()
     return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHARS, _JSON_CHARS))
 
 

@@ -17,6 +17,8 @@ only concerns the prompt. EOS is allowed only where the grammar may terminate.
 """
 from __future__ import annotations
 
+from .xgr import xgrammar
+
 from concurrent.futures import Future
 from typing import List, Optional, Sequence as Seq
 
@@ -57,7 +59,7 @@ class GuideState:
     @property
     def matcher(self):
         if self._matcher is None and self.error is None:
-            import xgrammar as xgr
+            xgr = xgrammar()
             try:
                 compiled = self.future.result()
             except Exception as e:  # noqa: BLE001 -- reported as the finish reason, never raised in the step
@@ -68,7 +70,7 @@ class GuideState:
 
 
 def _bitmask(n: int, vocab: int):
-    import xgrammar as xgr
+    xgr = xgrammar()
     return xgr.allocate_token_bitmask(n, vocab)
 
 
@@ -78,7 +80,7 @@ def mask_logits(logits: torch.Tensor, seqs: Seq) -> None:
     rows = [i for i, s in enumerate(seqs) if getattr(s, "guide", None) is not None]
     if not rows:
         return
-    import xgrammar as xgr
+    xgr = xgrammar()
     bm = _bitmask(len(logits), logits.shape[1])
     for i in rows:
         m = seqs[i].guide.matcher
@@ -141,7 +143,7 @@ def mask_proposal_rows(rows: torch.Tensor, seq, proposal: List[int]) -> None:
     proposal[:j] (the proposal was trimmed to what the grammar accepts). No-op if unconstrained."""
     if seq.guide is None:
         return
-    import xgrammar as xgr
+    xgr = xgrammar()
     m = seq.guide.matcher
     bm = _bitmask(rows.shape[0], rows.shape[1])
     if m is None:
