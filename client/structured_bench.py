@@ -52,7 +52,7 @@ def closed_loop(engine: LLMEngine, num_requests: int, concurrency: int, constrai
         nonlocal made
         i = made
         guided = guides[i % len(guides)] if (i % 2 == 0 and constrained_share > 0) else None
-        p = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, guided=guided,
+        p = SamplingParams(max_tokens=max_tokens, temperature=0.7, guided=guided,
                            ignore_eos=guided is None)
         engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt=_chat(PROMPTS[i % len(PROMPTS)]), params=p)
         made += 1

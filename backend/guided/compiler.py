@@ -58,6 +58,11 @@ class GuideCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 
+    def warm_up(self) -> None:
+        """Build the vocabulary tables now (else at the first submit)."""
+        with self._lock:
+            self._xgr_compiler()
+
     def submit(self, guided: GuidedDecodingParams) -> Future:
         """Future of the CompiledGrammar; ValueError now if the guide does not convert."""
         key = (guided.kind, guided.guide)

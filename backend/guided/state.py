@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .xgr import xgrammar
 
+import threading
 from concurrent.futures import Future
 from typing import List, Optional, Sequence as Seq
 
@@ -28,6 +29,28 @@ DEAD_END = "grammar_dead_end"
 NEG_INF = float("-inf")
 
 
+_compiler_lock = threading.Lock()
+
+
+def compiler_of(engine):
+    """The engine's GuideCompiler (engine.guide_compiler), made on first use. Building its
+    vocabulary tables takes seconds on a 49k-token vocabulary (mostly importing xgrammar), so a
+    server calls this once in a background thread at load (warm_up)."""
+    from .compiler import GuideCompiler
+    with _compiler_lock:
+        if getattr(engine, "guide_compiler", None) is None:
+            c = GuideCompiler(engine.tokenizer, engine.config.model.vocab_size, engine.config.model.eos_token_ids)
+            c.warm_up()
+            engine.guide_compiler = c
+    return engine.guide_compiler
+
+
+def warm_up(engine) -> None:
+    """Build the engine's GuideCompiler in a daemon thread (no-op without a tokenizer)."""
+    if engine.tokenizer is not None:
+        threading.Thread(target=compiler_of, args=(engine,), name="tritium-guide-warmup", daemon=True).start()
+
+
 def attach(engine, req):
     """A constrained request: start compiling its guide with the engine's GuideCompiler (made on
     first use, as engine.guide_compiler) and give each sample its GuideState. Returns req.
@@ -35,13 +58,9 @@ def attach(engine, req):
     g = req.params.guided
     if g is None:
         return req
-    from .compiler import GuideCompiler
     if engine.tokenizer is None:
         raise ValueError(f"{g.source}: guided decoding needs a tokenizer; this engine has none")
-    if getattr(engine, "guide_compiler", None) is None:
-        engine.guide_compiler = GuideCompiler(engine.tokenizer, engine.config.model.vocab_size,
-                                              engine.config.model.eos_token_ids)
-    future = engine.guide_compiler.submit(g)
+    future = compiler_of(engine).submit(g)
     for seq in req.seqs:
         seq.guide = GuideState(future)
     return req

@@ -34,6 +34,7 @@ from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
+from tritium.backend.guided import state as guided_state
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
@@ -129,6 +130,7 @@ class TritonPythonModel:
             kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
             self.engine = AsyncLLMEngine(engine_dir, **kwargs)
             self.engine.engine.thread_policy = policy
+            guided_state.warm_up(self.engine.engine)  # structured outputs: vocabulary tables, in the background
         except Exception as e:  # one line in the server log, not a traceback through the stub
             raise pb_utils.TritonModelException(
                 f"tritium: cannot load engine for model '{name}' from {engine_dir}: {type(e).__name__}: "
