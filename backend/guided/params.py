@@ -121,6 +121,8 @@ def from_guide_type(kind: str, guide: Optional[str], source: str = "guided_decod
     """tensorrtllm_backend's pair of inputs (guide type, guide text) -> GuidedDecodingParams.
     A `choice` guide is a JSON list of strings."""
     kind = _ALIASES.get(kind, kind)
+    if kind == "json_schema" and isinstance(guide, str) and len(guide) <= MAX_GUIDE_CHARS:
+        return json_schema(guide, source)  # compact text: equal schemas share one compiled grammar
     if kind == "choice":
         try:
             choices = json.loads(guide or "")
@@ -136,6 +138,9 @@ def json_schema(schema, source: str) -> GuidedDecodingParams:
     """A schema given as a dict / bool (or JSON text) -> compact JSON text (key order kept: it is
     the order of the generated properties)."""
     if isinstance(schema, str):
+        if len(schema) > MAX_GUIDE_CHARS:
+            raise ValueError(f"{source} has {len(schema)} characters; at most {MAX_GUIDE_CHARS} are allowed "
+                             f"(MAX_GUIDE_CHARS)")
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as e:
