@@ -5,6 +5,9 @@ In-process, on the engine's device with --threads torch threads (default 2). Fig
    in every step), generated tokens / wall time, with half of the requests JSON-schema
    constrained against none constrained; runs interleaved (the host drifts), the ratio of the
    medians is the cost of constrained decoding;
+   The two configurations also differ in output lengths (a constrained answer ends with its
+   JSON), so the grammar's own work is timed too: the seconds spent masking logits and
+   advancing matchers, as a share of the constrained runs' wall time;
 2. schema compile time: the vocabulary's TokenizerInfo (once per engine), a cold compile per
    schema (a fresh compiler), and a cached one (the LRU hit).
 """
@@ -16,7 +19,9 @@ import statistics
 import time
 from typing import List
 
+from tritium.backend import sampler as sampler_module
 from tritium.backend.engine import LLMEngine
+from tritium.backend.guided import state as guided_state
 from tritium.backend.guided.compiler import GuideCompiler
 from tritium.backend.guided.params import json_schema
 from tritium.backend.sampling_params import SamplingParams
@@ -69,6 +74,24 @@ def closed_loop(engine: LLMEngine, num_requests: int, concurrency: int, constrai
     return tokens / (time.perf_counter() - t0)
 
 
+class GrammarClock:
+    """Wall time inside the engine's grammar hooks (mask_logits, dead_end, trim / verify masks)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        for mod, name in ((sampler_module, "mask_logits"), (guided_state, "dead_end")):
+            setattr(mod, name, self._timed(getattr(mod, name)))
+
+    def _timed(self, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return run
+
+
 def compile_times(engine: LLMEngine) -> dict:
     cfg = engine.config.model
     t0 = time.perf_counter()
@@ -105,19 +128,27 @@ def main(argv: List[str] = None) -> int:
     print(f"compile: TokenizerInfo {ct['tokenizer_info_ms']:.1f} ms once; cold per schema "
           + ", ".join(f"{v:.1f}" for v in ct["cold_ms"]) + " ms; cached "
           + ", ".join(f"{v:.3f}" for v in ct["cached_ms"]) + " ms")
+    clock = GrammarClock()
     closed_loop(engine, args.concurrency, args.concurrency, 0.5, 8)  # warm-up (and compile the schemas)
     runs = {"none": [], "half": []}
+    grammar_share = []
     for r in range(args.rounds):
         for name, share in (("none", 0.0), ("half", 0.5)):
+            clock.seconds, t0 = 0.0, time.perf_counter()
             tps = closed_loop(engine, args.requests, args.concurrency, share, args.max_tokens)
             runs[name].append(tps)
-            print(f"round {r}: {name:4s} constrained  {tps:8.1f} tokens/s", flush=True)
+            if share:
+                grammar_share.append(clock.seconds / (time.perf_counter() - t0))
+            print(f"round {r}: {name:4s} constrained  {tps:8.1f} tokens/s  (grammar work "
+                  f"{100 * clock.seconds / (time.perf_counter() - t0):.2f}% of the wall time)", flush=True)
     none, half = statistics.median(runs["none"]), statistics.median(runs["half"])
     print(json.dumps({"concurrency": args.concurrency, "threads": args.threads, "median_tokens_per_s_none": none,
                       "median_tokens_per_s_half_constrained": half, "ratio_half_over_none": half / none,
+                      "grammar_share_of_wall_time": statistics.median(grammar_share),
                       "compile": ct}))
     print(f"throughput, half the rows JSON-schema constrained / none: {half / none:.3f} "
-          f"(cost {100 * (1 - half / none):.1f}%)")
+          f"(cost {100 * (1 - half / none):.1f}%); grammar work {100 * statistics.median(grammar_share):.2f}% "
+          f"of the constrained runs' wall time")
     return 0
 
 
