@@ -2,8 +2,8 @@
 API), on a tiny random Llama with SmolLM2's tokenizer and a Hermes-style chat template that
 renders `tools`.
 
-Oracles: the official `openai` package drives the API; jsonschema validates every JSON answer
-and every tool call's arguments; the in-process engine (LLMEngine, greedy) gives the tokens that
+Oracles: the official `openai` package drives the API (`tritium generate` its flags); jsonschema
+validates every JSON answer and every tool call's arguments; the in-process engine (LLMEngine, greedy) gives the tokens that
 tritonserver must return over gRPC, for the LLM model and for the ensemble; the request that
 Triton's own OpenAI frontend builds for a non-vLLM model (its tensors, dtypes and shapes, from
 triton-inference-server/server python/openai/.../utils/triton.py) is answered with
@@ -282,3 +282,25 @@ def test_bad_guides_are_400_naming_the_field(client, kwargs, param):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
     assert e.value.body["param"] == param, e.value.body
     assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices  # still up
+
+
+def test_tritium_generate_flags_in_process_and_remote(built, served, tmp_path):
+    import contextlib
+    import io
+
+    from tritium.client.cli import main
+
+    def run(*args):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["generate", "--json", "--max-tokens", "40", *args]) == 0
+        return [json.loads(ln) for ln in buf.getvalue().splitlines() if ln.startswith("{")]
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(ADD))
+    local = run("--engine", built[0], "--json-schema", str(schema), "add two numbers")[0]
+    remote = run("--url", served["grpc"], "--model", "tiny", "--json-schema", str(schema), "add two numbers")[0]
+    assert remote["text"] == local["text"] and local["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(local["text"]), ADD)
+    assert run("--url", served["grpc"], "--model", "tiny", "--choice", "yes", "--choice", "no", "ok?")[0]["text"] \
+        in ("yes", "no")
+    assert re.fullmatch("[0-9]{3}", run("--engine", built[0], "--regex", "[0-9]{3}", "n?")[0]["text"])
