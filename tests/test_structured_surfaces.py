@@ -43,7 +43,8 @@ def test_tensor_and_vllm_spellings_build_the_same_guides():
     assert from_tensors("choice", '["a", "b"]') == GuidedDecodingParams("choice", ("a", "b"))
     assert from_tensors("json", None) == GuidedDecodingParams("json")
     for d in ({"structured_outputs": {"json": schema}}, {"structured_outputs": json.dumps({"json": schema})},
-              {"guided_decoding": json.dumps({"json": schema, "regex": None, "backend": "xgrammar"})},
+              {"guided_decoding": json.dumps({"json": schema, "regex": None, "backend": "xgrammar",
+                                              "some_new_field": None})},
               {"guided_json": schema}, {"guided_json": json.dumps(schema)}):
         assert from_vllm(dict(d)) == g, d
     assert from_vllm({"guided_regex": "[a-z]+"}) == GuidedDecodingParams("regex", "[a-z]+")

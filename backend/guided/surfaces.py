@@ -94,7 +94,8 @@ def from_vllm(d: Dict[str, object]) -> Optional[GuidedDecodingParams]:
                     raise ValueError(f"{where} must be an object (or its JSON text)") from None
             if not isinstance(v, dict):
                 raise ValueError(f"{where} must be an object, got {type(v).__name__}")
-            unknown = set(v) - set(_VLLM_GUIDE_FIELDS) - set(_VLLM_OPTIONS)
+            # asdict() of vLLM's params class sends every field; unset ones are None / false.
+            unknown = {k for k in set(v) - set(_VLLM_GUIDE_FIELDS) - set(_VLLM_OPTIONS) if v[k] not in (None, False)}
             if unknown:
                 raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: "
                                  f"{', '.join(_VLLM_GUIDE_FIELDS + _VLLM_OPTIONS)}")
