@@ -15,6 +15,7 @@ import torch
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .guided import state as guided
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
@@ -205,7 +206,7 @@ class LLMEngine:
                       bad_words_ids=self._bad_words_ids(params.bad_words) if params.bad_words else ())
         for seq in req.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop_list) if self.tokenizer else None
-        self.requests[request_id] = req
+        self.requests[request_id] = guided.attach(self, req)  # constrained: compile starts, a matcher per sample
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> bool:
@@ -322,6 +323,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
         req, p = seq.request, seq.request.params
+        if seq.guide is not None and guided.dead_end(seq, tok, entry, self.scheduler): return  # noqa: E701
         seq.token_ids.append(tok)
         seq.unreported_token_ids.append(tok)
         self.num_generated_tokens += 1
