@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict, List, Optional
 
@@ -53,6 +54,18 @@ class ThreadPolicy:
             torch.set_num_threads(n)
 
 
+def with_deterministic(cfg: EngineConfig, deterministic: Optional[bool]) -> EngineConfig:
+    """cfg with the `deterministic` option overridden (None: the engine's own setting)."""
+    if deterministic is None or deterministic == cfg.deterministic:
+        return cfg
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be true or false, got {deterministic!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("deterministic: a tensor-parallel engine takes it from its build "
+                         "(tritium build --deterministic), not as a runtime override")
+    return dataclasses.replace(cfg, deterministic=deterministic)
+
+
 class LLMEngine:
     """The runtime: owns the model runner, the block manager and the scheduler (not thread-safe;
     AsyncLLMEngine wraps it with a loop thread)."""
@@ -60,10 +73,13 @@ class LLMEngine:
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None):
+                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
+                 deterministic: Optional[bool] = None):
+        # deterministic: None keeps the engine's own setting (EngineConfig.deterministic)
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)
+        cfg = with_deterministic(cfg, deterministic)
         runner = None
         if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
             runner = ParallelRunner(engine_dir, cfg, model, next(iter(model.buffers())).device, num_kv_blocks,
