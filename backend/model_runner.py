@@ -155,6 +155,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            deterministic=self.cfg.deterministic,
         )
         meta.cpu_plan = ops.attention_plan(meta)  # once per step, shared by the layers
         return (torch.from_numpy(a.input_ids).to(dev), torch.from_numpy(a.positions).to(dev), meta,
