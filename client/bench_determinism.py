@@ -1,0 +1,111 @@
+"""`python -m tritium.client.bench_determinism --engine DIR [--before REPO]`: what batch-invariant
+numerics cost (docs/determinism.md). In-process greedy generation, single stream and concurrency
+16, for the engine's default kernels, the `deterministic` option, and (with --before) another
+Tritium checkout's kernels on the same engine; each mode in its own fresh process, one after the
+other, so the figures of one run compare on the same host.
+
+Prints one table: output tokens/s per mode and workload, and each mode's ratio to the default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+# Run as a script by each mode's process: only the engine API every Tritium version has.
+_DRIVER = r'''
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[2]))
+from tritium.backend.engine import LLMEngine
+from tritium.backend.sampling_params import SamplingParams
+cfg = json.loads(sys.argv[3])
+kw = {"deterministic": True} if cfg["deterministic"] else {}
+eng = LLMEngine(sys.argv[1], device="cpu", enable_prefix_caching=False, **kw)
+params = SamplingParams(max_tokens=cfg["max_tokens"], temperature=0.0, ignore_eos=True)
+prompts = cfg["prompts"]
+eng.generate(prompts[:2], params)  # warm-up: native kernels loaded, buffers allocated
+out = {}
+for name, batch in (("single_stream", prompts[:1]), ("concurrency_16", prompts[:16])):
+    best = 0.0
+    for _ in range(cfg["repeats"]):
+        t = time.perf_counter()
+        outs = eng.generate(batch, params)
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        best = max(best, n / (time.perf_counter() - t))
+    out[name] = best
+print("RESULT " + json.dumps(out))
+'''
+
+QUESTIONS = ["What is the capital of France?", "Explain why the sky is blue.", "Write a haiku about rain.",
+             "Name three uses of copper.", "How do vaccines work?", "What is a prime number?",
+             "Describe a cat in one sentence.", "Why do leaves change colour?", "What is photosynthesis?",
+             "Give a tip for learning to cook.", "What does a compiler do?", "How far is the Moon?",
+             "What is the boiling point of water?", "Who wrote Hamlet?", "What is an atom?",
+             "Suggest a name for a bakery."]
+
+
+def _prompts() -> List[str]:
+    return [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in QUESTIONS]
+
+
+def _package_root(repo: str, tmp: str) -> str:
+    """A folder whose `tritium` package is the checkout `repo` (its backend/, kernels/, ...)."""
+    pkg = os.path.join(tmp, "tritium")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    for sub in ("backend", "kernels", "builder", "client"):
+        src = os.path.join(os.path.abspath(repo), sub)
+        if not os.path.isdir(src):
+            raise ValueError(f"--before {repo!r}: no {sub}/ folder (expected a Tritium checkout)")
+        os.symlink(src, os.path.join(pkg, sub))
+    return tmp
+
+
+def run_mode(engine: str, threads: int, deterministic: bool, max_tokens: int, repeats: int,
+             pythonpath: Optional[str] = None) -> Dict[str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    cfg = json.dumps({"deterministic": deterministic, "max_tokens": max_tokens, "repeats": repeats,
+                      "prompts": _prompts()})
+    r = subprocess.run([sys.executable, "-c", _DRIVER, engine, str(threads), cfg], env=env,
+                       capture_output=True, text=True)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"benchmark process failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tritium.client.bench_determinism", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", required=True, help="engine directory (e.g. a bf16 SmolLM2 build)")
+    p.add_argument("--before", default=None, metavar="REPO",
+                   help="another Tritium checkout (repository root) to measure as 'before'")
+    p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process (default 1)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per workload; the best is kept (default 3)")
+    a = p.parse_args(argv)
+    for name in ("threads", "max_tokens", "repeats"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.before:
+            results["before"] = run_mode(a.engine, a.threads, False, a.max_tokens, a.repeats, _package_root(a.before, tmp))
+        results["default"] = run_mode(a.engine, a.threads, False, a.max_tokens, a.repeats)
+        results["deterministic"] = run_mode(a.engine, a.threads, True, a.max_tokens, a.repeats)
+    base = results["default"]
+    print(f"{'mode':<14} {'single stream tok/s':>20} {'x default':>10} {'concurrency 16 tok/s':>21} {'x default':>10}")
+    for mode, r in results.items():
+        print(f"{mode:<14} {r['single_stream']:>20.1f} {r['single_stream'] / base['single_stream']:>10.2f} "
+              f"{r['concurrency_16']:>21.1f} {r['concurrency_16'] / base['concurrency_16']:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
