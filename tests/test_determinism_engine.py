@@ -46,9 +46,16 @@ def alone(engine_dir):
     return [tokens(eng.generate([p], PARAMS))[0] for p in PROMPTS]
 
 
-def test_the_readme_question_answers_paris(engine_dir, alone):
-    eng = LLMEngine(engine_dir, device="cpu", num_kv_blocks=8)
-    assert "Paris" in eng.tokenizer.decode(alone[0])
+def test_the_readme_question_answers_paris_again_from_the_prefix_cache(engine_dir, alone):
+    """Issue 34's sequence in-process: the README's question, 48 tokens, then again with its prompt
+    from the prefix cache (before: "The capital of France is Paris.", then "L'Étoile, la
+    Marseillaise, ..." on every later call)."""
+    eng = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    first, again = (eng.generate([PROMPTS[0]], params)[0].outputs[0].text for _ in range(2))
+    assert eng.stats()["prefix_cache_hit_tokens"] > 0
+    assert "Paris" in first and again == first, (first, again)
+    assert eng.tokenizer.decode(alone[0]).startswith(first)
 
 
 def test_batch_of_16_and_prefix_cache(engine_dir, alone):
