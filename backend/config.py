@@ -268,3 +268,15 @@ class EngineConfig:
 
     def weights_file(self, rank: int = 0) -> str:
         return f"rank{rank}.safetensors"
+
+
+def with_deterministic(cfg: "EngineConfig", deterministic: Optional[bool]) -> "EngineConfig":
+    """cfg with the `deterministic` option overridden (None: the engine's own setting)."""
+    if deterministic is None or deterministic == cfg.deterministic:
+        return cfg
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be true or false, got {deterministic!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("deterministic: a tensor-parallel engine takes it from its build "
+                         "(tritium build --deterministic), not as a runtime override")
+    return dataclasses.replace(cfg, deterministic=deterministic)

@@ -7,14 +7,13 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Dict, List, Optional
 
 import torch
 
 from .block_manager import BlockManager, cdiv
-from .config import EngineConfig
+from .config import EngineConfig, with_deterministic
 from .detokenizer import IncrementalDetokenizer
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
@@ -54,18 +53,6 @@ class ThreadPolicy:
             torch.set_num_threads(n)
 
 
-def with_deterministic(cfg: EngineConfig, deterministic: Optional[bool]) -> EngineConfig:
-    """cfg with the `deterministic` option overridden (None: the engine's own setting)."""
-    if deterministic is None or deterministic == cfg.deterministic:
-        return cfg
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic must be true or false, got {deterministic!r}")
-    if cfg.tensor_parallel_size > 1:
-        raise ValueError("deterministic: a tensor-parallel engine takes it from its build "
-                         "(tritium build --deterministic), not as a runtime override")
-    return dataclasses.replace(cfg, deterministic=deterministic)
-
-
 class LLMEngine:
     """The runtime: owns the model runner, the block manager and the scheduler (not thread-safe;
     AsyncLLMEngine wraps it with a loop thread)."""
@@ -74,8 +61,7 @@ class LLMEngine:
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
-                 deterministic: Optional[bool] = None):
-        # deterministic: None keeps the engine's own setting (EngineConfig.deterministic)
+                 deterministic: Optional[bool] = None):  # None: the engine's own setting
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)

@@ -34,7 +34,7 @@ from .calibration_mix import mix_samples, source_chat_template
 from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
                         kv_head_scales)
 from .heldout_eval import evaluate_held_out
-from .quant_eval import encode_text, evaluate
+from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
 from .quantize_fp8 import has_float8

@@ -155,7 +155,7 @@ def pack_fp8(qweight, scales, zeros, group_size, dtype: torch.dtype) -> CpuLinea
 def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype) -> CpuLinear:
     """int4 layout of gemm_ref.w4a16_gemm_ref; act-order (g_idx) input channels permuted once so
     that every group is contiguous (x is permuted the same way per call)."""
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    k = 2 * qweight.shape[1]
     if dtype != torch.bfloat16:
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))

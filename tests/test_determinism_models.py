@@ -73,3 +73,19 @@ def test_quantized_float32_tp2_equals_tp1(tiny_checkpoint, tmp_path, quant):
     assert len(logs[1]) == len(logs[2])
     for a, b in zip(logs[2], logs[1]):
         assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+def test_deterministic_option_packs_every_dense_weight_for_the_native_gemm(tiny_engine):
+    path = tiny_engine("llama", "bfloat16")
+    with LLMEngine(path, device="cpu", num_kv_blocks=64, deterministic=True) as eng:
+        assert eng.config.deterministic
+        layer = eng.runner.model.layers[0]
+        kinds = {lin.packed_weight.kind for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)}
+        assert kinds == {"bf16_native"}
+        reqs, arrivals = workload(seed=11)
+        for (prompt, max_tokens), out in zip(reqs, run_staggered(eng, reqs, arrivals)):
+            assert out.outputs[0].token_ids == alone(eng, prompt, max_tokens)
+    with LLMEngine(path, device="cpu", num_kv_blocks=64) as eng:  # the default keeps oneDNN for K <= 1024
+        assert eng.runner.model.layers[0].qkv_proj.packed_weight.kind == "onednn"
+    with pytest.raises(ValueError, match="deterministic must be true or false"):
+        LLMEngine(path, device="cpu", num_kv_blocks=8, deterministic="yes")

@@ -190,7 +190,7 @@ def model_sampled_eval_text(tiny_checkpoint, monkeypatch):
     arbitrary text a random model's perplexity moves either way."""
     from transformers import AutoModelForCausalLM
 
-    from tritium.builder import heldout_eval, quant_auto_budget, quant_pipeline
+    from tritium.builder import heldout_eval, quant_auto_budget
     ckpt = tiny_checkpoint("llama", **DIMS)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def model_sampled_eval_text(tiny_checkpoint, monkeypatch):
 
     def encode_text(tokenizer, text, num_tokens, *a, **kw):
         return ids[:num_tokens] if num_tokens else ids
-    for mod in (quant_auto_budget, quant_pipeline, heldout_eval):
+    for mod in (quant_auto_budget, heldout_eval):
         monkeypatch.setattr(mod, "encode_text", encode_text)
     return ckpt
 
