@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .block_manager import BlockManager, cdiv
-from .config import EngineConfig
+from .config import EngineConfig, with_deterministic
 from .detokenizer import IncrementalDetokenizer
 from .guided import state as guided
 from .loader import load_engine
@@ -61,10 +61,12 @@ class LLMEngine:
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None):
+                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
+                 deterministic: Optional[bool] = None):  # None: the engine's own setting
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)
+        cfg = with_deterministic(cfg, deterministic)
         runner = None
         if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
             runner = ParallelRunner(engine_dir, cfg, model, next(iter(model.buffers())).device, num_kv_blocks,

@@ -65,11 +65,12 @@ def _int_params(params: dict, names) -> dict:
 
 def _engine_kwargs(params: dict) -> dict:
     kw = _int_params(params, _ENGINE_INT_PARAMS)
-    v = params.get("enable_prefix_caching", "").strip().lower()
-    if v:
-        if v not in ("true", "false", "1", "0"):
-            raise ValueError(f"parameter enable_prefix_caching must be true or false, got {v!r}")
-        kw["enable_prefix_caching"] = v in ("true", "1")
+    for name in ("enable_prefix_caching", "deterministic"):  # deterministic: docs/determinism.md
+        v = params.get(name, "").strip().lower()
+        if v:
+            if v not in ("true", "false", "1", "0"):
+                raise ValueError(f"parameter {name} must be true or false, got {v!r}")
+            kw[name] = v in ("true", "1")
     if params.get("device", "").strip():
         kw["device"] = params["device"].strip()
     return kw
