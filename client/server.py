@@ -117,12 +117,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_env() -> dict:
-    """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH."""
+    """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH,
+    OMP_WAIT_POLICY=PASSIVE unless set."""
     env = dict(os.environ)
     bindir = os.path.dirname(os.path.abspath(sys.executable))
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     libs = wheel_paths()["libs"]
     env["LD_LIBRARY_PATH"] = libs + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    # The engines' OpenMP threads sleep when idle instead of spinning (see client/cli.py).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 

@@ -10,6 +10,9 @@ HTTP_PORT=${HTTP_PORT:-8000}
 GRPC_PORT=${GRPC_PORT:-8001}
 METRICS_PORT=${METRICS_PORT:-8002}
 OPENAI_PORT=${OPENAI_PORT:-9000}
+# idle OpenMP threads sleep instead of spinning: on shared cores spinning stalls every parallel
+# region (client/cli.py, builder/build_threads.py)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 tritonserver --model-repository="${MODEL_REPOSITORY:-/models}" --model-control-mode=explicit --load-model='*' \
     --http-address=127.0.0.1 --http-port=18000 --metrics-address=127.0.0.1 --metrics-port=18002 \
     --grpc-address=0.0.0.0 --grpc-port="$GRPC_PORT" "$@" &
