@@ -6,7 +6,10 @@ is one OpenMP parallel region, and a region ends only when every thread reaches 
 a host whose cores are also busy with other work, one descheduled OpenMP thread stalls the
 region for a scheduler time slice while the other spins (libgomp's default wait policy). Measured
 on SmolLM2's MLP shape (1536 x 576, act-order, group 64) on 2 shared cores at load 6: 2 threads
-took 2.5-7.5 s, 1 thread 0.14-0.22 s, and 2 threads with OMP_WAIT_POLICY=passive 0.20 s.
+took 2.5-7.5 s, 1 thread 0.14-0.22 s, and 2 threads with OMP_WAIT_POLICY=passive 0.20 s. At load
+14-16 (2026-11-25; awq_search and awq_clip_int4 on two random 1536 x 576 weights),
+AWQ's scale search took 85 s on 2 threads with the default policy, 41-46 s on 1 thread and
+16-17 s on 2 threads with passive waiting; its clipping search 16-21 s, 1.8-3.0 s and 0.4-0.8 s.
 So these loops run on one thread when the weight has few rows (they are latency-bound there; a
 second thread bought nothing even on a quiet host); an LM head's 49,152 rows make each op big
 enough to keep every thread. The `tritium` command also sets OMP_WAIT_POLICY=passive
