@@ -133,13 +133,16 @@ def attention_plan(meta) -> Optional[CpuAttentionPlan]:
     return plan_attention(meta)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
-    """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode."""
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None,
+                    softcap=None):
+    """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode.
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
-                                                        k_scale, v_scale)
+                                                        k_scale, v_scale, softcap=softcap)
     # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale,
+                               softcap=softcap)
 
 
 def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False):
