@@ -179,6 +179,7 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     if rp["rope_type"] != "default":
         cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
     _FAMILY[arch](m, cfg, tensors)
+    cfg.setdefault("layer_types", ["full_attention"] * layers)
     return cfg
 
 
@@ -239,7 +240,7 @@ def _gemma3(m, cfg, tensors):
 
 def _phi3(m, cfg, tensors):
     rot = m.get("rope.dimension_count", cfg["head_dim"], int)
-    cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+    cfg["partial_rotary_factor"] = cfg["rope_parameters"]["partial_rotary_factor"] = rot / cfg["head_dim"]
     # The converter writes 0 for "no sliding window" (Phi-4).
     cfg["sliding_window"] = m.get("attention.sliding_window", None, int) or None
     orig = m.get("rope.scaling.original_context_length", kind=int)
