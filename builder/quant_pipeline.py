@@ -255,7 +255,7 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
         kv_stats: dict = {}
         handle, pos = None, ({} if o.kv_offsets == "attention" else None)
         if o.kv_cache_dtype != "auto":
-            hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i, positions=pos)
+            hook = calib.kv_sample_hook(layer, model.rope_cache_of(layer), kv_stats, seed=i, positions=pos)
             handle = layer.qkv_proj.register_forward_hook(hook)
         # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
         runner.run_layer(i, advance=True, on_chunk=None if pos is None else (lambda p: pos.__setitem__("p", p)))
