@@ -56,12 +56,11 @@ def export_gguf_tokenizer(gguf_path: str, engine_dir: str) -> List[str]:
     except ImportError:
         raise ValueError("building from GGUF needs the `transformers` package (>= 5) to convert the GGUF "
                          "tokenizer; pip install -U transformers") from None
-    import gguf
-    fields = gguf.GGUFReader(gguf_path).fields
-    check_gguf_tokenizer(lambda k: fields[k].contents() if k in fields else None, gguf_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         arch, tok_dict, tok_config = get_gguf_tokenizer(gguf_path)
+        check_gguf_tokenizer({"tokenizer.ggml.model": tok_dict.get("tokenizer_type"),
+                              "tokenizer.ggml.pre": tok_dict.get("pre_tokenizer_type")}.get, gguf_path)
         backend, extra = convert_gguf_tokenizer(arch, tok_dict)
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{**tok_config, **extra})
         files = tok.save_pretrained(engine_dir)
