@@ -29,8 +29,12 @@ _COMMON = dict(hidden_size=64, intermediate_size=88, num_attention_heads=4, num_
 # What each checkpoint exercises: odd head dims, windows shorter than the test prompts,
 # layer-type patterns, tied and untied heads, q/k norms, multipliers, NoPE layers, longrope.
 FAMILIES = {
+    # Llama 3 rope scaling (stored by the converter as rope_freqs.weight, three in-between values)
     "llama": dict(model_type="llama", num_hidden_layers=2, head_dim=16, tie_word_embeddings=False,
-                  rope_theta=50000.0),
+                  max_position_embeddings=2048,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+                                   "original_max_position_embeddings": 1024}),
     "qwen3": dict(model_type="qwen3", num_hidden_layers=2, head_dim=24, tie_word_embeddings=False),
     "olmo2": dict(model_type="olmo2", num_hidden_layers=2, tie_word_embeddings=False),
     "granite": dict(model_type="granite", num_hidden_layers=2, tie_word_embeddings=True,

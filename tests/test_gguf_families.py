@@ -155,7 +155,8 @@ def _meta(overrides=None, arch="qwen3"):
     ({"ARCH.rope.scaling.type": "ntk"}, {}, "rope.scaling.type = 'ntk' is not supported"),
     ({"ARCH.attention.head_count": [4, 4]}, {}, "attention.head_count = [4, 4] (per-layer values)"),
     ({"ARCH.attention.value_length": 32}, {}, "attention.value_length = 32 is not supported"),
-    ({}, {"rope_freqs.weight": [1.0, 0.5]}, "rope_freqs.weight (llama3 rope scaling factors"),
+    ({}, {"rope_freqs.weight": [1.0, 0.5]}, "rope_freqs.weight (2 values) is not Llama 3 rope scaling"),
+    ({}, {"rope_freqs.weight": [1.0] * 4 + [2.0] * 4}, "rope_freqs.weight (8 values) is not Llama 3"),
     ({"ARCH.rope.dimension_count": 8}, {}, "rope.dimension_count = 8 (partial rotary) is not supported"),
 ])
 def test_unsupported_metadata_is_refused_naming_the_field(overrides, tensors, needle):
