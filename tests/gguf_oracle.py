@@ -8,9 +8,7 @@ therefore llama.cpp's, not this project's.
 
 Tokenizers: byte-level BPE families get SmolLM2's tokenizer (the converter recognises its
 pre-tokenizer; one trained here it refuses); Gemma 2 / 3 and Phi-3 get a SentencePiece
-tokenizer.model trained here, as their converter paths want. Qwen2 is not among them: with
-model_type qwen2, transformers loads any tokenizer as Qwen2Tokenizer (its own split regex), whose
-pre-tokenizer hash the converter does not know.
+tokenizer.model trained here, as their converter paths want; so does Qwen2 (see FAMILIES).
 """
 from __future__ import annotations
 
@@ -35,6 +33,10 @@ FAMILIES = {
                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 32.0,
                                    "original_max_position_embeddings": 1024}),
+    # Qwen2 with q/k/v bias; given a SentencePiece tokenizer.model, which its converter path tries
+    # first (with SmolLM2's, transformers would load it as Qwen2Tokenizer, whose split the converter
+    # does not recognise).
+    "qwen2": dict(model_type="qwen2", num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1e6),
     "qwen3": dict(model_type="qwen3", num_hidden_layers=2, head_dim=24, tie_word_embeddings=False),
     "olmo2": dict(model_type="olmo2", num_hidden_layers=2, tie_word_embeddings=False),
     "granite": dict(model_type="granite", num_hidden_layers=2, tie_word_embeddings=True,
@@ -55,7 +57,7 @@ FAMILIES = {
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 3.0],
                                "long_factor": [1.0, 1.3, 1.8, 2.5, 3.5, 5.0, 7.0, 9.0]}),
 }
-SPM_FAMILIES = ("gemma2", "gemma3", "phi3")
+SPM_FAMILIES = ("gemma2", "gemma3", "phi3", "qwen2")
 # HF config.json keys that llama.cpp's converter does not carry over and that do not change the
 # model's numerics (or that the GGUF side spells differently); the rest must round-trip.
 IGNORED_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "initializer_range",

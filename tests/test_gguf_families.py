@@ -112,7 +112,7 @@ def test_tokenizer_and_chat_template(family, converted, engines):
         sp = spm.SentencePieceProcessor(model_file=os.path.join(hf_dir, "tokenizer.model"))
         for text in TEXTS:
             assert tok.encode(text, add_special_tokens=False).ids == sp.encode(text), text
-            assert tok.encode(text).ids[0] == sp.bos_id()  # Gemma / Phi-3 start with BOS
+            assert tok.encode(text).ids[0] == sp.bos_id()  # a SentencePiece GGUF adds BOS (llama.cpp's default)
     else:
         ref = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
         for text in TEXTS:
