@@ -37,7 +37,9 @@ FAMILIES = {
     # first (with SmolLM2's, transformers would load it as Qwen2Tokenizer, whose split the converter
     # does not recognise).
     "qwen2": dict(model_type="qwen2", num_hidden_layers=2, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, head_dim=24, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", num_hidden_layers=2, head_dim=24, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
     "olmo2": dict(model_type="olmo2", num_hidden_layers=2, tie_word_embeddings=False),
     "granite": dict(model_type="granite", num_hidden_layers=2, tie_word_embeddings=True,
                     embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
