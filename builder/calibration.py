@@ -111,7 +111,9 @@ class LayerwiseRunner:
             self.positions.append(torch.cat([torch.arange(n) for n in lens]))
             self.num_blocks.append(nb)
             ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-            self.hidden.append(model.embed(ids))
+            # the model's own lookup: an int8 table, Gemma's / Granite's embedding multiplier
+            embed = getattr(model, "embed", None)
+            self.hidden.append(embed(ids) if embed is not None else model.embed_tokens_weight[ids])
             self.residual.append(None)
         self.kv_shape = (m.num_kv_heads, m.head_dim)
         self.num_tokens = sum(len(s) for s in samples)
