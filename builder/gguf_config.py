@@ -12,11 +12,11 @@ and loader (`src/models/<arch>.cpp`, what it assumes when a key is absent).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Set
-
-import numpy as np
+from typing import Callable, Dict, Optional
 
 from .convert import CheckpointError
+from .gguf_meta import Meta
+from .gguf_rope import rope_parameters
 
 # GGUF general.architecture -> (HF model_type, HF architectures[0])
 GGUF_ARCHITECTURES = {
@@ -38,40 +38,7 @@ CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 
 
-def _f32(x) -> float:
-    """A float stored as float32 in the GGUF, read back as the shortest decimal that rounds to it
-    (1e-06, not 9.99999997e-07), which is what the HF config.json held before conversion."""
-    return float(repr(np.float32(x)).replace("np.float32(", "").rstrip(")"))
-
-
-class _Meta:
-    """Typed access to one file's metadata; every error names the key and the value."""
-
-    def __init__(self, field: Callable, arch: str, path: str):
-        self.field, self.arch, self.path = field, arch, path
-
-    def get(self, key: str, default=None, kind=None):
-        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
-        v = self.field(full)
-        if v is None:
-            return default
-        if kind is int:
-            if isinstance(v, (list, tuple)):
-                raise CheckpointError(f"{self.path}: metadata {full} = {list(v)[:8]} (per-layer values) is not "
-                                      f"supported; a single integer is")
-            return int(v)
-        if kind is float:
-            return _f32(v)
-        return v
-
-    def req(self, key: str, kind=int):
-        v = self.get(key, kind=kind)
-        if v is None:
-            raise CheckpointError(f"{self.path}: required metadata {self.arch}.{key} is missing")
-        return v
-
-
-def _layer_types(m: _Meta, num_layers: int, period: int) -> list:
+def _layer_types(m: Meta, num_layers: int, period: int) -> list:
     """Per-layer "sliding_attention" / "full_attention" from attention.sliding_window_pattern
     (a bool per layer, or a period n) or llama.cpp's default period for the architecture."""
     pat = m.get("attention.sliding_window_pattern")
@@ -84,87 +51,6 @@ def _layer_types(m: _Meta, num_layers: int, period: int) -> list:
         n = int(pat) if pat is not None else period
         slide = [n > 1 and i % n < n - 1 for i in range(num_layers)]
     return ["sliding_attention" if s else "full_attention" for s in slide]
-
-
-def _rope_parameters(m: _Meta, tensors: Set[str], read: Callable, head_dim: int) -> dict:
-    """rope_parameters (transformers >= 5 spelling, which also reads rope_theta/rope_scaling)."""
-    rp: Dict[str, object] = {"rope_type": "default", "rope_theta": m.get("rope.freq_base", 10000.0, float)}
-    stype = m.get("rope.scaling.type")
-    if "rope_factors_long.weight" in tensors:  # Phi-3 longrope ("su"): the factors are tensors
-        rp.update(rope_type="longrope", long_factor=[_f32(x) for x in read("rope_factors_long.weight")],
-                  short_factor=[_f32(x) for x in read("rope_factors_short.weight")])
-        orig = m.get("rope.scaling.original_context_length", kind=int)
-        if orig is not None:
-            rp["original_max_position_embeddings"] = orig
-    elif stype in (None, "none"):
-        pass
-    elif stype == "linear":
-        rp.update(rope_type="linear", factor=m.req("rope.scaling.factor", float))
-    elif stype == "yarn":
-        rp.update(rope_type="yarn", factor=m.req("rope.scaling.factor", float),
-                  original_max_position_embeddings=m.req("rope.scaling.original_context_length"))
-        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                        ("yarn_attn_factor", "attention_factor")):
-            if (v := m.get(f"rope.scaling.{key}", kind=float)) is not None:
-                rp[hf] = v
-        if (v := m.get("rope.scaling.yarn_ext_factor", kind=float)) is not None and v != 1.0:
-            raise CheckpointError(f"{m.path}: metadata {m.arch}.rope.scaling.yarn_ext_factor = {v} is not "
-                                  f"supported; allowed: 1.0")
-    else:
-        raise CheckpointError(f"{m.path}: metadata {m.arch}.rope.scaling.type = {stype!r} is not supported; "
-                              f"allowed: none, linear, yarn, longrope")
-    if "rope_freqs.weight" in tensors:
-        freqs = np.asarray(read("rope_freqs.weight"), dtype=np.float64)
-        if not np.all(freqs == 1.0):
-            if rp["rope_type"] != "default":
-                raise CheckpointError(f"{m.path}: tensor rope_freqs.weight together with rope.scaling.type "
-                                      f"{stype!r} is not supported")
-            rp.update(_llama3_from_freqs(freqs, rp["rope_theta"], head_dim, m))
-    rot = m.get("rope.dimension_count", kind=int)
-    if rot is not None and rot not in (head_dim,) and m.arch != "phi3":
-        raise CheckpointError(f"{m.path}: metadata {m.arch}.rope.dimension_count = {rot} (partial rotary) is not "
-                              f"supported for {m.arch}; allowed: {head_dim} (the head dim)")
-    return rp
-
-
-def _llama3_divisors(theta: float, head_dim: int, p: dict) -> np.ndarray:
-    """The per-frequency divisors of Llama 3 rope scaling (transformers' _compute_llama3_parameters,
-    which llama.cpp's converter stores as rope_freqs.weight)."""
-    wavelen = 2 * math.pi / theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    orig, factor = p["original_max_position_embeddings"], p["factor"]
-    low, high = p["low_freq_factor"], p["high_freq_factor"]
-    smooth = (orig / wavelen - low) / (high - low)
-    mid = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
-
-
-def _llama3_from_freqs(freqs: np.ndarray, theta: float, head_dim: int, m: "_Meta") -> dict:
-    """Llama 3 rope parameters from the divisors llama.cpp stores (rope_freqs.weight).
-
-    The divisors are 1 above the high-frequency wavelength H, `factor` below the low-frequency
-    wavelength L, and 1 / ((1 - s) / factor + s) between, with s linear in 1 / wavelength:
-    s = (1/wl - 1/L) / (1/H - 1/L). Two or more in-between values fix L and H; the original
-    context is taken as L (low_freq_factor 1, as every Llama 3.x has) unless the file states it.
-    The result is checked by recomputing every divisor."""
-    bad = CheckpointError(f"{m.path}: tensor rope_freqs.weight ({freqs.size} values) is not Llama 3 rope "
-                          f"scaling that can be recovered; not supported")
-    if freqs.size * 2 != head_dim:
-        raise bad
-    factor = float(freqs.max())
-    wavelen = 2 * math.pi / theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    mid = (freqs > 1 + 1e-6) & (freqs < factor * (1 - 1e-6))
-    if mid.sum() < 2:
-        raise bad
-    s = (1 / freqs[mid] - 1 / factor) / (1 - 1 / factor)
-    a, b = np.polyfit(1 / wavelen[mid], s, 1)
-    inv_l = -b / a
-    inv_h = 1 / a + inv_l
-    orig = m.get("rope.scaling.original_context_length", kind=int) or int(round(1 / inv_l))
-    p = {"rope_type": "llama3", "factor": _f32(factor), "original_max_position_embeddings": orig,
-         "low_freq_factor": float(f"{orig * inv_l:.6g}"), "high_freq_factor": float(f"{orig * inv_h:.6g}")}
-    if not np.allclose(_llama3_divisors(theta, head_dim, p), freqs, rtol=1e-5, atol=0):
-        raise bad
-    return p
 
 
 def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, int],
@@ -182,7 +68,7 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"{path}: general.architecture {arch!r} is not supported; supported: "
                               f"{', '.join(GGUF_ARCHITECTURES)}")
-    m = _Meta(field, arch, path)
+    m = Meta(field, arch, path)
     tensors = set(tensor_rows)
     model_type, hf_arch = GGUF_ARCHITECTURES[arch]
     hidden = m.req("embedding_length")
@@ -212,7 +98,7 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
         "eos_token_id": int(eos) if eos is not None else None,
         "pad_token_id": field("tokenizer.ggml.padding_token_id"),
     }
-    rp = _rope_parameters(m, tensors, read, head_dim)
+    rp = rope_parameters(m, tensors, read, head_dim)
     cfg["rope_parameters"] = rp
     cfg["rope_theta"] = rp["rope_theta"]
     if rp["rope_type"] != "default":
@@ -222,7 +108,7 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     return cfg
 
 
-def _sliding(m: _Meta, cfg: dict, period: int, default_window: Optional[int] = None) -> None:
+def _sliding(m: Meta, cfg: dict, period: int, default_window: Optional[int] = None) -> None:
     window = m.get("attention.sliding_window", default_window, int)
     if not window:
         cfg["sliding_window"] = None
