@@ -20,7 +20,7 @@ import os
 from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
-from .paged_attention import paged_attention_cpu, paged_attention_ref
+from .paged_attention import paged_attention_cpu
 from .rms_norm import rms_norm_cpu
 from .rotary import rotary_cpu, rotary_ref, rotary_tables
 from .silu_mul import silu_mul_ref
@@ -126,13 +126,12 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
                     softcap=None):
     """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode.
     softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
-    if softcap is not None:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
-                                                        k_scale, v_scale)
-    # CPU: the batched torch path (same contract as paged_attention_ref, which stays the oracle).
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+                                                        k_scale, v_scale, softcap=softcap)
+    # CPU: the batched torch path (same contract as paged_attention_ref, which stays the oracle);
+    # soft-capped decode steps on the native kernel, other soft-capped steps on the reference.
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
 
 
 def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):

@@ -188,13 +188,18 @@ def _native_rows(meta, rows, seq_lens, window) -> torch.Tensor:
     return cache[window]
 
 
-def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, k_scale, v_scale):
-    if cpu_native.decode_supported(q, k_cache, k_scale) and meta.block_tables.dtype == torch.int32 \
-            and cpu_native.available():
+def _native_decode_ok(q, k_cache, k_scale, meta) -> bool:
+    return (cpu_native.decode_supported(q, k_cache, k_scale) and meta.block_tables.dtype == torch.int32
+            and cpu_native.available())
+
+
+def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, k_scale, v_scale, softcap=None):
+    if _native_decode_ok(q, k_cache, k_scale, meta):
         # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
         cpu_native.paged_decode_bf16(q, k_cache, v_cache, meta.block_tables.contiguous(),
-                                     _native_rows(meta, rows, seq_lens, window), scale, out)
+                                     _native_rows(meta, rows, seq_lens, window), scale, out, softcap)
         return
+    assert softcap is None, "soft-capped decode rows off the native kernel go to paged_attention_ref"
     # One workspace per step (kept on the step's metadata, like the plans): every layer and group
     # of the step reuses its two gather buffers; engines in other threads have their own.
     ws = meta.__dict__.setdefault("_cpu_gather_workspace", {})
@@ -272,8 +277,14 @@ SHORT_QUERY_MAX = 17
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
-                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """paged_attention_ref's contract, batched for CPU speed (see the comment above). (T, Hq, D)."""
+                        v_scale: Optional[torch.Tensor] = None,
+                        softcap: Optional[float] = None) -> torch.Tensor:
+    """paged_attention_ref's contract, batched for CPU speed (see the comment above). (T, Hq, D).
+    With a soft-cap (SDPA has none) only decode steps on the native kernel stay here; anything
+    else is computed by paged_attention_ref."""
+    if softcap is not None and (max(meta.query_lens_cpu, default=0) > 1
+                                or not _native_decode_ok(q, k_cache, k_scale, meta)):
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
     out = torch.empty_like(q)
     decode_rows, decode_lens = [], []
     start = 0
@@ -291,5 +302,5 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         start += qlen
     if decode_rows:
         _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta, scale,
-                     sliding_window, k_scale, v_scale)
+                     sliding_window, k_scale, v_scale, softcap)
     return out
