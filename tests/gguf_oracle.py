@@ -148,20 +148,20 @@ def make_checkpoint(family: str, path: str, tmp: str, seed: int = 0) -> str:
 
 _DRIVER = """
 import sys
-src, pairs = sys.argv[1], sys.argv[2:]
+src, args = sys.argv[1], sys.argv[2:]
 sys.path.insert(0, src)
 import convert_hf_to_gguf as c
-for hf_dir, out in zip(pairs[0::2], pairs[1::2]):
-    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", "f32"]
+for hf_dir, out, outtype in zip(args[0::3], args[1::3], args[2::3]):
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype]
     c.main()
 """
 
 
-def convert_all(pairs) -> None:
-    """llama.cpp's convert_hf_to_gguf.py (float32 out) on each (hf_dir, out_gguf) pair, in one
-    child process (the converter's imports cost more than converting a tiny model)."""
+def convert_all(jobs) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on each (hf_dir, out_gguf[, outtype]) job (outtype
+    default f32), in one child process (the converter's imports cost more than a tiny model)."""
     src = converter_dir()
-    args = [x for pair in pairs for x in pair]
+    args = [x for job in jobs for x in (*job, "f32")[:3]]
     r = subprocess.run([sys.executable, "-c", _DRIVER, src, *args], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if r.returncode != 0:

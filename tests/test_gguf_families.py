@@ -35,7 +35,9 @@ def converted(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("gguf-families"))
     out = {f: (oracle.make_checkpoint(f, os.path.join(tmp, f), tmp), os.path.join(tmp, f"{f}.gguf"))
            for f in FAMILIES}
-    oracle.convert_all(out.values())
+    # one family also as f16 (what most published GGUFs hold before quantization)
+    out["qwen3-f16"] = (out["qwen3"][0], os.path.join(tmp, "qwen3-f16.gguf"))
+    oracle.convert_all([*out.values()][:-1] + [(*out["qwen3-f16"], "f16")])
     return out
 
 
@@ -99,6 +101,21 @@ def test_every_tensor_equals_the_checkpoint(family, converted, checkpoints):
             assert (got[name] - w).abs().max().item() <= 2 ** -23, name
         else:
             assert torch.equal(got[name], w), name
+
+
+def test_f16_gguf_holds_the_checkpoint_rounded_to_f16(converted):
+    """llama.cpp's f16 output keeps 1-D tensors (norms) in f32 and rounds the matrices to f16."""
+    from safetensors.torch import load_file
+
+    from tritium.builder.gguf_loader import GGUFCheckpoint, hf_state_dict
+    hf_dir, gguf_path = converted["qwen3-f16"]
+    ck = GGUFCheckpoint(gguf_path)
+    assert {t.tensor_type.name for t in ck.reader.tensors} == {"F16", "F32"}
+    want = load_file(os.path.join(hf_dir, "model.safetensors"))
+    got = hf_state_dict(ck)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert torch.equal(got[name], w if w.dim() == 1 else w.half().float()), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
