@@ -104,7 +104,10 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     if rp["rope_type"] != "default":
         cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
     _FAMILY[arch](m, cfg, tensors)
-    cfg.setdefault("layer_types", ["full_attention"] * layers)
+    if cfg.get("sliding_window") is None:
+        # the spelling of "no windowed layers" transformers writes for Qwen3 / SmolLM3 / ...
+        # (a window without layer_types stays one on every layer: Mistral, Phi-3)
+        cfg.setdefault("layer_types", ["full_attention"] * layers)
     return cfg
 
 

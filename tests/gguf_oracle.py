@@ -53,9 +53,10 @@ FAMILIES = {
                    sliding_window=6, tie_word_embeddings=True,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    # Phi-3 long-context: longrope with short / long factors (head_dim 16 -> 8 factors each).
+    # Phi-3 long-context: longrope with short / long factors (head_dim 16 -> 8 factors each),
+    # and a window on every layer (Phi-3-mini's 2047, here shorter than the prompt).
     "phi3": dict(model_type="phi3", num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=0,
-                 original_max_position_embeddings=64,
+                 sliding_window=9, original_max_position_embeddings=64,
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 3.0],
                                "long_factor": [1.0, 1.3, 1.8, 2.5, 3.5, 5.0, 7.0, 9.0]}),
 }

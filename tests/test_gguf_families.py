@@ -185,6 +185,15 @@ def test_unsupported_metadata_is_refused_naming_the_field(overrides, tensors, ne
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_mistral_window_on_every_layer():
+    """GGUF arch `mistral` (older llama.cpp files): attention.sliding_window applies to all layers."""
+    from tritium.builder.gguf_config import hf_config_from_gguf
+    from tritium.builder.hf_loader import model_config_from_hf
+    cfg = hf_config_from_gguf(_meta({"ARCH.attention.sliding_window": 7}, arch="mistral"),
+                              {"token_embd.weight": 100}, None, "x.gguf")
+    assert model_config_from_hf(cfg).sliding_windows == (7, 7)
+
+
 def test_unknown_tokenizer_is_refused():
     from tritium.builder.tokenizer_export import check_gguf_tokenizer
     with pytest.raises(ValueError, match=r"tokenizer.ggml.model = 'bert' is not supported; allowed: gpt2"):
