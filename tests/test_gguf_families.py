@@ -134,6 +134,11 @@ def test_tokenizer_and_chat_template(family, converted, engines):
         ref = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
         for text in TEXTS:
             assert tok.encode(text).ids == ref.encode(text).ids, text
+        # tokenizer.ggml.pre "smollm": llama.cpp splits digits one by one before GPT-2's regex
+        with open(os.path.join(engine, "tokenizer.json")) as f:
+            pre = json.load(f)["pre_tokenizer"]
+        assert [p["type"] for p in pre["pretokenizers"]] == ["Digits", "ByteLevel"]
+        assert pre["pretokenizers"][0]["individual_digits"] and pre["pretokenizers"][1]["use_regex"]
     with open(os.path.join(engine, "tokenizer_config.json")) as f:
         assert json.load(f)["chat_template"] == oracle.CHAT_TEMPLATE
 
@@ -200,7 +205,8 @@ def test_unknown_tokenizer_is_refused():
         check_gguf_tokenizer({"tokenizer.ggml.model": "bert"}.get, "x.gguf")
     with pytest.raises(ValueError, match=r"tokenizer.ggml.pre = 'mystery' .* not supported"):
         check_gguf_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"}.get, "x.gguf")
-    check_gguf_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}.get, "x.gguf")
+    for pre in ("qwen2", "refact", "olmo", "llama-bpe"):
+        check_gguf_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre}.get, "x.gguf")
 
 
 def test_cli_refuses_unknown_arch_and_stray_tensors_with_exit_2(tmp_path):
