@@ -34,11 +34,12 @@ class Family:
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
     default_attention_bias: bool = False  # q/k/v bias when config.json does not say (Qwen2)
     o_proj_bias: bool = True  # o_proj carries a bias when attention_bias is set (not Qwen2 / Mistral)
-    # The layer_types transformers derives when config.json has none: i -> sliding?
-    default_sliding: Optional[Callable[[int], bool]] = None
+    # The layer_types transformers derives when config.json has none: (config, i) -> sliding?
+    default_sliding: Optional[Callable[[dict, int], bool]] = None
 
 
 def activation(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:
+    """ModelConfig.activation of the HF activation named by cfg[key]; refuses the others."""
     name = cfg.get(key) or default
     if name not in ACTIVATIONS:
         raise FamilyConfigError(f"{key} {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
@@ -56,4 +57,5 @@ def positive(cfg: dict, key: str) -> Optional[float]:
 
 
 def llama_fields(cfg: dict) -> dict:
+    """The fields every Llama-like family reads: the MLP activation and bias."""
     return {"activation": activation(cfg), "mlp_bias": bool(cfg.get("mlp_bias", False))}
