@@ -26,6 +26,8 @@ def register(sub) -> None:
     add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
     from tritium.client.engine_generate import add_engine_arguments
     add_engine_arguments(p)  # --stop/--logprobs/--n/--input-file/--stats/...: see engine_generate.py
+    from tritium.client.generate_inputs import add_guide_arguments
+    add_guide_arguments(p)  # --json-schema/--regex/--choice/--grammar
     p.set_defaults(func=run)
 
 
