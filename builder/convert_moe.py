@@ -1,0 +1,34 @@
+"""The MoE part of the Hugging Face -> engine tensor mapping (convert.py calls it per sparse layer).
+
+Per-expert HF matrices are stacked into the fused op's layout (backend/models/moe.py): gate and up
+rows of expert e into experts.gate_up_weight[e] = [gate; up] (2I, hidden), down into
+experts.down_weight[e] (hidden, I); the router (HF `gate`) and a shared expert keep their shapes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Tuple
+
+import torch
+
+from tritium.backend.config import ModelConfig
+
+
+def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], torch.Tensor]
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield layer i's MoE engine tensors; g(hf_name, shape) reads and shape-checks one tensor."""
+    h, inter, e_n = m.hidden_size, m.moe_intermediate_size, m.num_experts
+    p = f"model.layers.{i}.{fam.moe_block}."
+    gate, up, down = fam.expert_names
+    yield f"layers.{i}.router.weight", g(p + "gate.weight", (e_n, h))
+    yield f"layers.{i}.experts.gate_up_weight", torch.stack([torch.cat([
+        g(f"{p}experts.{e}.{gate}.weight", (inter, h)), g(f"{p}experts.{e}.{up}.weight", (inter, h))], 0)
+        for e in range(e_n)])
+    yield f"layers.{i}.experts.down_weight", torch.stack([
+        g(f"{p}experts.{e}.{down}.weight", (h, inter)) for e in range(e_n)])
+    si = m.shared_expert_intermediate_size
+    if si:
+        yield f"layers.{i}.shared_expert.gate_up_proj.weight", torch.cat([
+            g(p + "shared_expert.gate_proj.weight", (si, h)), g(p + "shared_expert.up_proj.weight", (si, h))], 0)
+        yield f"layers.{i}.shared_expert.down_proj.weight", g(p + "shared_expert.down_proj.weight", (h, si))
+        if m.shared_expert_gate:
+            yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))

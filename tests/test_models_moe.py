@@ -1,0 +1,140 @@
+"""Mixture-of-experts families (backend/models/moe.py, families/moe.py) against Hugging Face
+transformers on tiny random checkpoints: fp32 logits under teacher forcing within 1e-4 relative
+(L2) error and greedy tokens equal to `generate`, for Mixtral (sliding window, top-2
+renormalized), Qwen3-MoE (norm_topk_prob, a dense layer from mlp_only_layers and one from
+decoder_sparse_step), Qwen2-MoE (shared expert behind its sigmoid gate, q/k/v bias) and OLMoE
+(top-k not renormalized, whole-projection q/k norms); batched mixed rows == each alone; router
+settings the engine cannot honour stop the build naming the field (exit code 2)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tiny_models
+from tritium.backend.engine import LLMEngine
+from tritium.backend.loader import load_engine
+from tritium.builder.convert import CheckpointError
+from tritium.builder.hf_loader import model_config_from_hf
+from simple_generate import generate_simple, prompt_logits
+from test_models_engine import run_staggered, workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+tiny_models.FAMILIES.update({
+    # Mixtral: 8 experts, top-2 renormalized, GQA 4/2, head_dim 20, sliding window 7 < the prompts.
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=40, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=20, vocab_size=1000,
+                    max_position_embeddings=256, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=7, tie_word_embeddings=False),
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers), top-3 of 8 renormalized; decoder_sparse_step 2
+    # in the tests below that override it.
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                      vocab_size=1000, max_position_embeddings=256, num_experts=8, num_experts_per_tok=3,
+                      norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1, tie_word_embeddings=False),
+    # Qwen2-MoE: shared expert (40) with its gate, 6 experts of 24, top-2 not renormalized.
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, num_experts=6,
+                      num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False),
+    # OLMoE: 8 experts of 32, top-2 not renormalized, q/k norms over whole projections.
+    "olmoe": dict(model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
+                  num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+})
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]
+PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],
+           [1, 600, 601, 602], [999]]
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_fp32_logits_and_greedy_match_hf(family, tiny_checkpoint, tiny_engine):
+    ref_model = hf_model(tiny_checkpoint(family))
+    cfg, model, _ = load_engine(tiny_engine(family, "float32"), "cpu")
+    assert cfg.model.architecture == family and cfg.model.num_experts > 0
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([ids])).logits[0]
+        ours = prompt_logits(model, ids)
+        assert rel_err(ours, ref) < 1e-4, (family, ids, rel_err(ours, ref))
+        want = ref_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        got, _ = generate_simple(model, ids, 16, eos_token_ids=cfg.model.eos_token_ids)
+        assert got == want, (family, ids)
+
+
+def _hf_sparse_layers(model) -> list:
+    return [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])])
+def test_dense_layers_follow_transformers(overrides, tiny_checkpoint):
+    """Which layers are sparse (mlp_only_layers, decoder_sparse_step) as transformers builds them."""
+    path = tiny_checkpoint("qwen3_moe", **overrides)
+    m = model_config_from_hf(json.load(open(f"{path}/config.json")))
+    assert [m.sparse(i) for i in range(m.num_layers)] == _hf_sparse_layers(hf_model(path))
+    assert m.shared_expert_intermediate_size == 0 and m.norm_topk_prob
+
+
+def test_qwen3_moe_step_two_matches_hf(tiny_checkpoint, tmp_path):
+    """decoder_sparse_step 2 + mlp_only_layers: dense and sparse layers interleaved, logits vs HF."""
+    over = dict(num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])
+    path = tiny_checkpoint("qwen3_moe", **over)
+    from tritium.builder.build import BuildOptions, build_engine
+    out = str(tmp_path / "engine")
+    build_engine(BuildOptions(source=path, output=out, dtype="float32", progress=False))
+    _, model, _ = load_engine(out, "cpu")
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([PROMPTS[0]])).logits[0]
+    assert rel_err(prompt_logits(model, PROMPTS[0]), ref) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_batched_mixed_rows_equal_alone(tiny_engine, family):
+    engine = LLMEngine(tiny_engine(family, block_size=4), device="cpu", num_kv_blocks=128,
+                       max_num_batched_tokens=7)
+    reqs, arrivals = workload(seed=11, n=10)
+    outs = run_staggered(engine, reqs, arrivals)
+    for (prompt, max_tokens), out in zip(reqs, outs):
+        want = generate_simple(engine.runner.model, prompt, max_tokens, eos_token_ids=())[0]
+        assert out.outputs[0].token_ids == want, (family, len(prompt))
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+CLI = [sys.executable, "-m", "tritium.client.cli"]
+BAD = {"scoring_func": ("qwen3_moe", dict(scoring_func="sigmoid"), ["scoring_func", "'sigmoid'"]),
+       "topk_method": ("mixtral", dict(topk_method="noaux_tc"), ["topk_method", "'noaux_tc'"]),
+       "top-k": ("olmoe", dict(num_experts_per_tok=9), ["num_experts_per_tok", "9"]),
+       "clip_qkv": ("olmoe", dict(clip_qkv=8.0), ["clip_qkv", "8.0"]),
+       "mlp_only_layers": ("qwen3_moe", dict(mlp_only_layers=[7]), ["mlp_only_layers", "[7]"])}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_unhonourable_router_config_is_refused_naming_it(case, tiny_checkpoint, tmp_path):
+    family, edit, needles = BAD[case]
+    cfg = json.load(open(f"{tiny_checkpoint(family)}/config.json"))
+    cfg.update(edit)
+    with pytest.raises(CheckpointError) as e:
+        model_config_from_hf(cfg)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+    if case in ("scoring_func", "topk_method"):  # the CLI: exit code 2, one line naming the field
+        dst = tmp_path / "ckpt"
+        shutil.copytree(tiny_checkpoint(family), dst)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        r = subprocess.run(CLI + ["build", str(dst), "-o", str(tmp_path / "e")], capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert all(n in r.stderr for n in needles), r.stderr
