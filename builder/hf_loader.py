@@ -76,7 +76,7 @@ def _rope(rp: dict, cfg: dict, arch: str, rotary_dim: int, max_pos: int, path: s
 def _layer_types(cfg: dict, family, layers: int, path: str) -> Optional[list]:
     lt = cfg.get("layer_types")
     if lt is None and family.default_sliding is not None:
-        lt = ["sliding_attention" if family.default_sliding(i) else "full_attention" for i in range(layers)]
+        lt = ["sliding_attention" if family.default_sliding(cfg, i) else "full_attention" for i in range(layers)]
     if lt is None:
         return None
     if len(lt) != layers:
@@ -133,7 +133,7 @@ def model_config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
         windows = tuple(int(sw) if (t == "sliding_attention" and sw) else None for t in lt)
     elif arch in ("mistral", "phi3", "mixtral") and sw:
         windows = (int(sw),) * layers
-    elif arch == "qwen2" and sw:
+    elif arch in ("qwen2", "qwen3") and sw:
         mwl = int(cfg.get("max_window_layers", layers))
         windows = tuple(int(sw) if i >= mwl else None for i in range(layers))
     if windows and all(w is None for w in windows):

@@ -108,9 +108,29 @@ def test_gemma3_old_style_config_and_default_layer_types(tiny_checkpoint):
     d = _config(tiny_checkpoint, "gemma3")
     for key in ("layer_types", "rope_parameters"):
         d.pop(key)
-    d.update(num_hidden_layers=7, rope_theta=500000.0, rope_local_base_freq=20000.0)
+    d.update(num_hidden_layers=7, rope_theta=500000.0, rope_local_base_freq=20000.0, sliding_window_pattern=3,
+             rope_scaling={"rope_type": "linear", "factor": 8.0})
     ours = model_config_from_hf(d)
     hf = Gemma3TextConfig(**{k: v for k, v in d.items() if k != "model_type"})
     assert [w is not None for w in ours.sliding_windows] == [t == "sliding_attention" for t in hf.layer_types]
+    assert ours.sliding_windows == (6, 6, None, 6, 6, None, 6)
     assert ours.rope.theta == hf.rope_parameters["full_attention"]["rope_theta"] == 500000.0
+    assert (ours.rope.scaling_type, ours.rope.factor) == ("linear", 8.0)
+    assert hf.rope_parameters["full_attention"]["rope_type"] == "linear"
+    assert ours.rope_local.scaling_type == hf.rope_parameters["sliding_attention"]["rope_type"] == "default"
     assert ours.rope_local.theta == hf.rope_parameters["sliding_attention"]["rope_theta"] == 20000.0
+
+
+def test_qwen3_sliding_layers_above_max_window_layers(tiny_checkpoint, tmp_path):
+    """Qwen3 with use_sliding_window: layers >= max_window_layers attend within a window (5 tokens
+    here, under a 21-token prompt), the others fully."""
+    from tritium.builder.build import BuildOptions, build_engine
+    src = tiny_checkpoint("qwen3", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    build_engine(BuildOptions(source=src, output=str(tmp_path / "e"), dtype="float32", progress=False))
+    cfg, model, _ = load_engine(str(tmp_path / "e"), "cpu")
+    assert cfg.model.sliding_windows == (None, 5)
+    ref_model = hf_model(src)
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    assert rel_err(prompt_logits(model, ids), ref) < 1e-4

@@ -34,8 +34,8 @@ class Family:
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
     default_attention_bias: bool = False  # q/k/v bias when config.json does not say (Qwen2)
     o_proj_bias: bool = True  # o_proj carries a bias when attention_bias is set (not Qwen2 / Mistral)
-    # The layer_types transformers derives when config.json has none: i -> sliding?
-    default_sliding: Optional[Callable[[int], bool]] = None
+    # The layer_types transformers derives when config.json has none: (config, i) -> sliding?
+    default_sliding: Optional[Callable[[dict, int], bool]] = None
     # Mixture of experts (families/moe.py): the HF module holding router and experts in a layer,
     # and what an expert calls its gate, up and down projections.
     moe_block: str = "mlp"

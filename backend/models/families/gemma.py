@@ -19,8 +19,9 @@ def _gemma3_fields(cfg: dict) -> dict:
 
 
 GEMMA2 = Family("gemma2", ("gemma2",), hf_fields=_gemma_fields, norms=dict(SANDWICH_NORMS),
-                norm_plus_one=True, default_sliding=lambda i: i % 2 == 0)
+                norm_plus_one=True, default_sliding=lambda cfg, i: i % 2 == 0)
 # Gemma 3's local RoPE (rope_parameters.sliding_attention / rope_local_base_freq) is read by the
 # shared rope reader (builder/hf_loader.py), as every per-layer-type rope is.
 GEMMA3 = Family("gemma3", ("gemma3_text",), hf_fields=_gemma3_fields, norms=dict(SANDWICH_NORMS),
-                norm_plus_one=True, default_sliding=lambda i: (i + 1) % 6 != 0)
+                norm_plus_one=True,
+                default_sliding=lambda cfg, i: (i + 1) % int(cfg.get("sliding_window_pattern") or 6) != 0)
