@@ -32,3 +32,16 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
         yield f"layers.{i}.shared_expert.down_proj.weight", g(p + "shared_expert.down_proj.weight", (h, si))
         if m.shared_expert_gate:
             yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
+
+
+def check_moe_build(m: ModelConfig, opts, imported) -> None:
+    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag)."""
+    if not m.num_experts:
+        return
+    if opts.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size}: mixture-of-experts models "
+                         f"({m.architecture}, {m.num_experts} experts) are built for one device only for now; allowed: 1")
+    if opts.quantization != "none" or imported is not None:
+        what = f"--quantization {opts.quantization}" if imported is None else "a pre-quantized source"
+        raise ValueError(f"{what}: mixture-of-experts models ({m.architecture}) are built unquantized for now "
+                         f"(--kv-cache-dtype may still be int8 / fp8); allowed: --quantization none")

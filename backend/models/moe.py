@@ -14,7 +14,7 @@ Engine tensors of a sparse layer i:
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -94,3 +94,13 @@ class SparseMoE(GatedMLP):
 
 class MoEDecoderLayer(SparseMoE, DecoderLayer):
     """DecoderLayer whose MLP is SparseMoE (dense where ModelConfig.dense_layers says so)."""
+
+
+def expert_token_counts(model) -> Optional[List[int]]:
+    """Tokens routed to each expert so far, summed over the sparse layers (each token counts once
+    per layer per chosen expert); None for a dense model. Load balance at a glance: a perfectly
+    balanced router gives every expert total / num_experts."""
+    counts = [layer.expert_tokens for layer in getattr(model, "layers", ()) if getattr(layer, "sparse", False)]
+    if not counts:
+        return None
+    return torch.stack([c.cpu() for c in counts]).sum(0).tolist()
