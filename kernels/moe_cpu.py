@@ -11,25 +11,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe_ref import ActMul
+from .moe_ref import ActMul, ExpertWeights, QuantExperts
 from .silu_mul import silu_mul_ref
 
 
-def fused_moe_cpu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+def _expert(w: ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return w.expert(e, dtype) if isinstance(w, QuantExperts) else w[e]
+
+
+def fused_moe_cpu(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
-    """Same contract as moe_ref.fused_moe_ref."""
+    """Same contract as moe_ref.fused_moe_ref. A quantized expert (QuantExperts) is dequantized
+    when it has tokens, then runs the float GEMM; idle experts are never read."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     rows = x[order // k]  # (T*k, H), grouped by expert
     weights = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-    ys = torch.empty(rows.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device)
+    hidden = w_down.shape[1]
+    ys = torch.empty(rows.shape[0], hidden, dtype=x.dtype, device=x.device)
     start = 0
     for e, c in zip(experts.tolist(), counts.tolist()):
         r = slice(start, start + c)
-        ys[r] = F.linear(act_mul(F.linear(rows[r], w_gate_up[e])), w_down[e])
+        ys[r] = F.linear(act_mul(F.linear(rows[r], _expert(w_gate_up, e, x.dtype))), _expert(w_down, e, x.dtype))
         start += c
-    out = torch.zeros(t, w_down.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(t, hidden, dtype=x.dtype, device=x.device)
     return out.index_add_(0, order // k, ys * weights)

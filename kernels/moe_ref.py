@@ -9,20 +9,53 @@ so the sorted / grouped paths (moe_cpu.py, moe_triton.py) are checked against a 
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from .quant_layouts import dequantize_int4, dequantize_rowwise
 from .silu_mul import silu_mul_ref
 
 ActMul = Callable[[torch.Tensor], torch.Tensor]  # (..., 2I) [gate | up] -> (..., I)
 
 
-def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+@dataclass
+class QuantExperts:
+    """E quantized expert matrices (N, K), each in a per-linear layout of quant_layouts.py, stacked
+    on a leading expert dimension: int8  qweight int8 (E, N, K), scales float32 (E, N);
+    int4  qweight uint8 (E, N, K // 2), scales / zeros float32 (E, K // G, N)."""
+    method: str  # "int8" | "int4"
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor] = None
+    group_size: Optional[int] = None
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        e, n, k = self.qweight.shape
+        return e, n, k * (2 if self.method == "int4" else 1)
+
+    def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's float weight (N, K)."""
+        if self.method == "int8":
+            return dequantize_rowwise(self.qweight[e], self.scales[e], dtype)
+        return dequantize_int4(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, dtype=dtype)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([self.expert(e, dtype) for e in range(self.shape[0])])
+
+
+ExpertWeights = Union[torch.Tensor, QuantExperts]  # float (E, N, K) or quantized
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
     """x (T, H), w_gate_up (E, 2I, H), w_down (E, H, I), topk_weights (T, k), topk_ids (T, k)
-    -> (T, H) in x's dtype; products in float32."""
+    -> (T, H) in x's dtype; products in float32. Quantized experts are dequantized first."""
+    w_gate_up = w_gate_up.dense() if isinstance(w_gate_up, QuantExperts) else w_gate_up
+    w_down = w_down.dense() if isinstance(w_down, QuantExperts) else w_down
     xf = x.float()
     g = w_gate_up[topk_ids].float()  # (T, k, 2I, H)
     d = w_down[topk_ids].float()  # (T, k, H, I)

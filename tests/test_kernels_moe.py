@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernel_env import NUM_CASES, assert_close, new_rng
 
 from tritium.kernels.moe_cpu import fused_moe_cpu
-from tritium.kernels.moe_ref import fused_moe_ref, moe_align
+from tritium.kernels.moe_ref import QuantExperts, fused_moe_ref, moe_align
 from tritium.kernels.moe_triton import fused_moe
 from tritium.kernels.silu_mul import silu_mul_ref
 
@@ -92,3 +92,33 @@ def test_cpu_path_visits_only_routed_experts(monkeypatch):
     ids = torch.tensor([[5, 40]])
     out = fused_moe_cpu(x, torch.randn(64, 32, 16), torch.randn(64, 16, 16), torch.tensor([[0.7, 0.3]]), ids)
     assert out.shape == (1, 16) and len(calls) == 4
+
+
+def _quantized(w: torch.Tensor, method: str, group: int = 16) -> QuantExperts:
+    """Each expert through the builder's own RTN quantizers, stacked."""
+    from tritium.builder.quantize_int4 import quantize_int4
+    from tritium.builder.quantize_int8 import quantize_int8
+    parts = [quantize_int8(w[e]) if method == "int8" else quantize_int4(w[e], group) for e in range(w.shape[0])]
+    stack = [torch.stack([p[j] for p in parts]) for j in range(len(parts[0]))]
+    return QuantExperts(method, *stack, group_size=None if method == "int8" else group)
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+def test_quantized_experts_match_reference(case):
+    """int8 (Triton kernel, interpreted, and CPU path) and int4 (CPU path) experts against the
+    reference on the dequantized weights; the reference's dequantization against the builder's."""
+    from tritium.builder.quantize_int8 import dequantize_int8
+    x, w13, w2, w, ids, act, dtype, msg = _case(case)
+    w13, w2 = torch.nan_to_num(w13.float()), torch.nan_to_num(w2.float())
+    method = ("int8", "int4")[case % 2]
+    q13, q2 = _quantized(w13, method), _quantized(w2, method)
+    if method == "int8":
+        assert torch.equal(q13.expert(1), dequantize_int8(q13.qweight[1], q13.scales[1]))
+    ref = fused_moe_ref(x, q13, q2, w, ids, act)
+    assert_close(fused_moe_cpu(x, q13, q2, w, ids, act), ref, dtype, f"{method} cpu {msg}")
+    if method == "int8":
+        assert_close(fused_moe(x, q13, q2, w, ids, act), ref, dtype, f"int8 triton {msg}")
+    # the quantized op is close to the float one (RTN error only)
+    flt = fused_moe_ref(x, w13, w2, w, ids, act).float()
+    err = ((ref.float() - flt).norm() / flt.norm().clamp_min(1e-6)).item()
+    assert err < (0.05 if method == "int8" else 0.35), f"{method} rel err {err:.3g} {msg}"
