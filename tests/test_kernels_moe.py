@@ -94,7 +94,7 @@ def test_cpu_path_visits_only_routed_experts(monkeypatch):
     assert out.shape == (1, 16) and len(calls) == 4
 
 
-def _quantized(w: torch.Tensor, method: str, group: int = 16) -> QuantExperts:
+def _quantized(w: torch.Tensor, method: str, group: int = 8) -> QuantExperts:
     """Each expert through the builder's own RTN quantizers, stacked."""
     from tritium.builder.quantize_int4 import quantize_int4
     from tritium.builder.quantize_int8 import quantize_int8
