@@ -185,3 +185,57 @@ def test_qwen3_moe_serves_through_tritonserver(tiny_engine, tmp_path):
         assert sum(per) % 3 == 0  # top-3: every routed token counts three times
     finally:
         srv.stop()
+
+
+def _dequantized(cfg, tensors: dict) -> dict:
+    """The engine's tensors with every quantized weight replaced by its float value, decoded
+    through the layouts of kernels/quant_layouts.py (not the runtime's quantized modules)."""
+    from tritium.kernels.quant_layouts import dequantize_int4, dequantize_rowwise
+    out = {}
+    for name, t in tensors.items():
+        expert = name.endswith("_qweight")
+        if not (expert or name.endswith(".qweight")):
+            if not name.endswith(("_scales", "_zeros", ".scales", ".zeros")):
+                out[name] = t
+            continue
+        prefix = name[: -len("_qweight" if expert else ".qweight")]
+        sep = "_" if expert else "."
+        lq = cfg.quantization.layers[prefix]
+
+        def deq(q, s, z):
+            return dequantize_rowwise(q, s) if lq.method == "int8" else dequantize_int4(q, s, z, lq.group_size)
+        s, z = tensors[prefix + sep + "scales"], tensors.get(prefix + sep + "zeros")
+        w = torch.stack([deq(t[e], s[e], None if z is None else z[e]) for e in range(t.shape[0])]) if expert \
+            else deq(t, s, z)
+        out[prefix + ("_weight" if expert else ".weight")] = w
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4-rtn"])
+def test_quantized_experts_serve_their_dequantized_weights(method, tiny_engine):
+    """A Qwen3-MoE engine with int8 / int4 (RTN) experts: the experts are stored quantized, the
+    logits equal those of the engine whose experts are float and hold the dequantized values, and
+    the rounding error is reported per projection."""
+    import dataclasses
+    from safetensors.torch import load_file
+    from tritium.backend.models.decoder import DecoderLM
+    path = tiny_engine("qwen3_moe", quantization=method, eval_tokens=0)
+    cfg, model, _ = load_engine(path, "cpu")
+    tensors = load_file(f"{path}/rank0.safetensors")
+    kind = "int8" if method == "int8" else "int4"
+    assert cfg.quantization.layers["layers.1.experts.gate_up"].method == kind
+    assert tensors["layers.1.experts.down_qweight"].dtype == (torch.int8 if kind == "int8" else torch.uint8)
+    assert "layers.1.experts.down_weight" not in tensors and "layers.0.gate_up_proj.qweight" in tensors
+    # the oracle: the same engine with float experts holding the dequantized values (the dense
+    # linears keep their own quantized modules, tested in test_quant_*.py)
+    deq = _dequantized(cfg, tensors)
+    layers = {k: v for k, v in cfg.quantization.layers.items() if ".experts." not in k}
+    ref_model = DecoderLM(dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, layers=layers)))
+    ref_model.load_engine_weights({**{k: v for k, v in tensors.items() if ".experts." not in k},
+                                   **{k: v for k, v in deq.items() if ".experts." in k}})
+    for ids in PROMPTS[:2]:
+        got, ref = prompt_logits(model, ids), prompt_logits(ref_model.eval(), ids)
+        assert rel_err(got, ref) < 1e-5, (method, rel_err(got, ref))
+    report = json.load(open(f"{path}/build_report.json"))
+    errs = [v["rel_weight_error"] for k, v in report["quantization_report"]["layers"].items() if ".experts." in k]
+    assert len(errs) == 4 and max(errs) < (0.01 if kind == "int8" else 0.15), errs

@@ -10,6 +10,7 @@ Engine tensors of a sparse layer i:
     layers.{i}.router.weight                  (E, hidden)
     layers.{i}.experts.gate_up_weight         (E, 2 I, hidden)   [gate; up] rows per expert
     layers.{i}.experts.down_weight            (E, hidden, I)
+    (quantized experts: layers.{i}.experts.{gate_up,down}_{qweight,scales[,zeros]}, see Experts)
     layers.{i}.shared_expert.{gate_up_proj,down_proj}.weight, layers.{i}.shared_expert_gate.weight
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from tritium.kernels import ops
+from tritium.kernels.moe_ref import QuantExperts
 
 from .layer import DecoderLayer
 from .linear import DenseLinear, make_linear
@@ -36,12 +38,41 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> Tup
 
 
 class Experts(nn.Module):
-    """The stacked expert weights one fused-MoE call reads."""
+    """The stacked expert weights one fused-MoE call reads, per projection ("gate_up", "down")
+    float `{proj}_weight` (E, N, K) or, when QuantConfig.layers["layers.{i}.experts.{proj}"] says
+    so, the per-linear int8 / int4 layout stacked per expert: `{proj}_qweight`, `{proj}_scales`
+    (and int4's `{proj}_zeros`), see kernels/moe_ref.QuantExperts."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, cfg, idx: int, dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("gate_up_weight", torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
-        self.register_buffer("down_weight", torch.empty(num_experts, hidden, inter, dtype=dtype))
+        m = cfg.model
+        e, h, inter = m.num_experts, m.hidden_size, m.moe_intermediate_size
+        self.quant = {}
+        for proj, n, k in (("gate_up", 2 * inter, h), ("down", h, inter)):
+            lq = cfg.quantization.layers.get(f"layers.{idx}.experts.{proj}")
+            method = getattr(lq, "method", "none")
+            if method == "none":
+                self.register_buffer(f"{proj}_weight", torch.empty(e, n, k, dtype=dtype))
+            elif method == "int8":
+                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=torch.int8))
+                self.register_buffer(f"{proj}_scales", torch.empty(e, n, dtype=torch.float32))
+            elif method == "int4":
+                g = lq.group_size
+                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k // 2, dtype=torch.uint8))
+                self.register_buffer(f"{proj}_scales", torch.empty(e, k // g, n, dtype=torch.float32))
+                self.register_buffer(f"{proj}_zeros", torch.empty(e, k // g, n, dtype=torch.float32))
+            else:
+                raise ValueError(f"quantization.layers.layers.{idx}.experts.{proj}.method {method!r} not supported; "
+                                 f"allowed: none, int8, int4")
+            self.quant[proj] = (method, getattr(lq, "group_size", None))
+
+    def weights(self, proj: str):
+        """What ops.fused_moe takes for this projection: a float tensor or a QuantExperts."""
+        method, group = self.quant[proj]
+        if method == "none":
+            return getattr(self, f"{proj}_weight")
+        return QuantExperts(method, getattr(self, f"{proj}_qweight"), getattr(self, f"{proj}_scales"),
+                            getattr(self, f"{proj}_zeros", None), group)
 
 
 class SharedExpert(nn.Module):
@@ -69,7 +100,7 @@ class SparseMoE(GatedMLP):
         self.act_mul = ACTIVATIONS[m.activation]
         self.top_k, self.norm_topk_prob = m.num_experts_per_tok, m.norm_topk_prob
         self.router = DenseLinear(m.hidden_size, m.num_experts, False, dtype)
-        self.experts = Experts(m.num_experts, m.hidden_size, m.moe_intermediate_size, dtype)
+        self.experts = Experts(cfg, idx, dtype)
         si = m.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(cfg, idx, si, dtype) if si else None
         self.shared_expert_gate = DenseLinear(m.hidden_size, 1, False, dtype) if si and m.shared_expert_gate else None
@@ -83,7 +114,8 @@ class SparseMoE(GatedMLP):
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
-        out = ops.fused_moe(x, self.experts.gate_up_weight, self.experts.down_weight, weights, ids, self.act_mul)
+        out = ops.fused_moe(x, self.experts.weights("gate_up"), self.experts.weights("down"), weights, ids,
+                            self.act_mul)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:
