@@ -303,6 +303,12 @@ class EngineConfig:
                                      ("rope.scaling_type", m.rope.scaling_type, SUPPORTED_ROPE_TYPES)):
             if value not in allowed:
                 raise EngineFormatError(f"model.{name} {value!r} is not supported; supported: {', '.join(allowed)}")
+        if m.rope_local is not None and m.rope_local.scaling_type not in SUPPORTED_ROPE_TYPES:
+            raise EngineFormatError(f"model.rope_local.scaling_type {m.rope_local.scaling_type!r} is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        bad = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
         self._validate_moe()
         if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
             raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")

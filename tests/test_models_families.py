@@ -62,10 +62,10 @@ def test_phi3_long_factors_beyond_the_original_context(tiny_checkpoint, tiny_eng
     assert rel_err(prompt_logits(model, ids), ref) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_bf16_within_stated_tolerance(family, tiny_checkpoint, tiny_engine):
     ref_model = hf_model(tiny_checkpoint(family))
-    _, model, _ = load_engine(tiny_engine(family, "bfloat16"), "cpu")
+    _, model, _ = load_engine(tiny_engine(family, "bfloat16", **BUILD.get(family, {})), "cpu")
     ids = PROMPTS[0]
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
@@ -134,3 +134,29 @@ def test_qwen3_sliding_layers_above_max_window_layers(tiny_checkpoint, tmp_path)
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
     assert rel_err(prompt_logits(model, ids), ref) < 1e-4
+
+
+def test_format_version_1_engine_loads_with_llama_defaults(tiny_engine, tmp_path):
+    """An engine.json written before the family fields existed (format_version 1, none of them)
+    loads with Llama's defaults and computes the same logits."""
+    import shutil
+    from tritium.backend.config import ModelConfig
+    src = tiny_engine("qwen2", "float32")
+    old = tmp_path / "old"
+    shutil.copytree(src, old)
+    cfg = json.loads((old / "engine.json").read_text())
+    new_fields = ("activation", "norm_placement", "qk_norm", "o_proj_bias", "mlp_bias", "attention_scale",
+                  "attn_logit_softcap", "final_logit_softcap", "embedding_multiplier", "residual_multiplier",
+                  "logits_scaling", "rotary_dim", "rope_local", "nope_layers")
+    assert set(new_fields) <= set(ModelConfig.__dataclass_fields__)
+    for f in new_fields:
+        cfg["model"].pop(f)
+    for f in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor",
+              "short_factor", "long_factor"):
+        cfg["model"]["rope"].pop(f)
+    cfg["format_version"] = 1
+    (old / "engine.json").write_text(json.dumps(cfg))
+    _, a, _ = load_engine(src, "cpu")
+    b_cfg, b, _ = load_engine(str(old), "cpu")
+    assert b_cfg.format_version == 1 and b_cfg.model.norm_placement == "pre"
+    torch.testing.assert_close(prompt_logits(b, PROMPTS[0]), prompt_logits(a, PROMPTS[0]), rtol=0, atol=0)

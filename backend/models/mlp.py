@@ -21,6 +21,7 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2n) = [gate | up] -> gelu(gate) * up (the exact erf GELU)."""
     n = x.shape[-1] // 2
     return F.gelu(x[..., :n]) * x[..., n:]
 

@@ -43,6 +43,7 @@ class Family:
 
 
 def activation(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:
+    """ModelConfig.activation of the HF activation named by cfg[key]; refuses the others."""
     name = cfg.get(key) or default
     if name not in ACTIVATIONS:
         raise FamilyConfigError(f"{key} {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
@@ -60,4 +61,5 @@ def positive(cfg: dict, key: str) -> Optional[float]:
 
 
 def llama_fields(cfg: dict) -> dict:
+    """The fields every Llama-like family reads: the MLP activation and bias."""
     return {"activation": activation(cfg), "mlp_bias": bool(cfg.get("mlp_bias", False))}
