@@ -239,3 +239,13 @@ def test_quantized_experts_serve_their_dequantized_weights(method, tiny_engine):
     report = json.load(open(f"{path}/build_report.json"))
     errs = [v["rel_weight_error"] for k, v in report["quantization_report"]["layers"].items() if ".experts." in k]
     assert len(errs) == 4 and max(errs) < (0.01 if kind == "int8" else 0.15), errs
+
+
+@pytest.mark.parametrize("flags", [dict(quantization="int4-gptq"), dict(quantization="fp8"), dict(tensor_parallel_size=2)])
+def test_moe_build_refuses_what_it_cannot_do_naming_the_flag(flags, tiny_checkpoint, tmp_path):
+    from tritium.builder.build import BuildOptions, build_engine
+    with pytest.raises(ValueError) as e:
+        build_engine(BuildOptions(source=tiny_checkpoint("olmoe"), output=str(tmp_path / "e"), progress=False, **flags))
+    flag = "--quantization" if "quantization" in flags else "--tensor-parallel-size"
+    assert flag in str(e.value) and "mixture-of-experts" in str(e.value), str(e.value)
+    assert not (tmp_path / "e" / "engine.json").exists()
