@@ -337,9 +337,11 @@ class EngineConfig:
                                     f"[1, num_experts {m.num_experts}]")
         if m.moe_intermediate_size <= 0:
             raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
-        if self.tensor_parallel_size > 1:
-            raise EngineFormatError("tensor_parallel_size > 1 is not supported for mixture-of-experts "
-                                    "models yet (model.num_experts > 0); build with tensor_parallel_size 1")
+        quantized = [k for k, lq in self.quantization.layers.items()
+                     if ".experts." in k and getattr(lq, "method", "none") != "none"]
+        if self.tensor_parallel_size > 1 and quantized:
+            raise EngineFormatError(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
+                                    f"supported; allowed: float experts, or tensor_parallel_size 1")
 
     # ---- files -------------------------------------------------------------------------
     def save(self, engine_dir: str) -> None:

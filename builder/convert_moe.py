@@ -6,7 +6,7 @@ experts.down_weight[e] (hidden, I); the router (HF `gate`) and a shared expert k
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
@@ -42,10 +42,30 @@ def check_moe_build(m: ModelConfig, opts, imported) -> None:
     """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag)."""
     if not m.num_experts:
         return
-    if opts.tensor_parallel_size > 1:
-        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size}: mixture-of-experts models "
-                         f"({m.architecture}, {m.num_experts} experts) are built for one device only for now; allowed: 1")
+    if opts.tensor_parallel_size > 1 and opts.quantization != "none":
+        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size} with --quantization {opts.quantization}: "
+                         f"the quantized experts of mixture-of-experts models ({m.architecture}) are not split across ranks yet; allowed: "
+                         f"--quantization none with tensor parallelism, or --tensor-parallel-size 1")
     if opts.quantization not in MOE_QUANTIZATION or imported is not None:
         what = f"--quantization {opts.quantization}" if imported is None else "a pre-quantized source"
         raise ValueError(f"{what}: not supported for mixture-of-experts models ({m.architecture}) yet; "
                          f"allowed: --quantization {' / '.join(MOE_QUANTIZATION)}")
+
+
+def shard_moe_tensor(name: str, t: torch.Tensor, layout, r: int) -> Optional[torch.Tensor]:
+    """Rank r's part of an MoE engine tensor (builder/tp_shard.py), None if `name` is not one.
+    Experts and the shared expert are split by columns like a dense MLP: [gate; up] rows and down
+    columns of the rank's intermediate features; the router and the shared expert's gate are
+    replicated (every rank routes the same, identical hidden states)."""
+    if ".experts." not in name and ".shared_expert." not in name:
+        return None
+    shared = ".shared_expert." in name
+    start = sum(lay.shared_intermediate if shared else lay.moe_intermediate for lay in layout[:r])
+    width = layout[r].shared_intermediate if shared else layout[r].moe_intermediate
+    cols = torch.arange(start, start + width)
+    if name.endswith(("experts.gate_up_weight", "shared_expert.gate_up_proj.weight")):
+        inter = t.shape[-2] // 2
+        return t.index_select(t.dim() - 2, torch.cat([cols, inter + cols]))
+    if name.endswith(("experts.down_weight", "shared_expert.down_proj.weight")):
+        return t.index_select(t.dim() - 1, cols)
+    raise ValueError(f"{name}: no tensor-parallel split for this MoE tensor (quantized experts are not split)")

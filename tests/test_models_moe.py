@@ -23,6 +23,7 @@ from tritium.builder.convert import CheckpointError
 from tritium.builder.hf_loader import model_config_from_hf
 from simple_generate import generate_simple, prompt_logits
 from test_models_engine import run_staggered, workload
+from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,11 +242,34 @@ def test_quantized_experts_serve_their_dequantized_weights(method, tiny_engine):
     assert len(errs) == 4 and max(errs) < (0.01 if kind == "int8" else 0.15), errs
 
 
-@pytest.mark.parametrize("flags", [dict(quantization="int4-gptq"), dict(quantization="fp8"), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("flags", [dict(quantization="int4-gptq"), dict(quantization="fp8"),
+                                   dict(quantization="int8", tensor_parallel_size=2)])
 def test_moe_build_refuses_what_it_cannot_do_naming_the_flag(flags, tiny_checkpoint, tmp_path):
     from tritium.builder.build import BuildOptions, build_engine
     with pytest.raises(ValueError) as e:
         build_engine(BuildOptions(source=tiny_checkpoint("olmoe"), output=str(tmp_path / "e"), progress=False, **flags))
-    flag = "--quantization" if "quantization" in flags else "--tensor-parallel-size"
+    flag = "--tensor-parallel-size" if "tensor_parallel_size" in flags else "--quantization"
     assert flag in str(e.value) and "mixture-of-experts" in str(e.value), str(e.value)
     assert not (tmp_path / "e" / "engine.json").exists()
+
+
+@pytest.mark.usefixtures("tp_timeout")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_experts_split_by_columns_equals_tp1(family, tiny_engine):
+    """TP = 2 (every expert and the shared expert split by intermediate features, the router
+    replicated, the partial sums all-reduced over gloo) == TP = 1: greedy tokens and logits."""
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        path = tiny_engine(family, "float32", **({"tensor_parallel_size": 2} if tp == 2 else {}))
+        kw = {"threads_per_rank": 1} if tp == 2 else {}
+        with LLMEngine(path, device="cpu", num_kv_blocks=64, **kw) as e:
+            logs = record_logits(e)
+            outs = e.generate(prompt_token_ids=prompts, params=greedy)
+            runs.append(([o.outputs[0].token_ids for o in outs], logs))
+        if tp == 2:
+            assert not wait_no_workers(path), "a worker outlived close()"
+    (tok1, log1), (tok2, log2) = runs
+    assert tok2 == tok1
+    assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
