@@ -337,6 +337,9 @@ class EngineConfig:
                                     f"[1, num_experts {m.num_experts}]")
         if m.moe_intermediate_size <= 0:
             raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
+        bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
         quantized = [k for k, lq in self.quantization.layers.items()
                      if ".experts." in k and getattr(lq, "method", "none") != "none"]
         if self.tensor_parallel_size > 1 and quantized:
