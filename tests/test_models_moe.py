@@ -303,3 +303,18 @@ def test_engine_json_moe_fields_checked_at_load(field, value, needle, tiny_engin
     with pytest.raises(EngineFormatError) as e:
         EngineConfig.from_dict(d)
     assert needle in str(e.value), str(e.value)
+
+
+def test_int8_kv_cache_batched_equals_alone(tiny_engine):
+    """An int8 KV cache on an MoE model (its scales calibrated through the sparse layers):
+    mixed rows batched == each alone in a fresh engine with the same cache."""
+    path = tiny_engine("qwen3_moe", kv_cache_dtype="int8", block_size=4, calibration_samples=4)
+    engine = LLMEngine(path, device="cpu", num_kv_blocks=128)
+    assert engine.runner.kv_caches[0][0].dtype == torch.int8
+    reqs, arrivals = workload(seed=5, n=6)
+    outs = run_staggered(engine, reqs, arrivals)
+    solo_engine = LLMEngine(path, device="cpu", num_kv_blocks=128)
+    for (prompt, max_tokens), out in zip(reqs, outs):
+        (solo,) = solo_engine.generate(prompt_token_ids=[prompt], params=SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        assert out.outputs[0].token_ids == solo.outputs[0].token_ids
