@@ -13,7 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
+from tritium.backend.guided.surfaces import to_tensors
+from tritium.client.generate_inputs import chat_messages, guide_from_args, parse_prompt_ids, read_input_file
 
 DEFAULT_MODEL = "smollm2"
 
@@ -50,6 +51,7 @@ def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -
         params["return_log_probs"] = True  # the sampled token's logprob (the contract has no top-N)
     if getattr(args, "ignore_eos", False):
         params["sampling_parameters"] = json.dumps({"ignore_eos": True})
+    params.update(to_tensors(guide_from_args(args)))  # --json-schema / --regex / --choice / --grammar
     return params
 
 

@@ -7,6 +7,7 @@ against transformers' own config classes."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -66,12 +67,14 @@ def test_phi3_long_factors_beyond_the_original_context(tiny_checkpoint, tiny_eng
 def test_bf16_within_stated_tolerance(family, tiny_checkpoint, tiny_engine):
     ref_model = hf_model(tiny_checkpoint(family))
     _, model, _ = load_engine(tiny_engine(family, "bfloat16", **BUILD.get(family, {})), "cpu")
-    ids = PROMPTS[0]
+    # 40 positions: random tiny models have many near-ties, so fewer make the 90% a coin toss
+    ids = PROMPTS[0] + [(i * 37 + 11) % 997 + 3 for i in range(19)]
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
     ours = prompt_logits(model, ids)
     assert rel_err(ours, ref) < 3e-2, rel_err(ours, ref)
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    agree = int((ours.argmax(-1) == ref.argmax(-1)).sum())
+    assert agree >= math.ceil(0.9 * len(ids)), (family, agree, len(ids))
 
 
 def _config(tiny_checkpoint, family) -> dict:

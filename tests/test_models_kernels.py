@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_env import assert_close, new_rng
 
-from tritium.kernels.paged_attention import paged_attention_ref
+from tritium.kernels.attention_ref import paged_attention_ref
 from tritium.kernels.paged_decode import paged_decode
 from tritium.kernels.prefill_attention import paged_attention
 from test_kernels_attention import _prefill_lens, make_batch
@@ -62,7 +62,7 @@ def test_native_cpu_decode_softcap_matches_float64(hq, hkv, d, bs, window):
     decode rows of a bf16 cache, against cap * tanh(s / cap) attention written out in float64."""
     from tritium.kernels import cpu_native
     from tritium.kernels.attention_metadata import AttentionMetadata
-    from tritium.kernels.paged_attention import paged_attention_cpu
+    from tritium.kernels.attention_cpu import paged_attention_cpu
     if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
         pytest.skip("CPU without AVX512-BF16: soft-capped decode rows use paged_attention_ref here")
     assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
