@@ -22,7 +22,7 @@ BUILD_REPORT_FILE = "build_report.json"
 
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
-                           "granite", "smollm3")
+                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -40,6 +40,8 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
+# How an MoE router turns its logits into expert weights: softmax over all experts, then top-k.
+SUPPORTED_ROUTER_SCORING = ("softmax",)
 
 
 class EngineFormatError(ValueError):
@@ -110,6 +112,15 @@ class ModelConfig:
     # Sliding-window layers rotate with this rope instead of `rope` (Gemma 3's local base).
     rope_local: Optional[RopeConfig] = None
     nope_layers: tuple = ()  # layers without RoPE (SmolLM3's no_rope_layers)
+    # ---- mixture of experts (backend/models/moe.py); num_experts 0 = a dense model ----------
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate size (dense layers: intermediate_size)
+    router_scoring: str = "softmax"  # one of SUPPORTED_ROUTER_SCORING
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalized to sum to one
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen2-MoE has one)
+    shared_expert_gate: bool = False  # shared expert output times sigmoid(x . w) (Qwen2-MoE)
+    dense_layers: tuple = ()  # layers that keep the dense MLP (mlp_only_layers, decoder_sparse_step)
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -119,6 +130,10 @@ class ModelConfig:
         if layer in self.nope_layers:
             return None
         return "local" if self.rope_local is not None and self.window(layer) is not None else "global"
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -236,6 +251,7 @@ class EngineConfig:
             if m.get("rope_local") is not None:
                 m["rope_local"] = _rope_from_dict(m["rope_local"])
             m["nope_layers"] = tuple(m.get("nope_layers", ()))
+            m["dense_layers"] = tuple(m.get("dense_layers", ()))
             m["sliding_windows"] = tuple(m.get("sliding_windows", ()))
             m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
             model = ModelConfig(**m)
@@ -300,6 +316,7 @@ class EngineConfig:
         bad = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
         if bad:
             raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+        self._validate_moe()
         if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
             raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")
         tp = self.tensor_parallel_size
@@ -314,6 +331,27 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len", "block_size"):
             if getattr(lim, name) <= 0:
                 raise EngineFormatError(f"limits.{name} must be > 0")
+
+    def _validate_moe(self) -> None:
+        m = self.model
+        if m.num_experts == 0:
+            return
+        if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
+            raise EngineFormatError(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
+        if not 0 < m.num_experts_per_tok <= m.num_experts:
+            raise EngineFormatError(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
+                                    f"[1, num_experts {m.num_experts}]")
+        if m.moe_intermediate_size <= 0:
+            raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
+        bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+        quantized = [k for k, lq in self.quantization.layers.items()
+                     if ".experts." in k and getattr(lq, "method", "none") != "none"]
+        if self.tensor_parallel_size > 1 and quantized:
+            raise EngineFormatError(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
+                                    f"supported; allowed: float experts, or tensor_parallel_size 1")
 
     # ---- files -------------------------------------------------------------------------
     def save(self, engine_dir: str) -> None:

@@ -12,6 +12,8 @@ import torch
 from tritium.backend.config import ModelConfig
 from tritium.backend.models.families import FAMILIES
 
+from .convert_moe import moe_layer_tensors
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be turned into an engine; the message names file/tensor/field."""
@@ -67,16 +69,19 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
         yield f"layers.{i}.o_proj.weight", g(p + "self_attn.o_proj.weight", (h, qd))
         if m.o_proj_bias:
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
-        if fam.fused_gate_up:  # Phi-3 stores [gate; up] rows, the engine's order
+        if m.sparse(i):
+            yield from moe_layer_tensors(m, fam, i, g)
+        elif fam.fused_gate_up:  # Phi-3 stores [gate; up] rows, the engine's order
             yield f"layers.{i}.gate_up_proj.weight", g(p + "mlp.gate_up_proj.weight", (2 * inter, h))
         else:
             yield f"layers.{i}.gate_up_proj.weight", torch.cat([
                 g(p + "mlp.gate_proj.weight", (inter, h)), g(p + "mlp.up_proj.weight", (inter, h))], 0)
-        if m.mlp_bias:
+        if m.mlp_bias and not m.sparse(i):
             yield f"layers.{i}.gate_up_proj.bias", torch.cat([
                 g(p + "mlp.gate_proj.bias", (inter,)), g(p + "mlp.up_proj.bias", (inter,))], 0)
-        yield f"layers.{i}.down_proj.weight", g(p + "mlp.down_proj.weight", (h, inter))
-        if m.mlp_bias:
+        if not m.sparse(i):
+            yield f"layers.{i}.down_proj.weight", g(p + "mlp.down_proj.weight", (h, inter))
+        if m.mlp_bias and not m.sparse(i):
             yield f"layers.{i}.down_proj.bias", g(p + "mlp.down_proj.bias", (h,))
     yield "norm.weight", norm("model.norm.weight", (h,))
     if not m.tie_word_embeddings:

@@ -124,14 +124,14 @@ def model_config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
         rope_local = RopeConfig(theta=float(cfg["rope_local_base_freq"]))
     windows: tuple = ()
     sw = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        sw = None  # Qwen2 / Qwen3 / SmolLM3 keep the field (Qwen2-MoE as 0) but switch it off
     lt = _layer_types(cfg, family, layers, path)
     if sw is not None and (not isinstance(sw, int) or sw <= 0):
         raise CheckpointError(f"{path}: sliding_window {sw!r} must be a positive integer or null")
-    if cfg.get("use_sliding_window") is False:
-        sw = None  # Qwen2 / Qwen3 / SmolLM3 keep the field but switch it off
     if lt is not None:
         windows = tuple(int(sw) if (t == "sliding_attention" and sw) else None for t in lt)
-    elif arch in ("mistral", "phi3") and sw:
+    elif arch in ("mistral", "phi3", "mixtral") and sw:
         windows = (int(sw),) * layers
     elif arch in ("qwen2", "qwen3") and sw:
         mwl = int(cfg.get("max_window_layers", layers))

@@ -163,11 +163,13 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
     """Quantize layer i's linears in `new` (engine tensors, replaced not mutated) and load the
     dequantized result into `layer` (a float DecoderLayer). Returns per-linear report entries."""
     pre = f"layers.{i}."
-    W = {lin: new[pre + lin + ".weight"].float() for lin in LINEARS}
+    # A sparse MoE layer has no dense gate_up_proj / down_proj (its experts stay float).
+    lins = tuple(lin for lin in LINEARS if pre + lin + ".weight" in new)
+    W = {lin: new[pre + lin + ".weight"].float() for lin in lins}
     orig = {lin: w for lin, w in W.items()}
     report = {}
     alphas = _awq_fold(cfg, i, W, new, plan, stats) if method == "int4-awq" else {}
-    for lin in LINEARS:
+    for lin in lins:
         name = pre + lin
         lq = plan.get(name)
         mod = getattr(layer, lin)

@@ -36,6 +36,10 @@ class Family:
     o_proj_bias: bool = True  # o_proj carries a bias when attention_bias is set (not Qwen2 / Mistral)
     # The layer_types transformers derives when config.json has none: (config, i) -> sliding?
     default_sliding: Optional[Callable[[dict, int], bool]] = None
+    # Mixture of experts (families/moe.py): the HF module holding router and experts in a layer,
+    # and what an expert calls its gate, up and down projections.
+    moe_block: str = "mlp"
+    expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 def activation(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:
