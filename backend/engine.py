@@ -17,8 +17,10 @@ from .config import EngineConfig, with_deterministic
 from .detokenizer import IncrementalDetokenizer
 from .guided import state as guided
 from .loader import load_engine
+from .kv_budget import cuda_kv_blocks
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
+from .placement import bind_thread, check_utilization, model_device
 from .prompt_limits import encode_prompt, max_token_chars
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -30,6 +32,7 @@ from .speculative.verify import verify
 from .stats import engine_stats
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 # Steps with fewer tokens than this are "small" (a few decodes): see ThreadPolicy.
 SMALL_STEP_TOKENS = 4
 
@@ -65,20 +68,27 @@ class LLMEngine:
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
-                 deterministic: Optional[bool] = None):  # None: the engine's own setting
+                 deterministic: Optional[bool] = None,  # None: the engine's own setting
+                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
+        if gpu_memory_utilization is not None:
+            check_utilization(gpu_memory_utilization)
         cfg, model, tokenizer = load_engine(engine_dir, device)
+        draft = None  # loaded first on CUDA: the KV budget is split between the target and the draft
+        if speculative is not None and speculative.method == "draft" and model_device(model).type == "cuda":
+            draft = load_engine(speculative.draft_engine_dir, str(model_device(model)))
+        memory = (gpu_memory_utilization, instances_on_device, draft, speculative)
         cfg = with_deterministic(cfg, deterministic)
         runner = None
         if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
-            runner = ParallelRunner(engine_dir, cfg, model, next(iter(model.buffers())).device, num_kv_blocks,
+            runner = ParallelRunner(engine_dir, cfg, model, model_device(model), num_kv_blocks,
                                     kv_cache_memory_bytes, threads_per_rank)
         try:
             self._setup(cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                        enable_prefix_caching, kv_cache_memory_bytes, runner)
+                        enable_prefix_caching, kv_cache_memory_bytes, runner, memory)
             if speculative is not None:
-                self.enable_speculation(speculative)
+                self.enable_speculation(speculative, loaded_draft=draft)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -101,21 +111,24 @@ class LLMEngine:
             self.enable_speculation(speculative)
         return self
 
-    def enable_speculation(self, config: SpeculativeConfig, draft_engine: Optional["LLMEngine"] = None) -> None:
+    def enable_speculation(self, config: SpeculativeConfig, draft_engine: Optional["LLMEngine"] = None,
+                           loaded_draft=None) -> None:
         """Turn on speculative decoding (docs/speculative.md). Method "draft" loads
         config.draft_engine_dir (or uses draft_engine's model) as the proposer; it must have this
         engine's vocabulary."""
         config.validate()
         draft = None
         if config.method == "draft":
-            if draft_engine is None:
+            if loaded_draft is not None:
+                dcfg, dmodel, dtok = loaded_draft
+            elif draft_engine is None:
                 dcfg, dmodel, dtok = load_engine(config.draft_engine_dir, str(self.device))
             else:
                 dcfg, dmodel, dtok = draft_engine.config, draft_engine.runner.model, draft_engine.tokenizer
             if dcfg.tensor_parallel_size > 1:
                 raise ValueError("the draft engine must be a single-rank engine (tensor_parallel_size 1), "
                                  f"got tensor_parallel_size {dcfg.tensor_parallel_size}")
-            num_blocks = config.draft_num_kv_blocks
+            num_blocks = config.draft_num_kv_blocks or getattr(self, "_draft_kv_blocks", None)
             if num_blocks is None:  # room for every token the target's pool holds, plus k per sequence
                 tokens = self.block_manager.num_blocks * self.block_size
                 num_blocks = cdiv(tokens, dcfg.limits.block_size) + self.scheduler.max_num_seqs * cdiv(
@@ -124,12 +137,18 @@ class LLMEngine:
         self.speculator = Speculator(config, draft)
 
     def _setup(self, cfg, model, tokenizer, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-               enable_prefix_caching, kv_cache_memory_bytes, runner=None):
+               enable_prefix_caching, kv_cache_memory_bytes, runner=None, memory=(None, 1, None, None)):
         self.config: EngineConfig = cfg
         self.tokenizer = tokenizer
-        self.device = next(iter(model.buffers())).device
+        self.device = model_device(model)
+        bind_thread(self.device)
+        self._draft_kv_blocks = None
         if runner is not None:
             num_kv_blocks = runner.num_blocks  # agreed by every rank
+        elif num_kv_blocks is None and kv_cache_memory_bytes is None and self.device.type == "cuda":
+            util, instances, draft, spec = memory  # docs/serving.md#placement
+            num_kv_blocks, self._draft_kv_blocks = cuda_kv_blocks(
+                cfg, model, self.device, util, instances, draft and draft[:2], spec and spec.draft_num_kv_blocks)
         elif num_kv_blocks is None:
             num_kv_blocks = num_blocks_for_budget(cfg, self.device, kv_cache_memory_bytes)
         elif isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:

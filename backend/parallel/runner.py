@@ -31,6 +31,7 @@ from typing import List, Optional
 import torch
 
 from ..model_runner import ModelRunner
+from ..placement import bind_thread
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, free_port, init_group, timeout_s as default_timeout_s
 from .handshake import agree_num_blocks
@@ -141,6 +142,7 @@ class ParallelRunner(ModelRunner):
 
         def init():
             try:
+                bind_thread(device)  # NCCL binds rank 0's communicator to the current device
                 init_group(0, self.world_size, addr, port, device, timeout_s)
                 result["ok"] = True
             except BaseException as e:  # reported by the polling loop below

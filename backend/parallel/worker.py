@@ -20,6 +20,7 @@ import torch
 
 from ..loader import load_engine
 from ..model_runner import ModelRunner
+from ..placement import bind_thread
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, init_group, timeout_s
 from .layout import layout_from_config
@@ -40,6 +41,7 @@ def _exit_with_parent(parent: int) -> None:
 
 def serve(args) -> int:
     device = torch.device(args.device)
+    bind_thread(device)  # this rank's GPU (cuda:<base + rank>), before the load, NCCL and any kernel
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, model, _ = load_engine(args.engine_dir, args.device, rank=args.rank)

@@ -3,7 +3,9 @@
 Installed as `<backend-dir>/tritium/model.py` (see tritium.client.server), so a model's
 config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Parameters:
 `engine_dir` (absolute, or relative to the model's folder; `~` expands; $VARS do not), and optional
-`num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device`,
+`num_kv_blocks`, `max_num_seqs`, `max_num_batched_tokens`, `enable_prefix_caching`, `device` (a
+KIND_GPU instance runs on cuda:<model_instance_device_id>), `gpu_memory_utilization` (KV cache budget
+on CUDA, shared by the instances on a GPU; docs/serving.md#placement),
 `max_queue_size` (waiting requests beyond which new ones fail as overloaded; default 1024),
 `num_threads` (torch intra-op threads; default every core) and `small_step_threads` (threads for
 steps of fewer than 4 tokens; default one fewer; see engine.ThreadPolicy), and for a
@@ -35,6 +37,7 @@ from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
 from tritium.backend.guided import state as guided_state
+from tritium.backend.placement import bind_thread, instance_device, instances_on_device
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
@@ -43,6 +46,7 @@ from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_backend.stream import RequestState, RowStream
 
+_ENGINE_FLOAT_PARAMS = ("gpu_memory_utilization",)
 _ENGINE_INT_PARAMS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_queue_size",
                       "threads_per_rank")
 DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
@@ -71,9 +75,28 @@ def _engine_kwargs(params: dict) -> dict:
             if v not in ("true", "false", "1", "0"):
                 raise ValueError(f"parameter {name} must be true or false, got {v!r}")
             kw[name] = v in ("true", "1")
+    for name in _ENGINE_FLOAT_PARAMS:
+        v = params.get(name, "").strip()
+        if v:
+            try:
+                kw[name] = float(v)
+            except ValueError:
+                raise ValueError(f"parameter {name} must be a number in (0, 1], got {v!r}") from None
     if params.get("device", "").strip():
         kw["device"] = params["device"].strip()
     return kw
+
+
+def _placement(args: dict, model_config: dict, kwargs: dict) -> None:
+    """Triton's model_instance_kind / model_instance_device_id -> kwargs device (cuda:<id> for
+    KIND_GPU) and instances_on_device (docs/serving.md#placement)."""
+    kind, dev_id = args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0")
+    device = instance_device(kind, dev_id, kwargs.get("device"))
+    if device is not None:
+        kwargs["device"] = device
+        if device.startswith("cuda"):
+            kwargs.setdefault("instances_on_device", instances_on_device(model_config, dev_id))
+            bind_thread(device)  # the load and warm-up run in this thread
 
 
 def _speculative(params: dict, model_dir: str):
@@ -122,6 +145,7 @@ class TritonPythonModel:
         engine_dir = resolve_path(params["engine_dir"], model_dir)
         try:
             kwargs = _engine_kwargs(params)
+            _placement(args, self.model_config, kwargs)
             policy = _thread_policy(params, _tensor_parallel_size(engine_dir), kwargs)
             spec = _speculative(params, model_dir)
             if spec is not None:
