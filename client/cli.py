@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     "tritium.kernels.bench",        # bench-kernels (Triton kernels on a CUDA GPU)
     "tritium.client.bench_cli",     # bench (serving benchmark; --hf-baselines: engine vs HF transformers)
     "tritium.client.compare_cli",   # compare (side by side with llama.cpp's llama-server)
+    "tritium.client.gpu_check",     # gpu-check (the CUDA path in one run; CPU parts without CUDA)
 ]
 
 
