@@ -15,16 +15,21 @@ import traceback
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from .engine import LLMEngine
+from .errors import TritiumError
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(TritiumError, RuntimeError):
     """The loop thread hit an internal error; pending requests are failed with it."""
 
+    code = "unavailable"
 
-class EngineOverloadedError(RuntimeError):
+
+class EngineOverloadedError(TritiumError, RuntimeError):
     """The waiting queue is full (max_queue_size): the request was not added; retry later."""
+
+    code = "overloaded"
 
 
 class AsyncLLMEngine:
@@ -94,7 +99,7 @@ class AsyncLLMEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
         if self._stopped:
-            raise RuntimeError("engine is shut down")
+            raise EngineDeadError("engine is shut down")
         waiting = len(self.engine.scheduler.waiting)
         if self.max_queue_size is not None and waiting >= self.max_queue_size:
             self.num_rejected += 1

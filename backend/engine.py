@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict, List, Optional
 
@@ -15,6 +16,7 @@ import torch
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .errors import RequestError
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
@@ -147,23 +149,23 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def _validate(self, request_id, prompt, prompt_token_ids, params, priority) -> List[int]:
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", field="request_id")
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestError(f"request_id {request_id!r} is already in use", field="request_id")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+            raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
         if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
+            raise RequestError("give exactly one of prompt and prompt_token_ids", field="prompt")
         vocab = self.config.model.vocab_size
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}", field="prompt")
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise RequestError("prompt must not be empty", field="prompt")
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+                raise RequestError("this engine has no tokenizer; pass prompt_token_ids", field="prompt")
             if self._token_chars is None:
                 self._token_chars = max_token_chars(self.tokenizer)
             ids = encode_prompt(self.tokenizer, prompt, self.max_seq_len, self._token_chars)
@@ -171,18 +173,21 @@ class LLMEngine:
             ids = list(prompt_token_ids)
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids entries must be integers in [0, {vocab}), got {t!r}")
-        params.validate(self.max_seq_len, vocab, len(ids))
+                    raise RequestError(f"prompt_token_ids entries must be integers in [0, {vocab}), got {t!r}",
+                                       field="prompt")
+        params.check_context(self.max_seq_len, vocab, len(ids))
         if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n must be in [1, {self.scheduler.max_num_seqs}] (max_num_seqs), got {params.n}")
-        need = cdiv(len(ids) + params.max_tokens, self.block_size)
+            raise RequestError(f"n must be in [1, {self.scheduler.max_num_seqs}] (max_num_seqs), got {params.n}",
+                               field="n")
+        need = cdiv(len(ids) + (params.max_tokens or self.max_seq_len - len(ids)), self.block_size)
         if need > self.block_manager.num_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"request can never fit: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
                 f"{need} KV blocks of {self.block_size} tokens, the pool has {self.block_manager.num_blocks} "
-                f"(raise num_kv_blocks or lower max_tokens)")
-        if (params.stop_list or params.bad_words) and self.tokenizer is None:
-            raise ValueError("stop strings and bad_words need a tokenizer; this engine has none")
+                f"(raise num_kv_blocks or lower max_tokens)", field="max_tokens", code="too_long")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise RequestError("stop strings and bad_words need a tokenizer; this engine has none",
+                               field="stop" if params.stop else "bad_words")
         return ids
 
     def _bad_words_ids(self, words) -> List[List[int]]:
@@ -200,11 +205,13 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError naming the field; nothing else is touched."""
         params = SamplingParams() if params is None else params
         ids = self._validate(request_id, prompt, prompt_token_ids, params, priority)
+        if params.max_tokens is None:  # null: up to the end of the context
+            params = dataclasses.replace(params, max_tokens=self.max_seq_len - len(ids))
         req = Request(request_id, ids, params, priority, eos_token_ids=self.config.model.eos_token_ids,
                       stop_token_ids=params.stop_token_ids,
                       bad_words_ids=self._bad_words_ids(params.bad_words) if params.bad_words else ())
         for seq in req.seqs:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop_list) if self.tokenizer else None
+            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
 

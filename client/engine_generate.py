@@ -1,8 +1,8 @@
 """`tritium generate --engine`: the in-process path, on the in-flight LLMEngine.
 
 One prompt (text or --prompt-ids), or --input-file F.jsonl with one request per line:
-    {"prompt": "..."} or {"prompt_ids": [1, 2, 3]}, plus optional "max_tokens", "temperature",
-    "top_p", "top_k", "seed", "stop" (string or list of strings)
+    {"prompt": "..."} or {"prompt_ids": [1, 2, 3]}, plus any request field by its
+    sampling_parameters key ("max_tokens", "temperature", "stop", ...)
 All requests run together through the engine; results print as one JSON object per request
 (per sample when --n > 1), in input order:
     {"text", "token_ids", "prompt_token_ids", "finish_reason"} (+ "index" for n > 1, + "logprobs")
@@ -16,22 +16,14 @@ import json
 import sys
 
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
-from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("in-process engine (--engine)")
-    g.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop string (repeatable); it is not included in the output")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="return the sampled token's logprob plus the top N per token (raw model log-softmax)")
-    g.add_argument("--n", type=int, default=1, metavar="N", help="parallel samples per prompt (default 1)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold in [0, 1] (default 0)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (default 1)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--input-file", default=None, metavar="F.jsonl",
-                   help='one request per line: {"prompt": ...} or {"prompt_ids": [...]} plus optional '
-                        'max_tokens, temperature, top_p, top_k, seed, stop')
+                   help='one request per line: {"prompt": ...} or {"prompt_ids": [...]} plus any request '
+                        'field by its sampling_parameters key (max_tokens, temperature, stop, ...)')
     g.add_argument("--stats", action="store_true", help="after the results, print engine stats as one JSON object")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default: engine max batch)")
@@ -59,14 +51,7 @@ def speculative_config(args):
 
 def _params(args, overrides: dict):
     from tritium.backend.sampling_params import SamplingParams
-    stop = overrides.get("stop", args.stop)
-    return SamplingParams(
-        max_tokens=overrides.get("max_tokens", args.max_tokens),
-        temperature=overrides.get("temperature", args.temperature),
-        top_k=overrides.get("top_k", args.top_k), top_p=overrides.get("top_p", args.top_p),
-        seed=overrides.get("seed", args.seed), min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        ignore_eos=args.ignore_eos, stop=[stop] if isinstance(stop, str) else list(stop),
-        logprobs=args.logprobs, n=args.n)
+    return SamplingParams(**field_kwargs(args, overrides))
 
 
 def _result(out, comp, logprobs: bool, n: int) -> dict:
@@ -115,7 +100,8 @@ def run_engine(args: argparse.Namespace) -> int:
         except ValueError as e:
             where = f"{args.input_file}: request {i + 1}: " if args.input_file else ""
             raise ValueError(f"{where}{e}") from None
-    stream = getattr(args, "stream", False) and len(items) == 1 and args.n == 1 and not args.json
+    n = args.n or 1
+    stream = getattr(args, "stream", False) and len(items) == 1 and n == 1 and not args.json
     final, peak = {}, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -130,11 +116,11 @@ def run_engine(args: argparse.Namespace) -> int:
         out = final[i]
         for comp in out.outputs:
             if as_json:
-                print(json.dumps(_result(out, comp, args.logprobs is not None, args.n), ensure_ascii=False))
+                print(json.dumps(_result(out, comp, args.logprobs is not None, n), ensure_ascii=False))
             elif stream:
                 sys.stdout.write("\n")
             else:
-                if args.n > 1:
+                if n > 1:
                     print(f"--- sample {comp.index} ({comp.finish_reason})")
                 sys.stdout.write(comp.text + "\n")
     if args.stats:

@@ -14,18 +14,15 @@ def register(sub) -> None:
                    help="PROMPT (and each --input-file prompt) is a user message: the engine's chat template "
                         "turns it into the prompt (with --url: the server's engine's template)")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--json", action="store_true",
                    help='print one JSON object per line: {"text","token_ids","prompt_token_ids","finish_reason"}')
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    from tritium.client.generate_inputs import add_field_arguments
+    add_field_arguments(p)  # --max-tokens/--temperature/--stop/...: one flag per request field
     from tritium.client.remote_generate import add_remote_arguments
     add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
     from tritium.client.engine_generate import add_engine_arguments
-    add_engine_arguments(p)  # --stop/--logprobs/--n/--input-file/--stats/...: see engine_generate.py
+    add_engine_arguments(p)  # --input-file/--stats/--speculative/...: see engine_generate.py
     p.set_defaults(func=run)
 
 

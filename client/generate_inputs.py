@@ -1,9 +1,62 @@
-"""Prompt inputs of `tritium generate`, shared by the in-process and the server paths:
---prompt-ids, --input-file F.jsonl and --chat / --system."""
+"""Inputs of `tritium generate`, shared by the in-process and the server paths: the request-field
+flags (derived from the schema in backend/sampling_params.py), --prompt-ids, --input-file F.jsonl
+and --chat / --system."""
 from __future__ import annotations
 
+import argparse
 import json
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
+
+from tritium.backend.sampling_params import FIELDS
+
+
+def add_field_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per request field that declares `cli` (dest: the field name)."""
+    g = p.add_argument_group("request fields (the same names, ranges and defaults on every surface; docs/cli.md)")
+    for f in FIELDS:
+        if not f.cli:
+            continue
+        rng = f" in {f.range_text()}" if f.kind in ("int", "float") else ""
+        default = f.default_for_cli
+        shown = "" if default is None or default == [] else f"; default {default}"
+        help_ = f"{f.doc}{rng}{shown}"
+        if f.kind == "bool":
+            g.add_argument(f.cli, dest=f.name, action="store_true", default=None, help=help_)
+        elif f.kind in ("words", "ids"):
+            g.add_argument(f.cli, dest=f.name, action="append", type=f.cli_type(), default=None,
+                           metavar=f.name.upper()[:-1] if f.name.endswith("s") else f.name.upper(),
+                           help=f"{help_} (repeatable)")
+        elif f.kind == "bias":
+            g.add_argument(f.cli, dest=f.name, type=json.loads, default=None, metavar="JSON",
+                           help=f"{help_}, as JSON, e.g. '{{\"50256\": -100}}'")
+        else:
+            g.add_argument(f.cli, dest=f.name, type=f.cli_type(), default=None, metavar="N" if f.kind == "int" else "X",
+                           help=help_)
+
+
+def field_kwargs(args: argparse.Namespace, overrides: Dict[str, Any] = None) -> Dict[str, Any]:
+    """SamplingParams keyword arguments from the flags, then an --input-file line's keys (which win);
+    a flag left out takes the field's CLI default."""
+    o = overrides or {}
+    kw: Dict[str, Any] = {}
+    for f in FIELDS:
+        if f.json_key in o:
+            kw[f.name] = f.from_json(o[f.json_key], f.json_key)
+        elif f.cli and getattr(args, f.name, None) is not None:
+            kw[f.name] = getattr(args, f.name)
+        elif f.cli and f.default_for_cli != f.default:
+            kw[f.name] = f.default_for_cli
+    return kw
+
+
+def wire_json(kw: Dict[str, Any]) -> Dict[str, Any]:
+    """SamplingParams kwargs -> vllm_backend `sampling_parameters` JSON (json keys)."""
+    out = {}
+    for f in FIELDS:
+        if f.name in kw and f.json_key:
+            v = kw[f.name]
+            out[f.json_key] = {str(k): b for k, b in v.items()} if f.kind == "bias" and v else v
+    return out
 
 
 def chat_messages(args, text: str) -> list:
@@ -22,7 +75,7 @@ def parse_prompt_ids(s: str):
     return ids
 
 
-FILE_KEYS = {"prompt", "prompt_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+FILE_KEYS = {"prompt", "prompt_ids"} | {f.json_key for f in FIELDS if f.json_key}
 
 
 def read_input_file(path: str) -> List[Tuple[dict, dict]]:

@@ -1,15 +1,17 @@
 """OpenAI API requests -> the Tritium tensor contract; errors in OpenAI's JSON shape.
 
-Pure Python (no server, no FastAPI): parse_completion_request / parse_chat_request check every
-parameter the OpenAI API defines for /v1/completions and /v1/chat/completions, and raise
+Pure Python (no server, no FastAPI): parse_completion_request / parse_chat_request read every
+request field whose schema entry (backend/sampling_params.py) has an OpenAI name, build a
+SamplingParams from them (which checks them: one range per field, for every surface), and raise
 OpenAIError(400, ..., param=NAME) naming the first bad one. A parsed request holds one Triton
 request per prompt (the `requests` list: build_request() keyword dicts of
 tritium.client.triton_client), and what the answer needs (n, stream, logprobs, echo).
 
-Supported: max_tokens / max_completion_tokens, temperature, top_p, n, seed, stop,
-presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat), logit_bias, echo
-(completions), stream + stream_options.include_usage; and vLLM's extensions ignore_eos and
-min_tokens (benchmarks use them to fix output lengths). Ignored, as the API allows: user,
+Supported: the schema's fields (max_tokens / max_completion_tokens, temperature, top_p, n, seed,
+stop, presence_penalty, frequency_penalty, logit_bias, and vLLM's extensions top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words), logprobs (+ top_logprobs
+for chat), echo (completions), stream + stream_options.include_usage. Errors of the backend come
+back as codes (backend/errors.py); error_from_code maps them to HTTP statuses. Ignored, as the API allows: user,
 metadata, store, service_tier, parallel_tool_calls, and keys this server does not know.
 Refused with a 400 naming them: tools / functions (no tool calling), response_format other
 than text, best_of other than n, suffix.
@@ -17,14 +19,13 @@ than text, best_of other than n, suffix.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from tritium.backend.chat_template import normalize_messages
-from tritium.backend.sampling_params import MAX_LOGPROBS, MAX_N, MAX_NUM_STOP
+from tritium.backend.errors import RequestError, TritiumError
+from tritium.backend.sampling_params import FIELD, FIELDS, MAX_LOGPROBS, SamplingParams
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16   # the OpenAI completions API's default
 MAX_COMPLETION_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
 MAX_PROMPTS = 64                     # prompts in one /v1/completions request
 MAX_CHOICES = 256                    # prompts x n in one request (each is an engine sequence)
@@ -66,29 +67,17 @@ class ParsedRequest:
 
 
 # ---- parameter checks --------------------------------------------------------------------
-def _number(body: dict, name: str, lo: float, hi: float, default=None, lo_open: bool = False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
-        raise bad(name, f"{name} must be a number, got {v!r}")
-    if (v <= lo if lo_open else v < lo) or v > hi:
-        raise bad(name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
-    return float(v)
-
-
 def _integer(body: dict, name: str, lo: int, hi: Optional[int] = None, default=None):
+    """An OpenAI-only integer (completions logprobs, top_logprobs): not a request field."""
     v = body.get(name)
     if v is None:
         return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise bad(name, f"{name} must be an integer, got {v!r}")
+        raise bad(name, f"{name} must be an integer, got {v!r}")
     if v < lo or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise bad(name, f"{name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
+        raise bad(name, f"{name} must be in [{lo}, {hi}], got {v}")
     return v
 
 
@@ -101,37 +90,46 @@ def _boolean(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _stop(body: dict) -> List[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    words = [v] if isinstance(v, str) else v
-    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise bad("stop", f"stop must be a string or a list of strings, got {v!r}")
-    words = [w for w in words if w]
-    if len(words) > MAX_NUM_STOP:
-        raise bad("stop", f"stop has {len(words)} strings; at most {MAX_NUM_STOP} are allowed")
-    return words
+def openai_param(field: Optional[str], kind: str, max_tokens_name: str = "max_tokens") -> Optional[str]:
+    """The OpenAI parameter name of a request field (an error's `field`), by schema lookup."""
+    if field == "max_tokens":
+        return max_tokens_name
+    if field == "logprobs":
+        return "top_logprobs" if kind == "chat" else "logprobs"
+    if field == "prompt" and kind == "chat":
+        return "messages"
+    f = FIELD.get(field)
+    return (f.openai or field) if f is not None else field
 
 
-def _logit_bias(body: dict) -> Optional[Dict[str, float]]:
-    v = body.get("logit_bias")
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise bad("logit_bias", f"logit_bias must be an object mapping token ids to a bias, got {v!r}")
+def _sampling(body: dict, kind: str, max_tokens_name: str, logprobs: Optional[int]) -> SamplingParams:
+    """The schema's fields from the body -> a (checked) SamplingParams; errors name the OpenAI parameter."""
+    kw: Dict[str, Any] = {}
+    for f in FIELDS:
+        name = max_tokens_name if f.name == "max_tokens" else f.openai
+        if name is None or body.get(name) is None:
+            continue
+        if f.kind in ("int", "float") and isinstance(body[name], str):
+            raise bad(name, f"{name} must be {'an integer' if f.kind == 'int' else 'a number'}, got {body[name]!r}")
+        kw[f.name] = f.from_json(body[name], name)
+    if "max_tokens" not in kw and kind == "chat":
+        kw["max_tokens"] = None  # chat: up to the end of the context (OpenAI's and vLLM's default)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kw)
+    except RequestError as e:
+        raise bad(openai_param(e.field, kind, max_tokens_name), e.message) from None
+
+
+def _wire_json(sp: SamplingParams, given: set) -> Dict[str, Any]:
+    """vllm_backend `sampling_parameters` JSON of the fields the request gave (and max_tokens)."""
     out = {}
-    for k, b in v.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise bad("logit_bias", f"logit_bias keys must be token ids (integers as strings), got {k!r}") from None
-        if tok < 0:
-            raise bad("logit_bias", f"logit_bias keys must be token ids >= 0, got {k!r}")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or not -100 <= b <= 100:
-            raise bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {b!r} for {k!r}")
-        out[str(tok)] = float(b)
-    return out or None
+    for f in FIELDS:
+        if f.name in given and f.json_key:
+            v = getattr(sp, f.name)
+            out[f.json_key] = {str(k): b for k, b in v.items()} if f.kind == "bias" and v else v
+    return out
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
@@ -154,7 +152,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         raise bad("modalities", "only text output is supported")
 
 
-def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
+def _common(body: dict, kind: str, logprobs: Optional[int]) -> tuple:
     """(model, sampling_parameters dict, n, stream, include_usage) from the shared parameters."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
@@ -162,43 +160,12 @@ def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required (a model id from GET /v1/models)")
     _refuse_unsupported(body, kind)
-    sp: Dict[str, Any] = {}
-    max_tokens = _integer(body, max_tokens_name, 1)
-    if max_tokens_name == "max_completion_tokens" and max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
-    if max_tokens is None:
-        # completions: the API's default of 16; chat: up to the end of the context
-        sp["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else None
-    else:
-        sp["max_tokens"] = max_tokens
-    t = _number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        sp["temperature"] = t
-    tp = _number(body, "top_p", 0.0, 1.0, lo_open=True)
-    if tp is not None:
-        sp["top_p"] = tp
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _number(body, name, -2.0, 2.0)
-        if v is not None:
-            sp[name] = v
-    seed = _integer(body, "seed", 0, 2 ** 63 - 1)
-    if seed is not None:
-        sp["seed"] = seed
-    n = _integer(body, "n", 1, MAX_N, default=1)
-    if n > 1:
-        sp["n"] = n
-    stop = _stop(body)
-    if stop:
-        sp["stop"] = stop
-    lb = _logit_bias(body)
-    if lb:
-        sp["logit_bias"] = lb
-    # vLLM's extensions, which benchmarks (aiperf --extra-inputs) use to fix output lengths
-    if _boolean(body, "ignore_eos"):
-        sp["ignore_eos"] = True
-    mt = _integer(body, "min_tokens", 0)
-    if mt:
-        sp["min_tokens"] = mt
+    max_tokens_name = max_tokens_param(body, kind)
+    sp = _sampling(body, kind, max_tokens_name, logprobs)
+    given = {f.name for f in FIELDS if (max_tokens_name if f.name == "max_tokens" else f.openai) in body
+             and body[max_tokens_name if f.name == "max_tokens" else f.openai] is not None}
+    given.add("max_tokens")
+    wire = _wire_json(sp, given - {"logprobs"})
     stream = _boolean(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -208,7 +175,14 @@ def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
         if not isinstance(so, dict):
             raise bad("stream_options", f"stream_options must be an object, got {so!r}")
         include_usage = _boolean(so, "include_usage")
-    return model, sp, n, stream, include_usage
+    return model, wire, sp.n, stream, include_usage
+
+
+def max_tokens_param(body: dict, kind: str) -> str:
+    """The body's name for max_tokens: chat prefers max_completion_tokens (max_tokens is its old name)."""
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _request(prompt_kw: dict, sp: dict, logprobs: Optional[int]) -> dict:
@@ -223,8 +197,8 @@ def _request(prompt_kw: dict, sp: dict, logprobs: Optional[int]) -> dict:
 
 def parse_completion_request(body: dict) -> ParsedRequest:
     """POST /v1/completions."""
-    model, sp, n, stream, include_usage = _common(body, "completion", "max_tokens")
-    lp = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    lp = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS) if isinstance(body, dict) else None
+    model, sp, n, stream, include_usage = _common(body, "completion", lp)
     echo = _boolean(body, "echo")
     if echo and lp is not None:
         raise bad("echo", "echo with logprobs is not supported (prompt logprobs are not computed)")
@@ -267,12 +241,12 @@ def parse_completion_request(body: dict) -> ParsedRequest:
 
 def parse_chat_request(body: dict) -> ParsedRequest:
     """POST /v1/chat/completions."""
-    model, sp, n, stream, include_usage = _common(body, "chat", "max_completion_tokens")
-    want = _boolean(body, "logprobs")
-    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    want = _boolean(body, "logprobs") if isinstance(body, dict) else False
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if isinstance(body, dict) else None
     if top is not None and not want:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     lp = (top or 0) if want else None
+    model, sp, n, stream, include_usage = _common(body, "chat", lp)
     try:
         messages = normalize_messages(body.get("messages"))
     except ValueError as e:
@@ -281,36 +255,17 @@ def parse_chat_request(body: dict) -> ParsedRequest:
     return ParsedRequest("chat", model, [req], n=n, stream=stream, include_usage=include_usage, logprobs=lp)
 
 
-# ---- Triton's errors -> OpenAI errors -----------------------------------------------------
-# The backend names Triton inputs / SamplingParams fields; map them to the OpenAI parameter.
-_PARAM_OF = (
-    ("sampling_parameters.", None), ("num_return_sequences", "n"), ("stop (stop_words)", "stop"),
-    ("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-    ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-    ("logit_bias", "logit_bias"), ("logprobs", "logprobs"), ("n ", "n"), ("stop", "stop"),
-    ("prompt", "prompt"), ("text_input", "prompt"), ("input_ids", "prompt"), ("messages", "messages"),
-)
+# ---- the backend's errors -> OpenAI errors ------------------------------------------------
+# HTTP status per error code (backend/errors.py); the message is shown, never read.
+STATUS_OF = {"bad_parameter": 400, "too_long": 400, "no_chat_template": 400, "overloaded": 503,
+             "unavailable": 503, "internal": 500}
+OPENAI_CODE_OF = {"bad_parameter": "invalid_parameter", "too_long": "context_length_exceeded",
+                  "no_chat_template": "no_chat_template", "overloaded": "overloaded",
+                  "unavailable": "engine_unavailable", "internal": "internal_error"}
 
 
-def error_from_triton(message: str, kind: str, max_tokens_name: str = "max_tokens") -> OpenAIError:
-    """OpenAIError for an error message of the tritium backend (or of tritonserver)."""
-    msg = " ".join(str(message).split())
-    if "EngineOverloadedError" in msg or "overloaded" in msg.lower():
-        return OpenAIError(503, f"the server is overloaded, retry later ({msg})", code="overloaded")
-    if "EngineDeadError" in msg or "request failed" in msg:
-        return OpenAIError(503, msg, code="engine_unavailable")
-    if "has no chat template" in msg:
-        return OpenAIError(400, msg, param="messages", code="no_chat_template")
-    body = msg.removeprefix("tritium: ").replace("sampling_parameters.", "")
-    if body.startswith("batch row"):
-        body = body.split(": ", 1)[-1]
-    param = None
-    for prefix, name in _PARAM_OF:
-        if name and body.startswith(prefix):
-            param = name
-            break
-    if param == "prompt" and kind == "chat":
-        param = "messages"
-    if param == "max_tokens":
-        param = max_tokens_name
-    return OpenAIError(400, msg, param=param, code="invalid_parameter")
+def error_from_code(err: TritiumError, kind: str, max_tokens_name: str = "max_tokens") -> OpenAIError:
+    """OpenAIError for a backend error (code + field, decoded by errors.from_wire)."""
+    param = openai_param(err.field, kind, max_tokens_name) if err.code in ("bad_parameter", "too_long",
+                                                                          "no_chat_template") else None
+    return OpenAIError(STATUS_OF[err.code], err.message, param=param, code=OPENAI_CODE_OF[err.code])

@@ -27,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tritium.client.openai_protocol import (OpenAIError, error_from_triton, parse_chat_request,
+from tritium.backend.errors import from_wire
+from tritium.client.openai_protocol import (OpenAIError, error_from_code, max_tokens_param, parse_chat_request,
                                             parse_completion_request)
 from tritium.client.openai_responses import AnswerBuilder
 from tritium.client.openai_triton import TritonBridge, TritonRequestError, merged
@@ -141,7 +142,7 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
             except StopAsyncIteration:
                 return _END
             except TritonRequestError as e:
-                raise error_from_triton(str(e), kind, max_tokens_name) from None
+                raise error_from_code(from_wire(str(e)), kind, max_tokens_name) from None
 
         if not parsed.stream:
             async def collect():
@@ -192,8 +193,7 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     async def chat_completions(request: Request):
         body = await _read_json(request, max_body_bytes)
         parsed = parse_chat_request(body)
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        return await generate(request, parsed, name)
+        return await generate(request, parsed, max_tokens_param(body, "chat"))
 
     return app
 

@@ -13,7 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file, wire_json
 
 DEFAULT_MODEL = "smollm2"
 
@@ -31,22 +31,15 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -> dict:
-    """Map the CLI's sampling flags (and an --input-file line's overrides) onto the tensor contract."""
-    o = overrides or {}
-    params = {"max_tokens": o.get("max_tokens", args.max_tokens),
-              "temperature": float(o.get("temperature", args.temperature))}
-    for key, name in (("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"), ("min_p", "min_p"),
-                      ("repetition_penalty", "repetition_penalty"), ("n", "num_return_sequences")):
-        v = o.get(key, getattr(args, key, None))
-        if v is not None:
-            params[name] = float(v) if name in ("top_p", "min_p", "repetition_penalty") else v
-    stops = o.get("stop", getattr(args, "stop", None))
-    if stops:
-        params["stop_words"] = [stops] if isinstance(stops, str) else list(stops)
-    if getattr(args, "logprobs", None) is not None:
-        params["return_log_probs"] = True  # the sampled token's logprob (the contract has no top-N)
-    if getattr(args, "ignore_eos", False):
-        params["sampling_parameters"] = json.dumps({"ignore_eos": True})
+    """The CLI's request-field flags (and an --input-file line's keys) as the tensor contract's
+    `sampling_parameters` JSON; the fields are checked here first, so a bad flag fails before any
+    request goes out, with the same error as in-process."""
+    from tritium.backend.sampling_params import SamplingParams
+    kw = field_kwargs(args, overrides)
+    SamplingParams(**kw)
+    params = {"sampling_parameters": json.dumps(wire_json(kw))}
+    if kw.get("logprobs") is not None:
+        params["return_log_probs"] = True
     return params
 
 
@@ -85,7 +78,7 @@ def run_remote(args: argparse.Namespace) -> int:
     else:
         items = [((p, ids, None), o) for (p, ids), o in items]
     client = TritiumClient(args.url, protocol=args.protocol, model=args.model)
-    n = getattr(args, "n", 1) or 1
+    n = getattr(args, "n", None) or 1
     want_lp = getattr(args, "logprobs", None) is not None
     try:
         if args.stream and len(items) == 1 and not args.json:

@@ -76,7 +76,7 @@ class Speculator:
             # sequence prefills the whole prompt in the draft), it resumes when the batch shrinks.
             if self._steps_off < PROBE_PERIOD or self.draft is not None:
                 self.num_steps_off += 1
-                cands = [s for s in cands if s.generator is not None and s.request.params.temperature != 0.0]
+                cands = [s for s in cands if s.generator is not None and not s.request.params.is_greedy]
                 if not cands:
                     return
             else:

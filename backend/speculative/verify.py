@@ -88,7 +88,7 @@ def verify(logits: torch.Tensor, seq, proposal: List[int], draft_probs: Optional
     entries or None per token)."""
     params = seq.request.params
     x = processed_rows(logits, seq, proposal)
-    if params.temperature == 0.0:
+    if params.is_greedy:
         target = x.max(dim=-1).indices.tolist()
         a = 0
         while a < len(proposal) and proposal[a] == target[a]:

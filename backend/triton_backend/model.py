@@ -35,7 +35,7 @@ from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
-from tritium.backend.sampling_params import SamplingParams
+from tritium.backend.errors import RequestError, error_info, to_wire
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 from tritium.backend.triton_backend.contract import resolve_path
 from tritium.backend.triton_backend.metrics import TritiumMetrics
@@ -201,12 +201,14 @@ class TritonPythonModel:
             except Exception as e:  # never leave a request without its final response
                 pb_utils.Logger.log_error(f"tritium: admitting a request failed: {type(e).__name__}: {e}")
                 request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tritium: {type(e).__name__}: {e}")),
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(e))),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
     def _parse(self, arrays: dict):
-        """All rows of a request -> list of (ParsedRequest, prompt ids, SamplingParams)."""
+        """All rows of a request -> list of (ParsedRequest, prompt ids, SamplingParams). The
+        SamplingParams is built (so checked) by parse_row; the engine checks what depends on it
+        (the context length) when the row is submitted."""
         batch = batch_size_of(arrays)
         rows = []
         for r in range(batch):
@@ -218,18 +220,17 @@ class TritonPythonModel:
                     p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True)
                 if p.prompt is not None:
                     if self.tokenizer is None:
-                        raise ValueError("text_input needs an engine with a tokenizer; send input_ids instead")
+                        raise RequestError("text_input needs an engine with a tokenizer; send input_ids instead",
+                                           field="prompt")
                     ids = encode_prompt(self.tokenizer, p.prompt, self.config.limits.max_seq_len,
                                         self._token_chars)
                 else:
                     ids = p.prompt_token_ids
-                if p.params.get("max_tokens", 0) is None:  # sampling_parameters max_tokens null
-                    p.params["max_tokens"] = max(1, self.config.limits.max_seq_len - len(ids))
-                sp = SamplingParams(**p.params)
-                sp.validate(self.config.limits.max_seq_len, self.config.model.vocab_size, len(ids))
             except ValueError as e:
-                raise ValueError(error_prefix(batch, r) + str(e)) from None
-            rows.append((p, ids, sp))
+                info = error_info(e)
+                raise RequestError(error_prefix(batch, r) + info["message"], field=info["field"],
+                                   code=info["code"]) from None
+            rows.append((p, ids, p.sampling))
         return rows
 
     def _admit(self, request):
@@ -237,8 +238,8 @@ class TritonPythonModel:
         try:
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
             rows = self._parse(arrays)
-        except ValueError as e:
-            request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))),
+        except RequestError as e:
+            request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(e))),
                                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         state = RequestState(pb_utils, request, sum(sp.n for _, _, sp in rows))
@@ -251,9 +252,9 @@ class TritonPythonModel:
                 self._rows.add(stream)
             try:
                 self.engine.submit(rid, list(ids), sp, stream.on_output)
-            except Exception as e:  # engine dead or shut down: this request fails, with the cause
+            except Exception as e:  # bad for this engine (too long), overloaded or dead: this request fails
                 self._row_done(stream)
-                state.close_with_error(f"tritium: request failed: {type(e).__name__}: {e}")
+                state.close_with_error(to_wire(e, error_prefix(len(rows), r)))
                 with self._rows_lock:
                     siblings = [o for o in self._rows if o.state is state]
                 for other in siblings:  # rows already submitted: abort them (the error went out)
