@@ -110,7 +110,12 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         """False once the loop thread died (every request since fails with the cause) or stopped,
         or a tensor-parallel worker failed (the next step fails with the cause)."""
-        return self._error is None and not self._stopped and getattr(self.engine.runner, "healthy", True)
+        return self._error is None and not self._stopped and self.engine.failure is None
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine cannot serve (the loop's error, or a tensor-parallel worker's), or None."""
+        return repr(self._error) if self._error is not None else self.engine.failure
 
     def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
         finished = False
@@ -154,9 +159,7 @@ class AsyncLLMEngine:
     def _fail_all(self, err: BaseException) -> None:
         with self._cv:
             streams, self._streams = self._streams, {}
-            for rid in list(self.engine.requests):
-                self.engine.abort(rid)
-            self.engine._aborted.clear()
+            self.engine.abort_all()
         callbacks = []
         for sink in streams.values():
             if isinstance(sink, queue.Queue):

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .parallel.layout import TensorParallelError, layout_from_config
+from .parallel_layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
 ENGINE_FORMAT_VERSION = 1
@@ -151,7 +151,7 @@ class EngineConfig:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     limits: Limits = field(default_factory=Limits)
     tensor_parallel_size: int = 1
-    # Which heads / features / vocabulary rows each rank holds (backend/parallel/layout.py);
+    # Which heads / features / vocabulary rows each rank holds (backend/parallel_layout.py);
     # empty when tensor_parallel_size is 1. Rank r's weights are rank{r}.safetensors.
     tensor_parallel: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)  # provenance: source, sha256, tool version, time

@@ -86,7 +86,9 @@ class RequestField:
     def range_text(self) -> str:
         lo = "-inf" if self.lo is None else _num(self.lo)
         hi = "inf" if self.hi is None else _num(self.hi)
-        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}{')' if self.hi_open or self.hi is None else ']'}"
+        left = "(" if self.lo_open or self.lo is None else "["
+        right = ")" if self.hi_open or self.hi is None else "]"
+        return f"{left}{lo}, {hi}{right}"
 
     def error(self, message: str) -> RequestError:
         return RequestError(message, field=self.name)

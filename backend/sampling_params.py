@@ -107,7 +107,8 @@ class SamplingParams:
             raise RequestError("prompt must not be empty (got 0 tokens)", field="prompt")
         if prompt_len >= max_seq_len:
             raise RequestError(f"prompt has {prompt_len} tokens; the engine's max_seq_len is {max_seq_len}, "
-                               f"so prompts must have at most {max_seq_len - 1} tokens", field="prompt", code="too_long")
+                               f"so prompts must have at most {max_seq_len - 1} tokens",
+                               field="prompt", code="too_long")
         if self.max_tokens is not None and prompt_len + self.max_tokens > max_seq_len:
             raise RequestError(f"max_tokens must be in [1, {max_seq_len - prompt_len}] for this {prompt_len}-token "
                                f"prompt (max_seq_len {max_seq_len}), got {self.max_tokens}",

@@ -23,7 +23,7 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
-from tritium.backend.parallel.layout import plan_layout
+from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
 from .report import component_bytes, write_json

@@ -7,7 +7,9 @@ import sys
 
 from tritium.backend.config import (ENGINE_CONFIG_FILE, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
                                     SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
-from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
+from tritium.backend import engine_options
+from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
+from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
 def register(sub) -> None:
@@ -73,34 +75,24 @@ def register(sub) -> None:
                    help="with --repo: engine replicas in one server (Triton instance_group count; each loads the "
                         "engine, and its tensor-parallel workers, once; default 1)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
-    g = p.add_argument_group("speculative decoding in --repo (docs/speculative.md)")
-    g.add_argument("--speculative", default=None, choices=METHODS,
-                   help="the served model speculates: ngram (prompt lookup) or draft (--draft-engine proposes)")
-    g.add_argument("--draft-engine", default=None, metavar="DIR",
-                   help="draft engine directory for --speculative draft (same tokenizer, e.g. an int4 build)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="tokens proposed per step, 1..16 (default 4)")
+    add_option_arguments(p, SPECULATIVE, "speculative decoding in --repo (docs/speculative.md)")
     p.set_defaults(func=run)
 
 
 def speculative_params(args: argparse.Namespace) -> dict:
     """--speculative / --draft-engine / --num-speculative-tokens -> config.pbtxt parameters (checked)."""
-    method = getattr(args, "speculative", None)
-    draft, k = getattr(args, "draft_engine", None), getattr(args, "num_speculative_tokens", None)
-    if method is None:
-        if draft is not None or k is not None:
-            raise ValueError("--draft-engine and --num-speculative-tokens need --speculative ngram|draft")
+    opts = engine_options.options_from_args(args, SPECULATIVE)
+    if speculative_config(opts) is None:
         return {}
     if not getattr(args, "repo", None):
         raise ValueError("--speculative configures the served model: it needs --repo")
-    cfg = SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
-                            draft_engine_dir=draft).validate()
-    out = {"speculative_method": cfg.method, "num_speculative_tokens": str(cfg.num_speculative_tokens)}
+    draft = opts.get("draft_engine_dir")
     if draft is not None:
         if not os.path.isfile(os.path.join(os.path.expanduser(draft), ENGINE_CONFIG_FILE)):
             raise ValueError(f"--draft-engine {draft}: no {ENGINE_CONFIG_FILE} there; build the draft engine first")
-        out["draft_engine_dir"] = draft if draft.startswith("~") else os.path.abspath(draft)
-    return out
+        opts["draft_engine_dir"] = draft if draft.startswith("~") else os.path.abspath(draft)
+    opts.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    return to_params(opts)
 
 
 def options_from_args(args: argparse.Namespace):

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from tritium.backend.config import EngineConfig, KVCacheConfig, LayerQuant, QuantConfig
-from tritium.backend.parallel.layout import TensorParallelError, plan_layout
+from tritium.backend.parallel_layout import TensorParallelError, plan_layout
 
 from . import calibration as calib
 from .quant_auto_alloc import Option, allocation_ladder, total_bytes, total_sensitivity

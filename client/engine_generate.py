@@ -15,8 +15,12 @@ import argparse
 import json
 import sys
 
-from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
+from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, engine_setup, options_from_args
+from tritium.backend.errors import RequestError, error_info
 from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file
+
+# The engine options `tritium generate --engine` takes (backend/engine_options.py).
+ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device") + SPECULATIVE
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,28 +29,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help='one request per line: {"prompt": ...} or {"prompt_ids": [...]} plus any request '
                         'field by its sampling_parameters key (max_tokens, temperature, stop, ...)')
     g.add_argument("--stats", action="store_true", help="after the results, print engine stats as one JSON object")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="max sequences per step (default: engine max batch)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (default 2048)")
-    g.add_argument("--speculative", default=None, choices=METHODS,
-                   help="speculative decoding: ngram (prompt lookup) or draft (--draft-engine proposes); "
-                        "output is the same as without (greedy) or has the same distribution (sampling)")
-    g.add_argument("--draft-engine", default=None, metavar="DIR",
-                   help="draft engine for --speculative draft (same tokenizer, e.g. an int4 build of the model)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help=f"tokens proposed per step, 1..16 (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
-
-
-def speculative_config(args):
-    """--speculative / --draft-engine / --num-speculative-tokens -> SpeculativeConfig or None (checked)."""
-    method = getattr(args, "speculative", None)
-    draft, k = getattr(args, "draft_engine", None), getattr(args, "num_speculative_tokens", None)
-    if method is None:
-        if draft is not None or k is not None:
-            raise ValueError("--draft-engine and --num-speculative-tokens need --speculative ngram|draft")
-        return None
-    return SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
-                             draft_engine_dir=draft).validate()
+    add_option_arguments(p, ENGINE_FLAGS, "in-process engine options (docs/cli.md)")
 
 
 def _params(args, overrides: dict):
@@ -91,15 +74,17 @@ def run_engine(args: argparse.Namespace) -> int:
         raise ValueError("give a PROMPT, --prompt-ids or --input-file")
     if getattr(args, "chat", False):
         items = _apply_chat_template(args, items)
-    spec = speculative_config(args)
-    engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, speculative=spec)
+    setup = engine_setup(options_from_args(args, ENGINE_FLAGS))
+    engine = LLMEngine(args.engine, thread_policy=setup.thread_policy, **setup.engine_kwargs)
     for i, (prompt, overrides) in enumerate(items):
         try:
             engine.add_request(str(i), params=_params(args, overrides), **prompt)
-        except ValueError as e:
-            where = f"{args.input_file}: request {i + 1}: " if args.input_file else ""
-            raise ValueError(f"{where}{e}") from None
+        except ValueError as e:  # the message names the request line; the code and field stay
+            if not args.input_file:
+                raise
+            info = error_info(e)
+            raise RequestError(f"{args.input_file}: request {i + 1}: {info['message']}", field=info["field"],
+                               code=info["code"]) from None
     n = args.n or 1
     stream = getattr(args, "stream", False) and len(items) == 1 and n == 1 and not args.json
     final, peak = {}, 0

@@ -16,7 +16,6 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--json", action="store_true",
                    help='print one JSON object per line: {"text","token_ids","prompt_token_ids","finish_reason"}')
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     from tritium.client.generate_inputs import add_field_arguments
     add_field_arguments(p)  # --max-tokens/--temperature/--stop/...: one flag per request field
     from tritium.client.remote_generate import add_remote_arguments

@@ -13,6 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from tritium.backend.errors import RequestError
 from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file, wire_json
 
 DEFAULT_MODEL = "smollm2"
@@ -59,7 +60,7 @@ def run_remote(args: argparse.Namespace) -> int:
     from tritium.client.triton_client import TritiumClient, TritiumClientError
     if getattr(args, "stats", False):
         raise ValueError("--stats reports an in-process engine; for a server read its /metrics endpoint")
-    if getattr(args, "speculative", None) or getattr(args, "draft_engine", None):
+    if getattr(args, "speculative_method", None) or getattr(args, "draft_engine_dir", None):
         raise ValueError("--speculative configures an in-process engine; a server speculates when its model "
                          "config says so (tritium build --repo ... --speculative ngram|draft)")
     if getattr(args, "input_file", None):
@@ -96,8 +97,8 @@ def run_remote(args: argparse.Namespace) -> int:
                        for (prompt, ids, msgs), o in items]
             for i, f in enumerate(futures):
                 results[i] = f.result()
-    except TritiumClientError as e:
-        raise ValueError(f"server: {e}") from None
+    except TritiumClientError as e:  # keeps the server's error code and field
+        raise RequestError(f"server: {e.message}", field=e.field, code=e.code) from None
     except ConnectionError as e:
         raise OSError(str(e) if "cannot reach" in str(e) else
                       f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None

@@ -24,7 +24,7 @@ from typing import Dict, List
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import SpeculativeConfig
-from tritium.backend.speculative.speculator import Speculator
+from tritium.backend.speculative.speculator import Speculator, make_speculator
 
 
 def _prose() -> List[str]:
@@ -182,11 +182,13 @@ def main(argv=None) -> int:
                    "ngram!": Speculator(SpeculativeConfig("ngram", num_speculative_tokens=k, step_overhead_tokens=always))}
     if args.draft_engine:
         dk = args.draft_k or k
-        engine.enable_speculation(SpeculativeConfig("draft", num_speculative_tokens=dk, draft_engine_dir=args.draft_engine))
-        speculators["draft"] = engine.speculator
+        speculators["draft"] = make_speculator(
+            SpeculativeConfig("draft", num_speculative_tokens=dk, draft_engine_dir=args.draft_engine), engine.config,
+            engine.tokenizer, engine.device, engine.block_manager.num_blocks * engine.block_size,
+            engine.scheduler.max_num_seqs)
         speculators["draft!"] = Speculator(SpeculativeConfig("draft", num_speculative_tokens=dk,
                                                              draft_engine_dir=args.draft_engine,
-                                                             step_overhead_tokens=always), engine.speculator.draft)
+                                                             step_overhead_tokens=always), speculators["draft"].draft)
     engine.speculator = None
     print(f"# spec_bench: {args.engine} (draft {args.draft_engine}, k={args.draft_k or k}), ngram k={k}, "
           f"{args.threads} threads, "

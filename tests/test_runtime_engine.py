@@ -256,7 +256,7 @@ def test_quantized_kv_cache_batched_equals_alone(tiny_engine, kv_dtype, torch_dt
 def test_thread_policy_picks_threads_by_step_size(tiny_engine):
     """Small steps (a few decodes) run on small_step_threads, big ones on num_threads; the policy
     changes no token."""
-    from tritium.backend.engine import SMALL_STEP_TOKENS, ThreadPolicy
+    from tritium.backend.thread_policy import SMALL_STEP_TOKENS, ThreadPolicy
     with pytest.raises(ValueError, match="small_step_threads"):
         ThreadPolicy(2, 0)
     before = torch.get_num_threads()

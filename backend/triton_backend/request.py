@@ -87,9 +87,11 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
-        raise RequestError(f"sampling_parameters must be a JSON object ({e.msg} at char {e.pos})", field="sampling_parameters") from None
+        raise RequestError(f"sampling_parameters must be a JSON object ({e.msg} at char {e.pos})",
+                           field="sampling_parameters") from None
     except RecursionError:  # json recurses per nesting level: "[" * 5000
-        raise RequestError("sampling_parameters must be a JSON object (nested too deeply)", field="sampling_parameters") from None
+        raise RequestError("sampling_parameters must be a JSON object (nested too deeply)",
+                           field="sampling_parameters") from None
     except ValueError as e:  # e.g. an integer literal over Python's 4300-digit limit
         raise RequestError(f"sampling_parameters must be a JSON object ({e})", field="sampling_parameters") from None
     if not isinstance(d, dict):
@@ -107,7 +109,8 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
 def parse_messages(text: str) -> List[dict]:
     """The `messages` input: a JSON list of {role, content} objects (checked by chat_template)."""
     if len(text) > MAX_MESSAGES_CHARS:
-        raise RequestError(f"messages has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed", field="messages")
+        raise RequestError(f"messages has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed",
+                           field="messages")
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -155,7 +158,8 @@ def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[L
         raise RequestError("give one of text_input, input_ids and messages", field="messages")
     flat = np.asarray(m).reshape(-1)
     if flat.size != 1:
-        raise RequestError(f"messages must hold exactly one JSON string per batch row, got {flat.size}", field="messages")
+        raise RequestError(f"messages must hold exactly one JSON string per batch row, got {flat.size}",
+                           field="messages")
     return parse_messages(wire_text("messages", flat[0]))
 
 
@@ -213,7 +217,8 @@ def _prompt(arrays: Dict[str, np.ndarray], row: int, batch: int,
     if t is not None:
         flat = np.asarray(t).reshape(-1)
         if flat.size != 1:
-            raise RequestError(f"text_input must hold exactly one string per batch row, got {flat.size}", field="prompt")
+            raise RequestError(f"text_input must hold exactly one string per batch row, got {flat.size}",
+                               field="prompt")
         prompt = wire_text("text_input", flat[0])
         if not prompt:
             raise RequestError("text_input must not be empty", field="prompt")
