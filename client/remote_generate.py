@@ -57,7 +57,7 @@ def _result(c, n: int, logprobs: bool) -> dict:
 
 def run_remote(args: argparse.Namespace) -> int:
     """Send the request(s); print text (streamed live with --stream) or JSON lines (--json, --input-file)."""
-    from tritium.client.triton_client import TritiumClient, TritiumClientError
+    from tritium.client.triton_client import TritiumClient, TritiumClientError, TritonUnreachableError
     if getattr(args, "stats", False):
         raise ValueError("--stats reports an in-process engine; for a server read its /metrics endpoint")
     if getattr(args, "speculative_method", None) or getattr(args, "draft_engine_dir", None):
@@ -99,9 +99,8 @@ def run_remote(args: argparse.Namespace) -> int:
                 results[i] = f.result()
     except TritiumClientError as e:  # keeps the server's error code and field
         raise RequestError(f"server: {e.message}", field=e.field, code=e.code) from None
-    except ConnectionError as e:
-        raise OSError(str(e) if "cannot reach" in str(e) else
-                      f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
+    except TritonUnreachableError as e:
+        raise OSError(str(e)) from None
     except OSError as e:
         raise OSError(f"cannot reach tritonserver at {args.url} ({args.protocol}): {e}") from None
     as_json = args.json or getattr(args, "input_file", None) is not None

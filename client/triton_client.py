@@ -43,6 +43,10 @@ class TritiumClientError(RuntimeError):
         self.code, self.field, self.message = err.code, err.field, err.message
 
 
+class TritonUnreachableError(ConnectionError):
+    """tritonserver did not answer (its message says where it was looked for)."""
+
+
 @dataclass
 class Chunk:
     """One streamed response: the new text and ids, and finish_reason on the last one."""
@@ -213,12 +217,12 @@ class TritiumClient:
             client.close()
 
     def _grpc_error(self, error) -> Exception:
-        """ConnectionError when the server cannot be reached, else TritiumClientError (its message)."""
+        """TritonUnreachableError when the server cannot be reached, else TritiumClientError."""
         from tritonclient.utils import InferenceServerException
         if not isinstance(error, InferenceServerException):
             return TritiumClientError(str(error))
         if "UNAVAILABLE" in str(error.status() or ""):
-            return ConnectionError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
+            return TritonUnreachableError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
         return TritiumClientError(error.message())
 
     # ---- HTTP --------------------------------------------------------------------------------
