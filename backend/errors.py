@@ -63,12 +63,14 @@ def from_wire(text: str) -> TritiumError:
     write (tritonserver's own: an unknown model, a bad tensor shape) are `internal` with the
     server's text as the message."""
     text = str(text)
+    decoder = json.JSONDecoder()
     start = text.find("{")  # tritonserver may put its own words before the model's message
-    if start >= 0:
+    while start >= 0:
         try:
-            d = json.loads(text[start:])
+            d, _ = decoder.raw_decode(text, start)
         except ValueError:
             d = None
         if isinstance(d, dict) and d.get("code") in CODES and isinstance(d.get("message"), str):
             return TritiumError(d["message"], field=d.get("field"), code=d["code"])
+        start = text.find("{", start + 1)
     return TritiumError(" ".join(text.split()), code="internal")
