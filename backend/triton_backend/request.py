@@ -55,7 +55,7 @@ def _row(arrays: Dict[str, np.ndarray], name: str, row: int, batch: int) -> Opti
         a = a.reshape(1, 1)
     if a.shape[0] not in (1, batch):
         raise RequestError(f"{name} has batch dimension {a.shape[0]}, but the request batch is {batch}; "
-                         f"give 1 or {batch} rows", field=name)
+                           f"give 1 or {batch} rows", field=name)
     return a[row if a.shape[0] > 1 else 0]
 
 
@@ -83,7 +83,7 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
     """vllm_backend's `sampling_parameters` JSON -> SamplingParams kwargs; unknown keys are errors."""
     if len(text) > MAX_SAMPLING_PARAMETERS_CHARS:
         raise RequestError(f"sampling_parameters has {len(text)} characters; at most "
-                         f"{MAX_SAMPLING_PARAMETERS_CHARS} are allowed", field="sampling_parameters")
+                           f"{MAX_SAMPLING_PARAMETERS_CHARS} are allowed", field="sampling_parameters")
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -187,9 +187,8 @@ def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dic
         if a is None:
             continue
         v = f.from_tensor(a, tname)
-        if f.kind == "words":
-            old = params.get(f.name) or []
-            v = ([old] if isinstance(old, str) else list(old)) + v
+        if f.kind == "words":  # appended to the JSON's list (normalized by the schema: a string is a list of one)
+            v = (f.check(params[f.name]) if f.name in params else []) + v
         params[f.name] = v
     params.setdefault("max_tokens", FIELD["max_tokens"].default)
     return params
