@@ -43,6 +43,7 @@ KINDS = ("int", "float", "bool", "str", "words", "ids", "bias", "json")
 _TENSOR_TYPES = {"int": "TYPE_INT32", "float": "TYPE_FP32", "bool": "TYPE_BOOL", "str": "TYPE_STRING",
                  "words": "TYPE_STRING", "ids": "TYPE_INT32"}
 _UNSET = object()
+MAX_INT32 = 2 ** 31 - 1  # token ids and counts travel as int32 tensors
 
 
 @dataclass(frozen=True)
@@ -108,31 +109,31 @@ class RequestField:
         if (self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)) or \
                 (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi)):
             extra = f", or {' / '.join(map(repr, self.off))} or null for off" if self.off else ""
-            raise self.error(f"{self.name} must be in {self.range_text()}{extra}, got {v!r}")
+            raise self.error(f"{self.name} must be in {self.range_text()}{extra}, got {_show(v)}")
 
     def _check_int(self, v):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise self.error(f"{self.name} must be an integer, got {v!r}")
+            raise self.error(f"{self.name} must be an integer, got {_show(v)}")
         self._in_range(int(v))
         return int(v)
 
     def _check_float(self, v):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
                 or not math.isfinite(v):
-            raise self.error(f"{self.name} must be a finite number, got {v!r}")
+            raise self.error(f"{self.name} must be a finite number, got {_show(v)}")
         self._in_range(float(v))
         return float(v)
 
     def _check_bool(self, v):
         if not isinstance(v, (bool, np.bool_)):
-            raise self.error(f"{self.name} must be true or false, got {v!r}")
+            raise self.error(f"{self.name} must be true or false, got {_show(v)}")
         return bool(v)
 
     def _check_str(self, v):
         if not isinstance(v, str):
-            raise self.error(f"{self.name} must be a string, got {v!r}")
+            raise self.error(f"{self.name} must be a string, got {_show(v)}")
         if self.choices is not None and v not in self.choices:
-            raise self.error(f"{self.name} must be one of {', '.join(self.choices)}, got {v!r}")
+            raise self.error(f"{self.name} must be one of {', '.join(self.choices)}, got {_show(v)}")
         if self.max_chars is not None and len(v) > self.max_chars:
             raise self.error(f"{self.name} must have at most {self.max_chars} characters, got {len(v)}")
         return v
@@ -140,7 +141,7 @@ class RequestField:
     def _check_words(self, v):
         words = [v] if isinstance(v, str) else v
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-            raise self.error(f"{self.name} must be a string or a list of strings, got {v!r}")
+            raise self.error(f"{self.name} must be a string or a list of strings, got {_show(v)}")
         words = [w for w in words if w]
         self._check_count(len(words))
         for w in words:
@@ -151,16 +152,17 @@ class RequestField:
 
     def _check_ids(self, v):
         if not isinstance(v, (list, tuple)):
-            raise self.error(f"{self.name} must be a list of token ids, got {v!r}")
+            raise self.error(f"{self.name} must be a list of token ids, got {_show(v)}")
         self._check_count(len(v))
         for t in v:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0:
-                raise self.error(f"{self.name} entries must be token ids (integers >= 0), got {t!r}")
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t <= MAX_INT32:
+                raise self.error(f"{self.name} entries must be token ids (integers in [0, {MAX_INT32}]), "
+                                 f"got {_show(t)}")
         return [int(t) for t in v]
 
     def _check_bias(self, v):
         if not isinstance(v, dict):
-            raise self.error(f"{self.name} must be an object {{token id: bias}}, got {v!r}")
+            raise self.error(f"{self.name} must be an object {{token id: bias}}, got {_show(v)}")
         self._check_count(len(v))
         out = {}
         for k, b in v.items():
@@ -168,11 +170,12 @@ class RequestField:
                 tok = int(k)
             except (TypeError, ValueError):
                 tok = -1
-            if isinstance(k, bool) or tok < 0 or (isinstance(k, float)):
-                raise self.error(f"{self.name} keys must be token ids (integers >= 0), got {k!r}")
+            if isinstance(k, bool) or not 0 <= tok <= MAX_INT32 or isinstance(k, float):
+                raise self.error(f"{self.name} keys must be token ids (integers in [0, {MAX_INT32}]), got {_show(k)}")
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or \
                     (self.lo is not None and b < self.lo) or (self.hi is not None and b > self.hi):
-                raise self.error(f"{self.name} values must be numbers in {self.range_text()}, got {b!r} for {k!r}")
+                raise self.error(f"{self.name} values must be numbers in {self.range_text()}, "
+                                 f"got {_show(b)} for {_show(k)}")
             out[tok] = float(b)
         return out
 
@@ -196,7 +199,7 @@ class RequestField:
                 f = float(v)
             except ValueError:
                 raise self.error(f"{where} must be {'an integer' if self.kind == 'int' else 'a number'}, "
-                                 f"got {v!r}") from None
+                                 f"got {_show(v)}") from None
             v = f
         if self.kind == "int" and isinstance(v, float) and v.is_integer():
             return int(v)
@@ -242,6 +245,15 @@ def fields_of(cls) -> tuple:
     """The RequestFields of a dataclass declared with request_field(), in declaration order."""
     return tuple(dataclasses.replace(f.metadata["request"], name=f.name)
                  for f in dataclasses.fields(cls) if "request" in f.metadata)
+
+
+def _show(v) -> str:
+    """repr(v) for an error message, cut to 200 characters (a hostile value must not fill the reply)."""
+    try:
+        r = repr(v)
+    except ValueError:  # an int beyond Python's 4,300-digit str() limit
+        return "an integer of more than 4300 digits"
+    return r if len(r) <= 200 else r[:200] + "..."
 
 
 def _num(x: float) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .errors import RequestError
-from .request_fields import fields_of, request_field
+from .request_fields import MAX_INT32, fields_of, request_field
 
 DEFAULT_MAX_TOKENS = 16       # the completions APIs' default (OpenAI, vLLM, tensorrtllm_backend)
 MAX_LOGPROBS = 20             # top logprobs per token
@@ -34,7 +34,7 @@ MAX_LOGIT_BIAS = 300          # entries of logit_bias (OpenAI's own limit)
 class SamplingParams:
     """Per-request decoding parameters (the engine API's contract); see each field's doc."""
     max_tokens: Optional[int] = request_field(
-        DEFAULT_MAX_TOKENS, "int", lo=1, nullable=True, tensor="max_tokens", json_key="max_tokens",
+        DEFAULT_MAX_TOKENS, "int", lo=1, hi=MAX_INT32, nullable=True, tensor="max_tokens", json_key="max_tokens",
         openai="max_tokens", cli="--max-tokens",
         doc="tokens to generate; null: up to the end of the context (the chat API's default)")
     temperature: float = request_field(
@@ -42,7 +42,7 @@ class SamplingParams:
         cli="--temperature", cli_default=0.0,
         doc="0 = greedy; 2 is the OpenAI API's top; `tritium generate` defaults to greedy (reproducible)")
     top_k: Optional[int] = request_field(
-        None, "int", lo=1, off=(0, -1), tensor="top_k", json_key="top_k", openai="top_k", cli="--top-k",
+        None, "int", lo=1, hi=MAX_INT32, off=(0, -1), tensor="top_k", json_key="top_k", openai="top_k", cli="--top-k",
         doc="keep the k most likely tokens; 0, -1 (the wire formats' off values) or null: off")
     top_p: float = request_field(
         1.0, "float", lo=0.0, lo_open=True, hi=1.0, tensor="top_p", json_key="top_p", openai="top_p",
@@ -63,7 +63,8 @@ class SamplingParams:
         None, "int", lo=0, hi=2 ** 63 - 1, tensor="seed", tensor_type="TYPE_UINT64", json_key="seed",
         openai="seed", cli="--seed", doc="per-request sampling seed (the same tokens whatever shares the batch)")
     min_tokens: int = request_field(
-        0, "int", lo=0, tensor="min_tokens", json_key="min_tokens", openai="min_tokens", cli="--min-tokens",
+        0, "int", lo=0, hi=MAX_INT32, tensor="min_tokens", json_key="min_tokens", openai="min_tokens",
+        cli="--min-tokens",
         doc="EOS and stops are banned before this many tokens (at most max_tokens)")
     ignore_eos: bool = request_field(
         False, "bool", json_key="ignore_eos", openai="ignore_eos", cli="--ignore-eos",

@@ -231,8 +231,8 @@ def parse_completion_request(body: dict) -> ParsedRequest:
             reqs.append(_request({"prompt": p}, sp, lp))
             echoes.append(p if echo else None)
         else:
-            if any(i < 0 for i in p):
-                raise bad("prompt", "prompt token ids must be >= 0")
+            if any(i < 0 or i > 2 ** 31 - 1 for i in p):  # int32 on the wire: never let an id wrap around
+                raise bad("prompt", "prompt token ids must be in [0, 2147483647]")
             reqs.append(_request({"input_ids": p}, sp, lp))
             echoes.append("" if echo else None)  # ids only: the prompt text is not known here
     return ParsedRequest("completion", model, reqs, n=n, stream=stream, include_usage=include_usage,
