@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         if front.isdigit():
             sock = socket.socket(fileno=int(front))
         else:  # HOST:PORT to bind here (standalone use, e.g. docker/entrypoint.sh)
-            from tritium.client.launch_checks import listen_socket
+            from tritium.client.sockets import listen_socket
             fhost, _, fport = front.rpartition(":")
             try:
                 sock = listen_socket("guard", fhost, int(fport))

@@ -1,11 +1,11 @@
-"""What TritonServer (client/server.py) does around the tritonserver process itself: check that
-the ports are free before launching, hold the public HTTP port for the HTTP guard, and give the
-Python backend's shared-memory files a per-server prefix so that they can be removed afterwards."""
+"""What TritonServer (client/server.py) does around the tritonserver process itself: start the
+HTTP guard on the public ports it holds (the sockets: client/sockets.py, which also checks that
+ports are free), and give the Python backend's shared-memory files a per-server prefix so that
+they can be removed afterwards."""
 from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -14,42 +14,6 @@ from typing import Optional
 from tritium.client.http_checks import GuardLimits
 
 SHM_DIR = "/dev/shm"
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    # Like the servers themselves: a port in TIME_WAIT is free, one with a listener is not.
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((host, port))
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
-def port_in_use_error(what: str, host: str, port: int, err: OSError) -> OSError:
-    return OSError(f"{what} port {port} on {host} is not available ({err.strerror or err}); another server may "
-                   f"hold it: stop it or pick another port (--{what.lower()}-port N, 0 = any free port)")
-
-
-def check_port_free(what: str, host: str, port: int) -> None:
-    """Raise OSError naming the port if something already listens on host:port."""
-    try:
-        _bind(host, port).close()
-    except OSError as e:
-        raise port_in_use_error(what, host, port, e) from None
-
-
-def listen_socket(what: str, host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (held by us, so no other server can take the port)."""
-    try:
-        s = _bind(host, port)
-    except OSError as e:
-        raise port_in_use_error(what, host, port, e) from None
-    s.listen(1024)
-    return s
 
 
 def start_guard(routes, limits: Optional[GuardLimits], log_fh, security) -> subprocess.Popen:

@@ -244,7 +244,7 @@ class OpenAIServer:
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = 9000,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", security=None,
                  triton_tls_ca: Optional[str] = None):
-        from tritium.client.launch_checks import listen_socket
+        from tritium.client.sockets import listen_socket
         self.sock = listen_socket("OpenAI", host, port)
         self.host = host
         self.port = self.sock.getsockname()[1]

@@ -34,9 +34,9 @@ import urllib.request
 from typing import List, Optional
 
 from tritium.client.http_checks import GuardLimits
-from tritium.client.launch_checks import (check_port_free, listen_socket, new_shm_prefix, remove_shm_files,
-                                          shm_backend_args, start_guard)
+from tritium.client.launch_checks import new_shm_prefix, remove_shm_files, shm_backend_args, start_guard
 from tritium.client.security import Security, local_client_ssl_context
+from tritium.client.sockets import check_port_free, listen_socket
 
 # tritonserver's own grace period for unloading models on SIGINT. Unloading takes ~1.5 s here,
 # more on a busy machine: 5 s made a clean stop exit with code 1 under load. Below stop_timeout.
