@@ -18,8 +18,9 @@ import torch
 
 from .admission import Admission
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, with_deterministic
 from .errors import RequestError
+from .guided import state as guided
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
@@ -52,7 +53,8 @@ class LLMEngine:
                  kv_cache_memory_bytes: Optional[int] = None, threads_per_rank: Optional[int] = None,
                  speculative: Optional[SpeculativeConfig] = None, *, config: Optional[EngineConfig] = None,
                  model=None, tokenizer=None, draft_engine: Optional["LLMEngine"] = None,
-                 thread_policy: Optional[ThreadPolicy] = None):
+                 thread_policy: Optional[ThreadPolicy] = None,
+                 deterministic: Optional[bool] = None):  # None: the engine's own setting
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         if (engine_dir is None) == (model is None):
@@ -60,6 +62,8 @@ class LLMEngine:
         runner = None
         if engine_dir is not None:
             config, model, tokenizer = load_engine(engine_dir, device)
+        config = with_deterministic(config, deterministic)
+        if engine_dir is not None:
             if config.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
                 runner = ParallelRunner(engine_dir, config, model, next(iter(model.buffers())).device,
                                         num_kv_blocks, kv_cache_memory_bytes, threads_per_rank)
@@ -112,7 +116,7 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is already in use", field="request_id")
         req = self.admission.build(request_id, prompt, prompt_token_ids,
                                    SamplingParams() if params is None else params, priority)
-        self.requests[request_id] = req
+        self.requests[request_id] = guided.attach(self, req)  # constrained: compile starts, a matcher per sample
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> bool:
@@ -213,6 +217,8 @@ class LLMEngine:
         return outs, proposed, accepted
 
     def _append(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
+        if seq.guide is not None and guided.dead_end(seq, tok, entry, self.scheduler):
+            return  # structured outputs: the grammar allowed no token (finish_reason grammar_dead_end)
         self.num_generated_tokens += 1
         reason = seq.append_token(tok, entry, now, self.max_seq_len)
         if reason is not None:

@@ -65,6 +65,8 @@ OPTIONS = (
     EngineOption("enable_prefix_caching", "bool", "--enable-prefix-caching",
                  "reuse cached prompt blocks (default true)"),
     EngineOption("device", "str", "--device", "cpu or cuda (default: cuda if available)"),
+    EngineOption("deterministic", "bool", "--deterministic",
+                 "batch-invariant numerics (docs/determinism.md; default: the engine's own setting)"),
     EngineOption("max_queue_size", "int", "--max-queue-size",
                  f"waiting requests beyond which new ones fail as overloaded "
                  f"(server default {DEFAULT_MAX_QUEUE_SIZE})"),
@@ -152,7 +154,7 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that leaves a
     core to the frontend, a bounded queue); otherwise torch's thread count stays as it is."""
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                               "device", "threads_per_rank") if k in opts}
+                               "device", "threads_per_rank", "deterministic") if k in opts}
     spec = speculative_config(opts, base_dir)
     if spec is not None:
         kw["speculative"] = spec

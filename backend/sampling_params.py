@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .errors import RequestError
+from .guided.params import GuidedDecodingParams
 from .request_fields import MAX_INT32, fields_of, request_field
 
 DEFAULT_MAX_TOKENS = 16       # the completions APIs' default (OpenAI, vLLM, tensorrtllm_backend)
@@ -88,6 +89,11 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = request_field(
         None, "bias", lo=-100.0, hi=100.0, max_items=MAX_LOGIT_BIAS, json_key="logit_bias",
         openai="logit_bias", cli="--logit-bias", doc="{token id: bias} added to those logits before sampling")
+    # Structured outputs (backend/guided/): a JSON schema / regex / grammar / choice guide, built by
+    # guided/surfaces.py from each surface's spellings (guided_decoding_* tensors, structured_outputs /
+    # guided_* JSON keys, OpenAI response_format); its mask comes first, so logprobs report the
+    # constrained distribution. Not a plain request field: one field, several wire forms.
+    guided: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self):
         for f in FIELDS:
@@ -95,6 +101,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens}",
                                field="min_tokens")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecodingParams):
+                raise RequestError(f"guided must be a GuidedDecodingParams, got {type(self.guided).__name__}",
+                                   field="guided")
+            try:
+                self.guided.validate()
+            except ValueError as e:
+                raise RequestError(str(e), field="guided") from None
+            if self.ignore_eos:
+                raise RequestError(f"ignore_eos cannot be combined with {self.guided.source}: the grammar "
+                                   "decides where the output ends (EOS only where it may end)", field="ignore_eos")
 
     @property
     def is_greedy(self) -> bool:

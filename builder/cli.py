@@ -66,6 +66,10 @@ def register(sub) -> None:
     a.add_argument("--auto-candidates", default=None, metavar="KINDS",
                    help="formats an auto build may pick, comma-separated from int4,int8,none (default all; "
                         "'none' = float)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels only: never oneDNN's bf16 GEMMs, whose K blocking depends on "
+                        "the batch (docs/determinism.md; the default is already invariant on x86 AVX512-BF16 "
+                        "CPUs for K <= 1024); the backend parameter `deterministic` overrides it")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the weights over N tensor-parallel ranks, written as rank0..rank{N-1}.safetensors "
                         "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")
@@ -105,6 +109,7 @@ def options_from_args(args: argparse.Namespace):
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
+                        deterministic=bool(getattr(args, "deterministic", False)),
                         progress=not args.quiet, **extra)
 
 

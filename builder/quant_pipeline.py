@@ -34,7 +34,7 @@ from .calibration_mix import mix_samples, source_chat_template
 from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
                         kv_head_scales)
 from .heldout_eval import evaluate_held_out
-from .quant_eval import encode_text, evaluate
+from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
 from .quantize_fp8 import has_float8
@@ -345,11 +345,17 @@ def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, mod
     qmodel.load_engine_weights(q_tensors)
     result = evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
     if o.layer_plan is not None:
-        # --quantization auto checks its budget on the builder's evaluation text (never a held-out
-        # domain, so the domains above stay an independent score of the chosen plan)
-        ids = encode_text(tokenizer, calib.default_eval_text(), o.eval_tokens)
-        check = evaluate(qmodel, ids, reference=ref, progress=o.progress)
-        result["budget_check"] = {**{k: check[k] for k in ("perplexity", "perplexity_increase", "mean_kl",
-                                                            "top1_agreement", "tokens")},
-                                  "text": "builder evaluation text (calibration.default_eval_text)"}
+        # --quantization auto checks its budget on the worst of the budget mix's domains
+        # (quant_auto_budget.py; never a held-out domain, so the domains above stay an
+        # independent score of the chosen plan)
+        from .quant_auto_budget import BUDGET_DOMAINS, budget_texts
+        per = {d: evaluate(qmodel, ids, reference=ref, progress=o.progress)
+               for d, ids in budget_texts(tokenizer, o.eval_tokens).items()}
+        w = max(per, key=lambda d: per[d]["perplexity_increase"])
+        result["budget_check"] = {**{k: per[w][k] for k in ("perplexity", "perplexity_increase", "mean_kl",
+                                                             "top1_agreement")},
+                                  "tokens": sum(p["tokens"] for p in per.values()),
+                                  "tokens_per_domain": [per[d]["tokens"] for d in BUDGET_DOMAINS],
+                                  "domains": {d: per[d]["perplexity_increase"] for d in BUDGET_DOMAINS},
+                                  "text": f"budget mix {'+'.join(BUDGET_DOMAINS)} (worst: {w})"}
     return result

@@ -17,7 +17,8 @@ import sys
 
 from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, engine_setup, options_from_args
 from tritium.backend.errors import RequestError, error_info
-from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import (chat_messages, field_kwargs, guide_from_args, parse_prompt_ids,
+                                            read_input_file)
 
 # The engine options `tritium generate --engine` takes (backend/engine_options.py).
 ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device") + SPECULATIVE
@@ -34,7 +35,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _params(args, overrides: dict):
     from tritium.backend.sampling_params import SamplingParams
-    return SamplingParams(**field_kwargs(args, overrides))
+    return SamplingParams(**field_kwargs(args, overrides), guided=guide_from_args(args))
 
 
 def _result(out, comp, logprobs: bool, n: int) -> dict:

@@ -18,6 +18,8 @@ def register(sub) -> None:
                    help='print one JSON object per line: {"text","token_ids","prompt_token_ids","finish_reason"}')
     from tritium.client.generate_inputs import add_field_arguments
     add_field_arguments(p)  # --max-tokens/--temperature/--stop/...: one flag per request field
+    from tritium.client.generate_inputs import add_guide_arguments
+    add_guide_arguments(p)  # --json-schema/--regex/--choice/--grammar
     from tritium.client.remote_generate import add_remote_arguments
     add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
     from tritium.client.engine_generate import add_engine_arguments

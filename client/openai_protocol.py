@@ -24,7 +24,9 @@ from typing import Any, Dict, List, Optional
 
 from tritium.backend.chat_template import normalize_messages
 from tritium.backend.errors import RequestError, TritiumError
+from tritium.backend.guided.surfaces import from_response_format
 from tritium.backend.sampling_params import FIELD, FIELDS, MAX_LOGPROBS, SamplingParams
+from tritium.client.openai_tools import ToolError, ToolRequest, call_guide, parse_tools
 
 MAX_COMPLETION_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
 MAX_PROMPTS = 64                     # prompts in one /v1/completions request
@@ -64,6 +66,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: Optional[int] = None         # top-N per token (0: only the sampled token); None: off
     echo_prompts: List[Optional[str]] = field(default_factory=list)  # completions echo: prompt text per prompt
+    tools: Optional[ToolRequest] = None    # chat with tools (tool_choice not none)
 
 
 # ---- parameter checks --------------------------------------------------------------------
@@ -98,6 +101,8 @@ def openai_param(field: Optional[str], kind: str, max_tokens_name: str = "max_to
         return "top_logprobs" if kind == "chat" else "logprobs"
     if field == "prompt" and kind == "chat":
         return "messages"
+    if field == "guided":  # structured outputs arrive as response_format (or a forced tool call)
+        return "response_format"
     f = FIELD.get(field)
     return (f.openai or field) if f is not None else field
 
@@ -133,15 +138,11 @@ def _wire_json(sp: SamplingParams, given: set) -> Dict[str, Any]:
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
-    for name in ("tools", "functions"):
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise bad(name, f"{name} is not supported by this server (no tool calling)")
-    tc = body.get("tool_choice", body.get("function_call"))
-    if tc not in (None, "none", "auto"):
-        raise bad("tool_choice", "tool_choice is not supported by this server (no tool calling)")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format", 'response_format: only {"type": "text"} is supported')
+            raise bad(name, f"{name} is not supported (the API's older form): use tools and tool_choice")
+    if kind == "completion" and (body.get("tools") or body.get("tool_choice")):
+        raise bad("tools", "tools are a chat completions parameter")
     if kind == "completion":
         if body.get("suffix"):
             raise bad("suffix", "suffix is not supported by this server")
@@ -166,6 +167,7 @@ def _common(body: dict, kind: str, logprobs: Optional[int]) -> tuple:
              and body[max_tokens_name if f.name == "max_tokens" else f.openai] is not None}
     given.add("max_tokens")
     wire = _wire_json(sp, given - {"logprobs"})
+    _response_format(body, wire)
     stream = _boolean(body, "stream")
     include_usage = False
     so = body.get("stream_options")
@@ -176,6 +178,32 @@ def _common(body: dict, kind: str, logprobs: Optional[int]) -> tuple:
             raise bad("stream_options", f"stream_options must be an object, got {so!r}")
         include_usage = _boolean(so, "include_usage")
     return model, wire, sp.n, stream, include_usage
+
+
+def _response_format(body: dict, sp: dict) -> None:
+    """response_format -> sampling_parameters.structured_outputs, checked here (the grammar is
+    built, so a schema that does not compile is a 400 naming response_format)."""
+    try:
+        g = from_response_format(body.get("response_format"))
+        if g is not None:
+            g.grammar()
+    except ValueError as e:
+        raise bad("response_format", str(e)) from None
+    if g is not None:
+        sp["structured_outputs"] = {"json_object": True} if g.kind == "json" else {"json": json.loads(g.guide)}
+
+
+def _tools(body: dict, sp: dict, tool_format: str) -> Optional[ToolRequest]:
+    try:
+        tr = parse_tools(body, tool_format)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
+    if tr is not None and tr.forced:
+        if "structured_outputs" in sp:
+            raise bad("response_format", "response_format cannot be combined with a forced tool call "
+                                         "(tool_choice required or a named function)")
+        sp["structured_outputs"] = {"grammar": call_guide(tr).guide}
+    return tr
 
 
 def max_tokens_param(body: dict, kind: str) -> str:
@@ -239,20 +267,25 @@ def parse_completion_request(body: dict) -> ParsedRequest:
                          logprobs=lp, echo_prompts=echoes)
 
 
-def parse_chat_request(body: dict) -> ParsedRequest:
-    """POST /v1/chat/completions."""
+def parse_chat_request(body: dict, tool_format: str = "hermes") -> ParsedRequest:
+    """POST /v1/chat/completions. tool_format: how the model writes tool calls (openai_tools.FORMATS)."""
     want = _boolean(body, "logprobs") if isinstance(body, dict) else False
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS) if isinstance(body, dict) else None
     if top is not None and not want:
         raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     lp = (top or 0) if want else None
     model, sp, n, stream, include_usage = _common(body, "chat", lp)
+    tr = _tools(body, sp, tool_format)
     try:
         messages = normalize_messages(body.get("messages"))
     except ValueError as e:
         raise bad("messages", str(e)) from None
-    req = _request({"messages": json.dumps(messages, ensure_ascii=False)}, sp, lp)
-    return ParsedRequest("chat", model, [req], n=n, stream=stream, include_usage=include_usage, logprobs=lp)
+    prompt_kw = {"messages": json.dumps(messages, ensure_ascii=False)}
+    if tr is not None:  # rendered by the engine's chat template (its `tools` variable)
+        prompt_kw["tools"] = json.dumps(tr.tools, ensure_ascii=False)
+    req = _request(prompt_kw, sp, lp)
+    return ParsedRequest("chat", model, [req], n=n, stream=stream, include_usage=include_usage, logprobs=lp,
+                         tools=tr)
 
 
 # ---- the backend's errors -> OpenAI errors ------------------------------------------------

@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from tritium.backend.errors import RequestError
-from tritium.client.generate_inputs import chat_messages, field_kwargs, parse_prompt_ids, read_input_file, wire_json
+from tritium.backend.guided.surfaces import to_tensors
+from tritium.client.generate_inputs import (chat_messages, field_kwargs, guide_from_args, parse_prompt_ids,
+                                            read_input_file, wire_json)
 
 DEFAULT_MODEL = "smollm2"
 
@@ -40,8 +42,10 @@ def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -
     request goes out, with the same error as in-process."""
     from tritium.backend.sampling_params import SamplingParams
     kw = field_kwargs(args, overrides)
-    SamplingParams(**kw)
+    guide = guide_from_args(args)
+    SamplingParams(**kw, guided=guide)
     params = {"sampling_parameters": json.dumps(wire_json(kw))}
+    params.update(to_tensors(guide))  # --json-schema / --regex / --choice / --grammar
     if kw.get("logprobs") is not None:
         params["return_log_probs"] = True
     return params

@@ -24,6 +24,7 @@ import time
 from typing import Optional
 
 from ..block_manager import cdiv
+from ..guided.state import trim_proposals
 from ..loader import load_engine
 from .config import SpeculativeConfig
 from .draft import DraftProposer
@@ -84,6 +85,10 @@ class Speculator:
     # ------------------------------------------------------------------ 1. propose
     def propose(self, running, max_seq_len: int) -> None:
         """Set spec_token_ids (and spec_draft_probs) of the running sequences that speculate this step."""
+        self._propose(running, max_seq_len)
+        trim_proposals(running)  # structured outputs: cut at the first token the grammar rejects
+
+    def _propose(self, running, max_seq_len: int) -> None:
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
         # Decoding sequences: one token left to compute and past the prompt (the step that

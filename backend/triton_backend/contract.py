@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from tritium.backend.guided.surfaces import TENSOR_INPUTS as _GUIDED_INPUTS
 from tritium.backend.sampling_params import FIELDS
 
 
@@ -47,6 +48,9 @@ PROMPT_INPUTS = (
     TensorSpec("messages", "TYPE_STRING", (1,),
                doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
                    'replaces text_input'),
+    TensorSpec("tools", "TYPE_STRING", (1,),
+               doc="OpenAI tools as JSON [{\"type\": \"function\", \"function\": {...}}], passed to the chat "
+                   "template as `tools` (with messages)"),
 )
 FIELD_INPUTS = tuple(_field_input(f) for f in FIELDS if f.tensor)
 OPTION_INPUTS = (
@@ -58,6 +62,11 @@ OPTION_INPUTS = (
                doc="fill cum_log_probs / output_log_probs (logprobs 0 unless sampling_parameters sets it)"),
     TensorSpec("sampling_parameters", "TYPE_STRING", (1,),
                doc="vllm_backend JSON of request fields (their json keys); tensors override it"),
+    # Structured outputs (backend/guided/surfaces.py declares them).
+    *(TensorSpec(name, dtype, (1,), doc=doc) for name, dtype, doc in _GUIDED_INPUTS),
+    # Sent by Triton's own OpenAI frontend; num_input_tokens / num_output_tokens always come back.
+    TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), doc="accepted; num_input_tokens is always returned"),
+    TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), doc="accepted; num_output_tokens is always returned"),
 )
 INPUTS = PROMPT_INPUTS + FIELD_INPUTS + OPTION_INPUTS
 
@@ -65,7 +74,8 @@ OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,), doc="generated text (the delta when streaming)"),
     TensorSpec("output_ids", "TYPE_INT32", (-1,),
                doc="generated token ids (new ones when streaming); prompt ids first if exclude_input_in_output is false"),
-    TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc='"" until done, then "stop", "length" or "abort"'),
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,),
+               doc='"" until done, then "stop", "length", "abort" or "grammar_dead_end"'),
     TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), doc="sum of output token logprobs so far"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), doc="logprob of each generated token in output_ids (needs return_log_probs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (-1,), doc="prompt length in tokens"),

@@ -33,6 +33,7 @@ from tritium.backend.config import EngineConfig
 from tritium.backend.engine_options import engine_setup, options_from_params
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.errors import RequestError, error_info, to_wire
+from tritium.backend.guided import state as guided_state
 from tritium.backend.triton_backend.contract import resolve_path
 from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
@@ -76,6 +77,7 @@ class TritonPythonModel:
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             self.engine = AsyncLLMEngine(engine_dir, max_queue_size=setup.max_queue_size,
                                          thread_policy=setup.thread_policy, **setup.engine_kwargs)
+            guided_state.warm_up(self.engine.engine)  # structured outputs: vocabulary tables, in the background
         except Exception as e:  # one line in the server log, not a traceback through the stub
             raise pb_utils.TritonModelException(
                 f"tritium: cannot load engine for model '{name}' from {engine_dir}: {type(e).__name__}: "
@@ -164,7 +166,8 @@ class TritonPythonModel:
                 if p.messages is not None:
                     if self.chat_template is None:
                         raise NoChatTemplateError(self._chat_template_error)
-                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True)
+                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True,
+                                                         **({"tools": p.tools} if p.tools else {}))
                 if p.prompt is not None:
                     if self.tokenizer is None:
                         raise RequestError("text_input needs an engine with a tokenizer; send input_ids instead",

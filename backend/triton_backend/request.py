@@ -15,6 +15,7 @@ import numpy as np
 
 from tritium.backend.chat_template import normalize_messages
 from tritium.backend.errors import RequestError
+from tritium.backend.guided import surfaces as guided_surfaces
 from tritium.backend.request_fields import wire_text
 from tritium.backend.sampling_params import FIELD, FIELDS, SamplingParams
 from tritium.backend.triton_backend.contract import INPUTS
@@ -39,6 +40,7 @@ class ParsedRequest:
     exclude_input_in_output: bool = True
     return_log_probs: bool = False
     messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
+    tools: Optional[List[dict]] = None     # OpenAI tools, for the chat template (with messages)
 
 
 def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
@@ -97,11 +99,19 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
     if not isinstance(d, dict):
         raise RequestError("sampling_parameters must be a JSON object", field="sampling_parameters")
     out: Dict[str, object] = {}
+    try:
+        guided = guided_surfaces.from_vllm(d)  # pops structured_outputs / guided_* keys
+    except RequestError:
+        raise
+    except ValueError as e:
+        raise RequestError(str(e), field="guided") from None
+    if guided is not None:
+        out["guided"] = guided
     for key, v in d.items():
         f = _BY_JSON_KEY.get(key)
         if f is None:
-            raise RequestError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(sorted(_BY_JSON_KEY))}",
-                               field=key)
+            allowed = sorted(set(_BY_JSON_KEY) | set(guided_surfaces.VLLM_KEYS))
+            raise RequestError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(allowed)}", field=key)
         out[f.name] = f.from_json(v, f"sampling_parameters.{key}")
     return out
 
@@ -132,8 +142,10 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
             raise RequestError(f"unknown input {name!r}; allowed: {', '.join(sorted(known))}", field=name)
     params = _sampling_params(arrays, row, batch)
     _add_stop_ids(params, arrays, row, batch, vocab_size)
+    _add_guide(params, arrays, row, batch)
     flags = {}
-    for tname in ("stream", "exclude_input_in_output", "return_log_probs"):
+    for tname in ("stream", "exclude_input_in_output", "return_log_probs", "return_num_input_tokens",
+                  "return_num_output_tokens"):
         a = _row(arrays, tname, row, batch)
         flags[tname] = None if a is None else _flag(tname, a)
     return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
@@ -141,9 +153,10 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
         params["logprobs"] = 0
     sampling = _build(params, arrays)
     messages = _messages(arrays, row, batch)
+    tools = _tools(arrays, row, batch, messages)
     prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
     return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params, sampling=sampling, messages=messages,
+        prompt=prompt, prompt_token_ids=prompt_ids, params=params, sampling=sampling, messages=messages, tools=tools,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
         return_log_probs=return_log_probs)
@@ -161,6 +174,45 @@ def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[L
         raise RequestError(f"messages must hold exactly one JSON string per batch row, got {flat.size}",
                            field="messages")
     return parse_messages(wire_text("messages", flat[0]))
+
+
+def _tools(arrays: Dict[str, np.ndarray], row: int, batch: int, messages) -> Optional[List[dict]]:
+    """The `tools` input: a JSON list of objects, only with messages (the chat template renders it)."""
+    t = _row(arrays, "tools", row, batch)
+    if t is None:
+        return None
+    if messages is None:
+        raise RequestError("tools needs messages (the chat template renders them)", field="tools")
+    text = wire_text("tools", np.asarray(t).reshape(-1)[0])
+    if len(text) > MAX_MESSAGES_CHARS:
+        raise RequestError(f"tools has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed", field="tools")
+    try:
+        v = json.loads(text)
+    except (ValueError, RecursionError):
+        raise RequestError("tools must be a JSON list of tool objects", field="tools") from None
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise RequestError("tools must be a JSON list of tool objects", field="tools")
+    return v or None
+
+
+def _add_guide(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int) -> None:
+    """guided_decoding_guide_type / guided_decoding_guide (they win over sampling_parameters')."""
+    texts = {}
+    for tname in (guided_surfaces.TYPE_TENSOR, guided_surfaces.GUIDE_TENSOR):
+        a = _row(arrays, tname, row, batch)
+        if a is not None:
+            flat = np.asarray(a).reshape(-1)
+            if flat.size != 1:
+                raise RequestError(f"{tname} must hold exactly one string per batch row, got {flat.size}",
+                                   field="guided")
+            texts[tname] = wire_text(tname, flat[0], "guided")
+    try:
+        g = guided_surfaces.from_tensors(texts.get(guided_surfaces.TYPE_TENSOR),
+                                         texts.get(guided_surfaces.GUIDE_TENSOR))
+    except ValueError as e:
+        raise RequestError(str(e), field="guided") from None
+    if g is not None:
+        params["guided"] = g
 
 
 def _build(params: Dict[str, object], arrays: Dict[str, np.ndarray]) -> SamplingParams:
