@@ -20,7 +20,7 @@ BUILD_REPORT_FILE = "build_report.json"
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-# "auto": per-layer choices under a quality budget (builder/quant_auto.py); the runtime reads
+# "auto": per-layer choices under a quality budget (builder/quant/quant_auto.py); the runtime reads
 # each linear's own entry in QuantConfig.layers, as for every method.
 SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq", "auto")
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
@@ -89,7 +89,7 @@ class LayerQuant:
     input_scale: bool = False
     # The LM head (embed_tokens when tied, else lm_head) only: a centred head. Its GEMM runs on
     # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
-    # input's logits from the float weights) is added to its output (int4-awq; builder/quant_head.py).
+    # input's logits from the float weights) is added to its output (int4-awq; builder/quant/quant_head.py).
     centred: bool = False
     # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) float32 is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).

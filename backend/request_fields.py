@@ -6,8 +6,8 @@ surface. Everything else is derived from that one declaration:
 
     Triton tensor inputs     contract.INPUTS (tensor=, tensor_type=)    -> triton_backend/request.py
     vllm_backend JSON        `sampling_parameters` keys (json_key=)      -> triton_backend/request.py
-    OpenAI API               request body names (openai=)                -> client/openai_protocol.py
-    `tritium generate`       flags (cli=)                                -> client/generate_cli.py
+    OpenAI API               request body names (openai=)                -> client/openai/openai_protocol.py
+    `tritium generate`       flags (cli=)                                -> client/cli/generate_cli.py
     validation               RequestField.check, run by SamplingParams.__post_init__
 
 so each surface only converts wire types (`from_json`, `from_tensor`, argparse) and builds a

@@ -11,8 +11,8 @@ from tritium.backend.chat_template import (ChatTemplate, ChatTemplateError, NoCh
                                            read_template_source)
 from tritium.backend.async_engine import EngineDeadError, EngineOverloadedError
 from tritium.backend.errors import RequestError, from_wire, to_wire
-from tritium.client.openai_protocol import (OpenAIError, error_from_code, parse_chat_request,
-                                            parse_completion_request)
+from tritium.client.openai.openai_protocol import (OpenAIError, error_from_code, parse_chat_request,
+                                                   parse_completion_request)
 
 SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
         "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n' }}{% endif %}"
@@ -232,7 +232,7 @@ def test_logit_bias_shifts_exactly_those_logits():
 
 def test_answer_shapes_for_two_prompts_with_echo_and_usage():
     """Chunks as Triton sends them (per prompt, per sample) -> the API's choice numbering, echo and usage."""
-    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.openai.openai_responses import AnswerBuilder
     from tritium.client.triton_client import Chunk
     req = parse_completion_request({"model": "m", "prompt": ["Hi", "Yo"], "n": 2, "echo": True, "stream": True,
                                     "stream_options": {"include_usage": True}})
@@ -255,7 +255,7 @@ def test_answer_shapes_for_two_prompts_with_echo_and_usage():
 
 
 def test_chat_stream_starts_with_the_role_and_ends_with_finish_reason():
-    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.openai.openai_responses import AnswerBuilder
     from tritium.client.triton_client import Chunk
     b = AnswerBuilder(parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                           "stream": True}))

@@ -19,8 +19,8 @@ from tritium.backend.sampling_params import FIELD, FIELDS, SamplingParams
 
 def test_every_surface_exposes_exactly_the_declared_names():
     from tritium.backend.triton_backend.contract import INPUTS
-    from tritium.client.cli import build_parser
-    from tritium.client.generate_inputs import FILE_KEYS
+    from tritium.client.cli.main import build_parser
+    from tritium.client.cli.generate_inputs import FILE_KEYS
     inputs = {s.name: s for s in INPUTS}
     for f in FIELDS:
         if f.tensor:

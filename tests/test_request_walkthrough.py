@@ -90,7 +90,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("walk")
     engine, repo = str(root / "engine"), str(root / "repo")
     assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--max-batch-size", "8",
@@ -181,7 +181,7 @@ def _cli_args(fields: dict) -> list:
 
 
 def via_cli_remote(served, fields: dict):
-    from tritium.client.cli import build_parser
+    from tritium.client.cli.main import build_parser
     args = build_parser().parse_args(["generate", "--url", served.grpc, "--model", "tiny", "--json", PROMPT,
                                       *_cli_args(fields)])
     args.func(args)
@@ -191,7 +191,7 @@ def via_cli_remote(served, fields: dict):
 def via_cli_engine(served, fields: dict):
     """`tritium generate --engine`: the SamplingParams its engine's add_request receives."""
     from tritium.backend.engine import LLMEngine
-    from tritium.client.cli import build_parser
+    from tritium.client.cli.main import build_parser
     got = []
     real = LLMEngine.add_request
 
@@ -252,7 +252,7 @@ def _error(surface, served, fields):
 
 @pytest.mark.parametrize("surface", sorted(SURFACES))
 def test_a_bad_value_gets_the_same_code_and_field_everywhere(served, surface, capsys):
-    from tritium.client.openai_protocol import OPENAI_CODE_OF, openai_param
+    from tritium.client.openai.openai_protocol import OPENAI_CODE_OF, openai_param
     for name, v in BAD.items():
         if surface.startswith("cli") and FIELD[name].kind == "bool":
             continue  # a flag without a value: nothing out of range can be typed

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

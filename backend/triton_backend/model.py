@@ -1,6 +1,6 @@
 """The `tritium` Triton Python-based backend: decoupled, in-flight-batched LLM serving.
 
-Installed as `<backend-dir>/tritium/model.py` (see tritium.client.server), so a model's
+Installed as `<backend-dir>/tritium/model.py` (see tritium.client.serve.server), so a model's
 config.pbtxt says `backend: "tritium"` and carries no model.py of its own. Parameters:
 `engine_dir` (absolute, or relative to the model's folder; `~` expands; $VARS do not), and the
 engine options of backend/engine_options.py (num_kv_blocks, max_num_seqs, max_queue_size,

@@ -1,0 +1,1 @@
+"""`tritium` commands: one module per subcommand (main.py dispatches)."""
