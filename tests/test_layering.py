@@ -162,3 +162,34 @@ def test_collapsing_finds_a_loop_through_a_package():
     assert cycles(collapsed(graph, "p.pkg")) == []
     graph["p.low"] = {"p.mid"}  # pkg.a -> low -> mid -> pkg.b: back up into the package
     assert cycles(collapsed(graph, "p.pkg")) == [["p.low", "p.mid", "p.pkg"]]
+
+
+# client/ by job: cli/ (every command) may import everything; nothing imports cli/. serve/ (the
+# server process, launch checks, HTTP guard) and openai/ (the OpenAI API) do not import each
+# other; the low modules (triton_client.py, security.py, sockets.py) import no folder.
+CLIENT_LOW = {"tritium.client.triton_client", "tritium.client.security", "tritium.client.sockets"}
+CLIENT_FOLDERS = ("cli", "serve", "openai", "bench", "tools")
+CLIENT_FORBIDDEN = {"serve": {"cli", "openai", "bench", "tools"}, "openai": {"cli", "serve", "bench", "tools"},
+                    "bench": {"cli", "tools"}, "tools": {"cli", "bench"}, "low": set(CLIENT_FOLDERS)}
+
+
+def client_part(module: str):
+    """'low', a client folder's name, or None (not in client/, or the package itself)."""
+    if module in CLIENT_LOW:
+        return "low"
+    parts = module.split(".")
+    if parts[:2] == ["tritium", "client"] and len(parts) >= 3 and parts[2] in CLIENT_FOLDERS:
+        return parts[2]
+    return None
+
+
+def test_client_folders_import_only_what_they_may():
+    graph = import_graph()
+    for folder in CLIENT_FOLDERS:
+        assert any(client_part(m) == folder for m in graph), f"client/{folder}/ is missing"
+    loose = [m for m in graph if m.startswith("tritium.client.") and client_part(m) is None
+             and m != "tritium.client"]
+    assert not loose, f"client modules outside the folders by job: {loose}"
+    bad = [f"{m} imports {t}" for m, targets in graph.items() for t in sorted(targets)
+           if client_part(t) in CLIENT_FORBIDDEN.get(client_part(m), ())]
+    assert not bad, "client layering violations:\n" + "\n".join(bad)
