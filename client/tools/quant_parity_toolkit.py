@@ -25,7 +25,7 @@ import re
 import sys
 
 
-FALLBACK_GROUP_SIZES = (64, 32)  # Tritium's rule (builder/quantize_int4.choose_group_size)
+FALLBACK_GROUP_SIZES = (64, 32)  # Tritium's rule (builder/quant/quantize_int4.choose_group_size)
 
 
 def layer_group_size(in_features: int, requested: int):
