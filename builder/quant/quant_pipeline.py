@@ -18,7 +18,6 @@ import time
 from typing import Dict, Optional, Tuple
 
 import torch
-from tqdm import tqdm
 
 from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig,
@@ -34,6 +33,7 @@ from ..calibration_mix import mix_samples, source_chat_template
 from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
                         kv_head_scales)
 from ..heldout_eval import evaluate_held_out
+from ..layer_progress import LayerProgress
 from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
@@ -245,12 +245,13 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
     # hidden states of the quantized model, so the last layer is run forward too.
     head_calibrated = ((o.quantization in CALIBRATED or bool(o.head_centring))
                        and head_name(plan, cfg.model.tie_word_embeddings) is not None)
-    for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
-                  disable=not o.progress):
+    progress = LayerProgress(f"quantizing ({o.quantization})", cfg.model.num_layers, enabled=o.progress)
+    for i in range(cfg.model.num_layers):
         layer = model.layers[i]
         stats = _collect_layer_inputs(runner, i, o.quantization) if calibrated else None
         layer_reports.update(quantize_layer(cfg, i, layer, new, plan, o.quantization, stats))
         if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
+            progress.done(i)
             continue
         kv_stats: dict = {}
         handle, pos = None, ({} if o.kv_offsets == "attention" else None)
@@ -271,6 +272,7 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
                 if kv_rotation == "hadamard":
                     x = rotate(x)  # the scales fit what the cache stores
                 kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
+        progress.done(i)
     head_stats = collect_head_stats(runner) if head_calibrated else None
     return layer_reports, kv_scales, head_stats
 

@@ -5,9 +5,9 @@ import argparse
 import os
 import sys
 
-from tritium.backend.config import (ENGINE_CONFIG_FILE, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
-                                    SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.backend import engine_options
+from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPORTED_DTYPES,
+                                    SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
           f"{f', tensor parallel {cfg.tensor_parallel_size} ranks' if cfg.tensor_parallel_size > 1 else ''}", file=sys.stderr)
+    _print_quality(args.output)
     if getattr(args, "repo", None):
         from tritium.builder.repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
@@ -130,6 +131,17 @@ def run(args: argparse.Namespace) -> int:
                                   engine_params=spec_params)
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return _budget_status(cfg.quantization.budget)
+
+
+def _print_quality(engine_dir: str) -> None:
+    """A quantized build's held-out figures from its build report (nothing for a float build)."""
+    import json
+    from tritium.builder.report import quality_summary
+    path = os.path.join(engine_dir, BUILD_REPORT_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in quality_summary(json.load(f)):
+                print(line, file=sys.stderr)
 
 
 def _budget_status(budget: dict) -> int:

@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+
 SUBCOMMANDS = [
     "tritium.client.cli.build_cli",          # build
     "tritium.client.cli.generate_cli",  # generate (in-process or --url)

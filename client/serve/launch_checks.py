@@ -1,7 +1,8 @@
 """What TritonServer (client/serve/server.py) does around the tritonserver process itself: start the
 HTTP guard on the public ports it holds (the sockets: client/sockets.py, which also checks that
-ports are free), and give the Python backend's shared-memory files a per-server prefix so that
-they can be removed afterwards."""
+the ports are free, all of them at once), name each server's log file after its HTTP port, and
+give the Python backend's shared-memory files a per-server prefix so that they can be removed
+afterwards."""
 from __future__ import annotations
 
 import glob
@@ -30,6 +31,14 @@ def start_guard(routes, limits: Optional[GuardLimits], log_fh, security) -> subp
     return subprocess.Popen(cmd, pass_fds=[r[0].fileno() for r in routes], stdout=log_fh or subprocess.DEVNULL,
                             stderr=subprocess.STDOUT if log_fh else subprocess.DEVNULL, start_new_session=True,
                             env=dict(os.environ, **security.guard_env()))
+
+
+def default_log_file(cache: str, http_port: int) -> str:
+    """<cache>/logs/tritonserver-<HTTP port>.log: each running server has its own log (no two
+    servers hold one HTTP port), and a restart on the same port replaces its own old log."""
+    d = os.path.join(cache, "logs")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"tritonserver-{http_port}.log")
 
 
 def new_shm_prefix() -> str:
