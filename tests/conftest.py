@@ -72,8 +72,8 @@ def smollm2_layer0_qkv(smollm2_gguf):
 
     from tritium.builder.calibration import default_calibration_text, default_eval_text
     from tritium.builder.gguf_loader import GGUFCheckpoint
-    from tritium.builder.gptq import HessianAccumulator
-    from tritium.builder.quant_pipeline import load_source_tokenizer
+    from tritium.builder.quant.gptq import HessianAccumulator
+    from tritium.builder.quant.quant_pipeline import load_source_tokenizer
     from tritium.kernels.rms_norm import rms_norm_ref
     ck = GGUFCheckpoint(smollm2_gguf)
     tok = load_source_tokenizer(smollm2_gguf)
@@ -113,7 +113,7 @@ def smollm2_tokenizer_checkpoint(tiny_checkpoint, smollm2_gguf, tmp_path_factory
     tokens: what structured-output tests want."""
     import shutil
 
-    from tritium.builder.quant_pipeline import load_source_tokenizer
+    from tritium.builder.quant.quant_pipeline import load_source_tokenizer
     cache = {}
 
     def make(seed: int = 0):
