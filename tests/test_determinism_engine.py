@@ -13,7 +13,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import SpeculativeConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "native_bf16")
 
 
 QUESTIONS = ["What is the capital of France?",

@@ -85,7 +85,7 @@ def _openai(served) -> str:
     return answer.choices[0].message.content
 
 
-def test_every_route_answers_paris_twice(served):
+def test_every_route_answers_paris_twice(native_bf16, served):
     from tritium.client.triton_client import TritiumClient
     chat = {}
     for route in (_generate_url, _curl, _openai):  # the README's order
