@@ -83,6 +83,19 @@ def instances_on_device(model_config: dict, device_id) -> int:
     return max(n, 1)
 
 
+def apply_instance_placement(args: dict, model_config: dict, engine_kwargs: dict) -> None:
+    """In the Triton backend's initialize(): Triton's instance args -> engine_kwargs["device"]
+    (cuda:<id> for KIND_GPU) and instances_on_device, and bind the loading thread to that GPU."""
+    kind, dev_id = args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0")
+    device = instance_device(kind, dev_id, engine_kwargs.get("device"))
+    if device is None:
+        return
+    engine_kwargs["device"] = device
+    if device.startswith("cuda"):
+        engine_kwargs.setdefault("instances_on_device", instances_on_device(model_config, dev_id))
+        bind_thread(device)  # the load and the warm-up run in this thread
+
+
 def bind_thread(device) -> None:
     """Make `device` the current CUDA device of the calling thread (no-op off CUDA). Call it at the
     top of every thread or worker process that launches kernels."""

@@ -4,8 +4,8 @@ replacing the previous one. (With a GPU the same command runs whole: docs/kernel
 import pytest
 import torch
 
-from tritium.client.cli import main
-from tritium.client.gpu_check import BEGIN, END, write_section
+from tritium.client.cli.main import main
+from tritium.client.cli.gpu_check_cli import BEGIN, END, write_section
 
 
 def test_write_section_replaces_only_the_marked_part(tmp_path):

@@ -74,7 +74,7 @@ def test_repository_writes_kind_gpu_with_gpus():
 
 def test_build_cli_placement_args_checked_before_the_build(tmp_path):
     import argparse
-    from tritium.builder.cli import placement_args
+    from tritium.client.cli.build_cli import placement_args
     ns = lambda **kw: argparse.Namespace(**dict(dict(repo=str(tmp_path), instances=2, device="cuda", gpus="0,1",
                                                      gpu_memory_utilization=0.5), **kw))
     assert placement_args(ns()) == {"device": "cuda", "gpus": [0, 1], "params": {"gpu_memory_utilization": "0.5"}}
@@ -107,7 +107,11 @@ def test_engine_loop_thread_sets_its_device(fake_cuda):
     eng = AsyncLLMEngine(engine=FakeEngine())
     eng._thread.join(0.5)  # the loop is waiting now; binding happened first
     assert ("tritium-engine-loop", 1) in fake_cuda.calls
-    eng.shutdown()
+    with eng._cv:  # stop the loop without the engine's shutdown path (the fake has no requests)
+        eng._stopped = True
+        eng._cv.notify()
+    eng._thread.join(5)
+    assert not eng._thread.is_alive()
 
 
 def test_tp_worker_sets_its_device_before_loading(fake_cuda, monkeypatch):
@@ -175,3 +179,23 @@ def test_engine_kv_blocks_from_the_budget(fake_cuda, tiny_engine):
     fake_cuda.free = block  # another process holds the rest
     with pytest.raises(ValueError, match="does not fit on cuda:0.*gpu_memory_utilization"):
         cuda_kv_blocks(cfg, model, "cuda:0", 0.5, 1)
+
+
+def test_backend_instance_args_pick_the_device(fake_cuda):
+    """What the Triton backend's initialize() does with Triton's args (backend/triton_backend/model.py)."""
+    cfg = {"instance_group": [{"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]}
+    kw = {}
+    placement.apply_instance_placement({"model_instance_kind": "GPU", "model_instance_device_id": "1"}, cfg, kw)
+    assert kw == {"device": "cuda:1", "instances_on_device": 2} and fake_cuda.calls[-1][1] == 1
+    kw = {}
+    placement.apply_instance_placement({"model_instance_kind": "CPU", "model_instance_device_id": "0"}, {}, kw)
+    assert kw == {"device": "cpu"} and len(fake_cuda.calls) == 1
+
+
+def test_gpu_memory_utilization_parameter_is_checked():
+    from tritium.backend.engine_options import engine_setup, options_from_params
+    assert engine_setup(options_from_params({"gpu_memory_utilization": "0.5"})).engine_kwargs == {
+        "gpu_memory_utilization": 0.5}
+    for bad in ("0", "1.5", "half"):
+        with pytest.raises(ValueError, match=r"parameter gpu_memory_utilization must be a number in \(0, 1\]"):
+            options_from_params({"gpu_memory_utilization": bad})
