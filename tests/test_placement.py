@@ -199,3 +199,16 @@ def test_gpu_memory_utilization_parameter_is_checked():
     for bad in ("0", "1.5", "half"):
         with pytest.raises(ValueError, match=r"parameter gpu_memory_utilization must be a number in \(0, 1\]"):
             options_from_params({"gpu_memory_utilization": bad})
+
+
+def test_build_cli_writes_gpu_instance_groups(tiny_checkpoint, tmp_path):
+    from tritium.client.cli.main import main
+    repo = tmp_path / "repo"
+    assert main(["build", tiny_checkpoint("llama"), "-o", str(tmp_path / "e"), "--repo", str(repo), "--name", "m",
+                 "--device", "cuda", "--gpus", "0,1", "--instances", "2", "--gpu-memory-utilization", "0.4",
+                 "--quiet"]) == 0
+    text = (repo / "m" / "config.pbtxt").read_text()
+    assert "instance_group [ { kind: KIND_GPU count: 2 gpus: [ 0, 1 ] } ]" in text
+    assert 'key: "gpu_memory_utilization" value { string_value: "0.4" }' in text
+    assert "KIND_CPU" in (repo / "m_preprocessing" / "config.pbtxt").read_text()  # tokenizers stay on the CPU
+    assert main(["build", tiny_checkpoint("llama"), "-o", str(tmp_path / "e2"), "--gpus", "0"]) == 2
