@@ -72,7 +72,9 @@ class LLMEngine:
         if engine_dir is not None:
             if config.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
                 runner = ParallelRunner(engine_dir, config, model, model_device(model),
-                                        num_kv_blocks, kv_cache_memory_bytes, threads_per_rank)
+                                        num_kv_blocks, kv_cache_memory_bytes, threads_per_rank,
+                                        gpu_memory_utilization=gpu_memory_utilization,
+                                        instances_on_device=instances_on_device)
         elif config.tensor_parallel_size > 1:
             raise ValueError("a loaded model must be single-rank; open a tensor-parallel engine with "
                              "LLMEngine(engine_dir), which starts its workers")

@@ -212,3 +212,30 @@ def test_build_cli_writes_gpu_instance_groups(tiny_checkpoint, tmp_path):
     assert 'key: "gpu_memory_utilization" value { string_value: "0.4" }' in text
     assert "KIND_CPU" in (repo / "m_preprocessing" / "config.pbtxt").read_text()  # tokenizers stay on the CPU
     assert main(["build", tiny_checkpoint("llama"), "-o", str(tmp_path / "e2"), "--gpus", "0"]) == 2
+
+
+def test_tensor_parallel_ranks_size_their_cache_from_the_budget(fake_cuda, tiny_engine):
+    """parallel/handshake.py: rank 0's gpu_memory_utilization and instance count reach every rank
+    (one broadcast), each sizes its cache on its own GPU from them, and all take the minimum."""
+    from tritium.backend.kv_budget import cuda_kv_blocks
+    from tritium.backend.loader import load_engine
+    from tritium.backend.parallel.handshake import agree_num_blocks
+
+    class OneRankGroup:  # what rank 0 broadcasts is what this "worker" receives
+        sent = None
+
+        def broadcast(self, t):
+            if self.sent is None:
+                self.sent = t.clone()
+            else:
+                t.copy_(self.sent)
+
+        def all_reduce_min(self, v):
+            return v
+    cfg, model, _ = load_engine(tiny_engine("llama"), "cpu")
+    fake_cuda.total = fake_cuda.free = 64 << 20
+    tp = OneRankGroup()
+    want = cuda_kv_blocks(cfg, model, "cuda:0", 0.3, 2)[0]
+    assert agree_num_blocks(tp, cfg, 0, "cuda:0", model=model, gpu_memory_utilization=0.3, instances_on_device=2) == want
+    assert agree_num_blocks(tp, cfg, 0, "cuda:1", model=model) == want  # the worker side: values from the broadcast
+    assert want != cuda_kv_blocks(cfg, model, "cuda:0", None, 1)[0]

@@ -73,7 +73,8 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, engine_dir: str, cfg, model, device: torch.device, num_kv_blocks: Optional[int] = None,
                  kv_cache_memory_bytes: Optional[int] = None, threads_per_rank: Optional[int] = None,
-                 master_addr: str = "127.0.0.1", timeout_s: Optional[float] = None):
+                 master_addr: str = "127.0.0.1", timeout_s: Optional[float] = None,
+                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         n = cfg.tensor_parallel_size
         timeout_s = timeout_s or default_timeout_s()
         self.world_size = n
@@ -106,7 +107,8 @@ class ParallelRunner(ModelRunner):
             self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device,
                               liveness=self._raise_if_worker_died, timeout_s=timeout_s)
             model.set_tensor_parallel(self.tp)
-            blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes)
+            blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes, model,
+                                      gpu_memory_utilization, instances_on_device)
         except BaseException:
             self.close()
             raise

@@ -55,7 +55,7 @@ def serve(args) -> int:
     try:
         tp = TPGroup(args.rank, args.world_size, [r.vocab for r in layout_from_config(cfg)], device)
         model.set_tensor_parallel(tp)
-        num_blocks = agree_num_blocks(tp, cfg, args.rank, device)
+        num_blocks = agree_num_blocks(tp, cfg, args.rank, device, model=model)
         runner = ModelRunner(model.cfg, model, num_blocks, device, cfg.model.vocab_size)
         h = torch.zeros(msg.HEADER_LEN, dtype=torch.int64)
         while True:
