@@ -27,6 +27,8 @@ from .speculative.draft import DraftProposer
 from .speculative.speculator import Speculator
 from .speculative.verify import verify
 from .stats import engine_stats
+from .lora.manager import LoRAConfig
+from .lora.setup import enable_lora, resolve_request_lora
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Steps with fewer tokens than this are "small" (a few decodes): see ThreadPolicy.
@@ -60,7 +62,8 @@ class LLMEngine:
     def __init__(self, engine_dir: str, num_kv_blocks: Optional[int] = None, max_num_seqs: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
-                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None):
+                 threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
+                 lora: Optional[LoRAConfig] = None):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)
@@ -73,6 +76,8 @@ class LLMEngine:
                         enable_prefix_caching, kv_cache_memory_bytes, runner)
             if speculative is not None:
                 self.enable_speculation(speculative)
+            if lora is not None:
+                self.enable_lora(lora)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -86,6 +91,7 @@ class LLMEngine:
                              "with LLMEngine(engine_dir), which starts its workers")
         self = cls.__new__(cls)
         speculative = kwargs.pop("speculative", None)
+        lora = kwargs.pop("lora", None)
         self._setup(cfg, model, tokenizer, kwargs.pop("num_kv_blocks", None), kwargs.pop("max_num_seqs", None),
                     kwargs.pop("max_num_batched_tokens", None), kwargs.pop("enable_prefix_caching", True),
                     kwargs.pop("kv_cache_memory_bytes", None))
@@ -93,7 +99,13 @@ class LLMEngine:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}")
         if speculative is not None:
             self.enable_speculation(speculative)
+        if lora is not None:
+            self.enable_lora(lora)
         return self
+
+    def enable_lora(self, config: LoRAConfig) -> None:
+        """Serve LoRA adapters per request, mixed in one batch (docs/lora.md)."""
+        self.lora = enable_lora(self, config)
 
     def enable_speculation(self, config: SpeculativeConfig, draft_engine: Optional["LLMEngine"] = None) -> None:
         """Turn on speculative decoding (docs/speculative.md). Method "draft" loads
@@ -143,6 +155,7 @@ class LLMEngine:
         self._token_chars: Optional[int] = None  # prompt_limits.max_token_chars, computed on first use
         self.speculator: Optional[Speculator] = None  # enable_speculation()
         self._spec_delta = (0, 0)  # (proposed, accepted) tokens of the last step
+        self.lora = None  # LoRAManager: enable_lora()
 
     # ------------------------------------------------------------------ requests
     def _validate(self, request_id, prompt, prompt_token_ids, params, priority) -> List[int]:
@@ -196,13 +209,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Optional[str] = None,
                     prompt_token_ids: Optional[List[int]] = None, params: Optional[SamplingParams] = None,
-                    priority: int = 0) -> None:
-        """Queue a request. Bad input raises ValueError naming the field; nothing else is touched."""
+                    priority: int = 0, lora_name: Optional[str] = None, lora_task_id: Optional[int] = None) -> None:
+        """Queue a request (with the LoRA adapter lora_name, or tensorrtllm_backend's cached
+        lora_task_id). Bad input raises ValueError naming the field; nothing else is touched."""
         params = SamplingParams() if params is None else params
         ids = self._validate(request_id, prompt, prompt_token_ids, params, priority)
+        lora = resolve_request_lora(self.lora, lora_name, lora_task_id)
         req = Request(request_id, ids, params, priority, eos_token_ids=self.config.model.eos_token_ids,
                       stop_token_ids=params.stop_token_ids,
                       bad_words_ids=self._bad_words_ids(params.bad_words) if params.bad_words else ())
+        if lora is not None:
+            req.lora = lora
+            self.lora.count(lora, requests=1, prompt_tokens=len(ids))
         for seq in req.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop_list) if self.tokenizer else None
         self.requests[request_id] = req
@@ -329,6 +347,8 @@ class LLMEngine:
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
         m.num_output_tokens += 1
+        if req.lora is not None:
+            self.lora.count(req.lora, generated_tokens=1)
         if entry is not None:
             seq.logprobs.append(entry)
             seq.cum_logprob += entry["logprob"]
@@ -381,14 +401,16 @@ class LLMEngine:
         """Engine counters: KV blocks used/free/cached, running/waiting, preemptions, tokens."""
         return engine_stats(self)
 
-    def generate(self, prompts=None, params=None, prompt_token_ids=None) -> List[RequestOutput]:
-        """Run a list of prompts (or id lists) to completion together; final outputs in input order."""
+    def generate(self, prompts=None, params=None, prompt_token_ids=None, lora_names=None) -> List[RequestOutput]:
+        """Run a list of prompts (or id lists) to completion together; final outputs in input order.
+        lora_names: one adapter name (or None) for all, or a list with one per prompt."""
         items = prompts if prompts is not None else prompt_token_ids
         params_list = params if isinstance(params, list) else [params] * len(items)
+        loras = lora_names if isinstance(lora_names, list) else [lora_names] * len(items)
         base = f"gen{time.monotonic_ns()}-"
-        for i, (item, p) in enumerate(zip(items, params_list)):
+        for i, (item, p, lora) in enumerate(zip(items, params_list, loras)):
             kw = {"prompt": item} if prompts is not None else {"prompt_token_ids": item}
-            self.add_request(f"{base}{i}", params=p, **kw)
+            self.add_request(f"{base}{i}", params=p, lora_name=lora, **kw)
         final: Dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

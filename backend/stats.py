@@ -51,4 +51,6 @@ def engine_stats(engine) -> dict:
     }
     if engine.speculator is not None:
         out.update(engine.speculator.stats())
+    if getattr(engine, "lora", None) is not None:  # per adapter: requests, prompt / generated tokens
+        out["lora"] = {k: dict(v) for k, v in engine.lora.counters.items()}
     return out
