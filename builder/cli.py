@@ -80,6 +80,8 @@ def register(sub) -> None:
                    help="draft engine directory for --speculative draft (same tokenizer, e.g. an int4 build)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="tokens proposed per step, 1..16 (default 4)")
+    from .lora_repo import add_lora_arguments
+    add_lora_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -121,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "instances", 1) < 1:  # before the build, not after it
         raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
     spec_params = speculative_params(args)  # checked before the (long) build
+    from .lora_repo import check_lora_after_build, lora_params
+    spec_params.update(lora_params(args))  # adapters' folders checked before the build too
     cfg = build_engine(options_from_args(args))
+    check_lora_after_build(args, cfg)  # shapes and modules against the engine, before the repository
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"

@@ -43,6 +43,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft engine for --speculative draft (same tokenizer, e.g. an int4 build of the model)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"tokens proposed per step, 1..16 (default {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter folder under NAME (repeatable; docs/lora.md); the prompts "
+                        "use it (with several, pick one with --lora-name)")
+    g.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="largest adapter rank per module the engine takes (default 16)")
 
 
 def speculative_config(args):
@@ -55,6 +60,26 @@ def speculative_config(args):
         return None
     return SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
                              draft_engine_dir=draft).validate()
+
+
+def lora_options(args):
+    """--lora NAME=PATH (repeatable) / --lora-name / --max-lora-rank -> (LoRAConfig or None, the prompts' adapter)."""
+    from tritium.backend.lora.adapter import DEFAULT_MAX_LORA_RANK, parse_lora_spec
+    from tritium.backend.lora.manager import LoRAConfig
+    adapters = dict(parse_lora_spec(s) for s in getattr(args, "lora", []) or [])
+    name = getattr(args, "lora_name", None)
+    if not adapters:
+        if name is not None or getattr(args, "max_lora_rank", None) is not None:
+            raise ValueError("--lora-name and --max-lora-rank need --lora NAME=PATH (with --engine)")
+        return None, None
+    if name is None:
+        if len(adapters) > 1:
+            raise ValueError(f"several --lora adapters ({', '.join(adapters)}): pick the prompts' one with --lora-name")
+        name = next(iter(adapters))
+    elif name not in adapters:
+        raise ValueError(f"--lora-name {name!r} is not among the --lora adapters ({', '.join(adapters)})")
+    rank = args.max_lora_rank if args.max_lora_rank is not None else DEFAULT_MAX_LORA_RANK
+    return LoRAConfig(adapters, max_lora_rank=rank), name
 
 
 def _params(args, overrides: dict):
@@ -107,11 +132,13 @@ def run_engine(args: argparse.Namespace) -> int:
     if getattr(args, "chat", False):
         items = _apply_chat_template(args, items)
     spec = speculative_config(args)
+    lora, lora_name = lora_options(args)
     engine = LLMEngine(args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, speculative=spec)
+                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, speculative=spec,
+                       lora=lora)
     for i, (prompt, overrides) in enumerate(items):
         try:
-            engine.add_request(str(i), params=_params(args, overrides), **prompt)
+            engine.add_request(str(i), params=_params(args, overrides), lora_name=lora_name, **prompt)
         except ValueError as e:
             where = f"{args.input_file}: request {i + 1}: " if args.input_file else ""
             raise ValueError(f"{where}{e}") from None

@@ -28,6 +28,9 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--protocol", default="grpc", choices=("grpc", "http"),
                    help="grpc (tritonclient streaming) or http (generate / generate_stream); default grpc")
+    g.add_argument("--lora-name", default=None, metavar="NAME",
+                   help="the LoRA adapter to generate with: one the server's model lists in lora_adapters "
+                        "(with --url), or one of the --lora adapters (with --engine); docs/lora.md")
 
 
 def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -> dict:
@@ -45,8 +48,13 @@ def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -
         params["stop_words"] = [stops] if isinstance(stops, str) else list(stops)
     if getattr(args, "logprobs", None) is not None:
         params["return_log_probs"] = True  # the sampled token's logprob (the contract has no top-N)
+    sp = {}
     if getattr(args, "ignore_eos", False):
-        params["sampling_parameters"] = json.dumps({"ignore_eos": True})
+        sp["ignore_eos"] = True
+    if getattr(args, "lora_name", None):
+        sp["lora_name"] = args.lora_name  # vllm_backend's key
+    if sp:
+        params["sampling_parameters"] = json.dumps(sp)
     return params
 
 

@@ -55,6 +55,12 @@ INPUTS = (
     TensorSpec("messages", "TYPE_STRING", (1,),
                doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
                    'replaces text_input'),
+    # LoRA (docs/lora.md), tensorrtllm_backend's names; vllm_backend's sampling_parameters.lora_name too
+    TensorSpec("lora_task_id", "TYPE_UINT64", (1,),
+               doc="LoRA adapter id: cached with lora_weights + lora_config on first use, then alone"),
+    TensorSpec("lora_weights", "TYPE_FP16", (-1, -1),
+               doc="per module: A.flatten() ++ (alpha/r * B).flatten() (TensorRT-LLM hf_lora_convert layout)"),
+    TensorSpec("lora_config", "TYPE_INT32", (-1, 3), doc="per module: [module_id, layer_idx, adapter_size]"),
 )
 
 OUTPUTS = (

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+from tritium.backend.triton_backend.lora_metrics import LoRAMetrics
+
 # Latency buckets in seconds: 1 ms .. 60 s, roughly x2.5 apart (CPU decode steps are ~10-100 ms).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -67,6 +69,7 @@ class TritiumMetrics:
                                     "Speculative decoding: proposed tokens the target accepted", mf.COUNTER)
         self._families.append(f)
         self._spec_seen = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+        self.lora = LoRAMetrics(pb_utils, labels)  # per adapter: tritium_lora_*_total
         self._preemptions_seen = 0
         self._steps_seen = 0
         self._rejected_seen = 0
@@ -126,6 +129,7 @@ class TritiumMetrics:
                 if total > self._spec_seen[key]:
                     counter.increment(total - self._spec_seen[key])
                     self._spec_seen[key] = total
+            self.lora.update(stats.get("lora", {}))
             steps = int(stats.get("num_steps", 0))
             if steps > self._steps_seen:
                 self.steps.increment(steps - self._steps_seen)

@@ -34,6 +34,8 @@ from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
+from tritium.backend.lora.setup import resolve_request_lora
+from tritium.backend.triton_backend.lora_params import lora_config_from_params
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
@@ -124,6 +126,9 @@ class TritonPythonModel:
             spec = _speculative(params, model_dir)
             if spec is not None:
                 kwargs["speculative"] = spec
+            lora = lora_config_from_params(params, model_dir)
+            if lora is not None:
+                kwargs["lora"] = lora
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
@@ -227,10 +232,22 @@ class TritonPythonModel:
                     p.params["max_tokens"] = max(1, self.config.limits.max_seq_len - len(ids))
                 sp = SamplingParams(**p.params)
                 sp.validate(self.config.limits.max_seq_len, self.config.model.vocab_size, len(ids))
+                self._check_lora(p)
             except ValueError as e:
                 raise ValueError(error_prefix(batch, r) + str(e)) from None
             rows.append((p, ids, sp))
         return rows
+
+    def _check_lora(self, p) -> None:
+        """Cache an adapter sent with the request, and resolve the row's adapter now (loading it on
+        demand), so that a bad one fails this request with its reason before anything runs."""
+        manager = self.engine.engine.lora
+        if p.lora_tensors is not None:
+            if manager is None:
+                raise ValueError(f"lora_task_id {p.lora_task_id}: this model serves no LoRA adapters "
+                                 f"(set parameter lora_adapters or enable_lora)")
+            manager.register_task(p.lora_task_id, *p.lora_tensors)
+        resolve_request_lora(manager, p.lora_name, p.lora_task_id)
 
     def _admit(self, request):
         arrival = time.monotonic()
@@ -250,7 +267,8 @@ class TritonPythonModel:
             with self._rows_lock:
                 self._rows.add(stream)
             try:
-                self.engine.submit(rid, list(ids), sp, stream.on_output)
+                self.engine.submit(rid, list(ids), sp, stream.on_output, lora_name=p.lora_name,
+                                   lora_task_id=p.lora_task_id)
             except Exception as e:  # engine dead or shut down: this request fails, with the cause
                 self._row_done(stream)
                 state.close_with_error(f"tritium: request failed: {type(e).__name__}: {e}")

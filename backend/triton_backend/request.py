@@ -52,6 +52,9 @@ class ParsedRequest:
     exclude_input_in_output: bool = True
     return_log_probs: bool = False
     messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
+    lora_name: Optional[str] = None        # sampling_parameters.lora_name (vllm_backend)
+    lora_task_id: Optional[int] = None     # tensorrtllm_backend's adapter id
+    lora_tensors: Optional[Tuple[np.ndarray, np.ndarray]] = None  # (lora_weights, lora_config) sent with it
 
 
 def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
@@ -150,8 +153,14 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
         raise ValueError("sampling_parameters must be a JSON object")
     out: Dict[str, object] = {}
     for key, v in d.items():
+        if key == "lora_name":  # not a SamplingParams field: parse_row moves it to ParsedRequest
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"sampling_parameters.lora_name must be an adapter name (a string), got {v!r}")
+            out["lora_name"] = v
+            continue
         if key not in _JSON_KEYS:
-            raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(sorted(_JSON_KEYS))}")
+            raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: "
+                             f"{', '.join(sorted(list(_JSON_KEYS) + ['lora_name']))}")
         fname, kind = _JSON_KEYS[key]
         if key == "max_tokens" and v is None:  # null: up to the end of the context (set once the prompt is known)
             out[fname] = None
@@ -200,11 +209,30 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
         params["logprobs"] = 0
     messages = _messages(arrays, row, batch)
     prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
+    lora_name, lora_task_id, lora_tensors = _lora(params, arrays, row, batch)
     return ParsedRequest(
         prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages,
+        lora_name=lora_name, lora_task_id=lora_task_id, lora_tensors=lora_tensors,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
         return_log_probs=return_log_probs)
+
+
+def _lora(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int):
+    """(lora_name, lora_task_id, (lora_weights, lora_config) or None) of this row."""
+    name = params.pop("lora_name", None)
+    a = _row(arrays, "lora_task_id", row, batch)
+    task_id = None if a is None else _scalar("lora_task_id", a, int)
+    w, c = _row(arrays, "lora_weights", row, batch), _row(arrays, "lora_config", row, batch)
+    if (w is None) != (c is None):
+        raise ValueError("lora_weights and lora_config come together (with lora_task_id)")
+    if w is not None and task_id is None:
+        raise ValueError("lora_weights / lora_config need lora_task_id: the id they are cached under")
+    if name is not None and task_id is not None:
+        raise ValueError("give one of sampling_parameters.lora_name and lora_task_id")
+    if task_id is not None and task_id < 0:
+        raise ValueError(f"lora_task_id must be >= 0, got {task_id}")
+    return name, task_id, None if w is None else (np.asarray(w), np.asarray(c))
 
 
 def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[List[dict]]:
