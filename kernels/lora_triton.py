@@ -55,11 +55,11 @@ def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, row_ids_ptr, tile_start_ptr, tile_l
 
 
 @triton.jit
-def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, row_ids_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
-                        N, R, stride_t_row, stride_b_slot, stride_b_row, stride_y_row,
+def _lora_expand_kernel(t_ptr, bt_ptr, y_ptr, row_ids_ptr, tile_start_ptr, tile_len_ptr, tile_slot_ptr,
+                        N, R, stride_t_row, stride_bt_slot, stride_bt_rank, stride_y_row,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # y[row_ids[j], n] += sum_r t[j, r] * B[slot][n, r]
+    # y[row_ids[j], n] += sum_r t[j, r] * Bt[slot][r, n]
     pid = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     start = tl.load(tile_start_ptr + pid).to(tl.int64)
@@ -74,8 +74,8 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, row_ids_ptr, tile_start_ptr, tile_l
     mask_n = offs_n < N
     t = tl.load(t_ptr + (start + offs_m)[:, None] * stride_t_row + offs_r[None, :],
                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    # b: (BLOCK_R, BLOCK_N) view of B[slot]^T
-    b = tl.load(b_ptr + slot * stride_b_slot + offs_n[None, :] * stride_b_row + offs_r[:, None],
+    # b: (BLOCK_R, BLOCK_N) tile of Bt[slot] (rank rows, output columns contiguous)
+    b = tl.load(bt_ptr + slot * stride_bt_slot + offs_r[:, None] * stride_bt_rank + offs_n[None, :],
                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     if UPCAST:
         b = b.to(tl.float32)
@@ -100,25 +100,25 @@ def _tiles(seg: LoRASegments, device) -> Tuple[torch.Tensor, torch.Tensor, torch
     return as_t(starts), as_t(lens), as_t(slots)
 
 
-def lora_add_sgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+def lora_add_sgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, bt_stack: torch.Tensor,
                   seg: LoRASegments) -> torch.Tensor:
     """y += the segmented LoRA delta, in place (see lora_ref.lora_add_grouped). Returns y."""
-    # x: (T, K); y: (T, N); a_stack: (S, R, K); b_stack: (S, N, R); row_ids: (M,)
+    # x: (T, K); y: (T, N); a_stack: (S, R, K); bt_stack: (S, R, N); row_ids: (M,)
     check_dtype("x", x, TORCH_FLOATS)
     check_dtype("y", y, TORCH_FLOATS)
     check_dtype("a_stack", a_stack, TORCH_FLOATS)
-    check_dtype("b_stack", b_stack, (a_stack.dtype,))
+    check_dtype("bt_stack", bt_stack, (a_stack.dtype,))
     t_rows, k = x.shape
     s, r, _ = a_stack.shape
     n = y.shape[1]
     check_shape("y", y, (t_rows, None))
     check_shape("a_stack", a_stack, (None, None, k))
-    check_shape("b_stack", b_stack, (s, n, r))
+    check_shape("bt_stack", bt_stack, (s, r, n))
     if seg.num_rows != t_rows:
         raise ValueError(f"segments cover {seg.num_rows} rows, x has {t_rows}")
-    for name, v in (("x", x), ("y", y), ("a_stack", a_stack), ("b_stack", b_stack)):
+    for name, v in (("x", x), ("y", y), ("a_stack", a_stack), ("bt_stack", bt_stack)):
         check_last_contiguous(name, v)
-    check_device(x, y=y, a_stack=a_stack, b_stack=b_stack, row_ids=seg.row_ids)
+    check_device(x, y=y, a_stack=a_stack, bt_stack=bt_stack, row_ids=seg.row_ids)
     m = int(seg.row_ids.numel())
     if m == 0:
         return y
@@ -134,7 +134,7 @@ def lora_add_sgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_sta
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=min(64, max(16, next_pow2(k))), UPCAST=upcast, IEEE=ieee)
     block_n = min(64, max(16, next_pow2(n)))
     _lora_expand_kernel[(num_tiles, triton.cdiv(n, block_n))](
-        t, b_stack, y, seg.row_ids, tile_start, tile_len, tile_slot, n, r,
-        t.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
+        t, bt_stack, y, seg.row_ids, tile_start, tile_len, tile_slot, n, r,
+        t.stride(0), bt_stack.stride(0), bt_stack.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=block_n, UPCAST=True, IEEE=ieee)
     return y

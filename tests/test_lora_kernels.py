@@ -18,7 +18,7 @@ def _case(rng, dtype):
     k, n = rng.choice([24, 72, 100]), rng.choice([18, 96, 130])
     slots, r = rng.choice([1, 3, 4]), rng.choice([4, 8, 24])
     a = (torch.randn(slots, r, k) / k ** 0.5).to(dtype)
-    b = (torch.randn(slots, n, r) / r ** 0.5).to(dtype)
+    b = (torch.randn(slots, r, n) / r ** 0.5).to(dtype)  # B transposed
     row_slots = [rng.choice([None] + list(range(slots))) for _ in range(t)]
     x = torch.randn(t, k).to(dtype)
     y = torch.randn(t, n).to(dtype)
@@ -52,20 +52,19 @@ def test_grouped_cpu_path_matches_reference(case):
     assert_close(got, _expected(x, y, a, b, row_slots), dtype, f"seed={seed} slots={row_slots}")
 
 
-def test_grouped_ranks_skip_only_zero_padding():
-    """ranks[g] < R multiplies only the adapter's own rank: equal to the full padded product."""
-    x, y = torch.randn(5, 16), torch.randn(5, 8)
-    a, b = torch.randn(2, 6, 16), torch.randn(2, 8, 6)
-    a[1, 2:] = 0
-    b[1, :, 2:] = 0
-    seg = LoRASegments.from_row_slots([0, 1, None, 1, 0], "cpu")
-    full = lora_add_grouped(y.clone(), x, a, b, seg)
-    short = lora_add_grouped(y.clone(), x, a, b, seg, ranks=[6, 2])
-    torch.testing.assert_close(short, full)
-    assert torch.equal(full[2], y[2])  # a base-only row is untouched
+def test_grouped_subset_of_slots_and_untouched_base_rows():
+    """A step using some of the slots (gathered stacks), uneven segments (padding), base rows."""
+    x, y = torch.randn(6, 16), torch.randn(6, 8)
+    a, bt = torch.randn(4, 6, 16), torch.randn(4, 6, 8)
+    row_slots = [3, 1, None, 1, 3, 1]
+    seg = LoRASegments.from_row_slots(row_slots, "cpu")
+    assert seg.seg_slots == [1, 3] and seg.max_len == 3 and seg.pad_mask is not None
+    got = lora_add_grouped(y.clone(), x, a, bt, seg)
+    torch.testing.assert_close(got, _expected(x, y, a, bt, row_slots))
+    assert torch.equal(got[2], y[2])  # a base-only row is untouched
 
 
 def test_sgmv_rejects_bad_shapes():
     seg = LoRASegments.from_row_slots([0, 0], "cpu")
-    with pytest.raises(ValueError, match="b_stack"):
+    with pytest.raises(ValueError, match="bt_stack"):
         lora_add_sgmv(torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(1, 3, 4), torch.zeros(1, 9, 3), seg)

@@ -4,9 +4,11 @@
   cache of `max_cpu_loras` adapters; `add_adapter` registers one at run time (no rebuild).
   tensorrtllm_backend's `lora_task_id` adapters arrive as tensors with a request and live in the
   same host cache under "task:ID" (a later request may send the id alone while it is cached).
-- Device memory holds `max_loras` adapters in slots of per-linear stacks (A (S, R, in), B (S, out, R),
-  R = parts x max_lora_rank); an adapter is copied into the least recently used slot that the
-  step does not need. The scheduler never puts more than `max_loras` adapters in one step.
+- Device memory holds `max_loras` adapters in slots of per-linear stacks (A (S, R, in), B^T
+  (S, R, out), R = parts x max_lora_rank); an adapter is copied into the least recently used slot
+  that the step does not need. The scheduler never puts more than `max_loras` adapters in one step.
+  On CPU each linear also keeps its stacks cut to the largest rank loaded (contiguous, rebuilt
+  when a slot changes), so the batched GEMMs skip the capacity's zero padding.
 - begin_step() groups the step's rows by slot (LoRASegments); every wrapped linear
   (layer.LoRALinear) then adds its delta: the Triton SGMV kernel on CUDA, the grouped GEMMs on CPU.
 A request holds its adapter object, so evicting it from the host cache never breaks a running one.
@@ -83,7 +85,8 @@ class LoRAManager:
                 k, n = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
                 r = fused_rank_capacity(name, self.max_lora_rank)
                 self.stacks[(layer, name)] = (torch.zeros(self.max_loras, r, k, dtype=dtype, device=device),
-                                              torch.zeros(self.max_loras, n, r, dtype=dtype, device=device))
+                                              torch.zeros(self.max_loras, r, n, dtype=dtype, device=device))
+        self._cut: Dict[Tuple[int, str], Optional[Tuple[torch.Tensor, torch.Tensor]]] = {}  # CPU: rank-cut stacks
         self.slot_digest: List[Optional[bytes]] = [None] * self.max_loras
         self.slot_ranks: List[Dict[Tuple[int, str], int]] = [{} for _ in range(self.max_loras)]
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((s, None) for s in range(self.max_loras))
@@ -175,12 +178,13 @@ class LoRAManager:
             b_stack[victim].zero_()
         ranks = {}
         for key, (a, b) in adapter.modules.items():
-            a_stack, b_stack = self.stacks[key]
+            a_stack, bt_stack = self.stacks[key]
             r = a.shape[0]
             a_stack[victim, :r].copy_(a)
-            b_stack[victim, :, :r].copy_(b)
+            bt_stack[victim, :r].copy_(b.t())
             ranks[key] = r
         self.slot_digest[victim], self.slot_ranks[victim] = adapter.digest, ranks
+        self._cut.clear()
         self._slot_lru.move_to_end(victim)
         self.num_loads += 1
         return victim
@@ -215,11 +219,15 @@ class LoRAManager:
     def apply(self, key: Tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base linear's output) += this step's LoRA delta for linear `key`."""
         seg = self.batch
-        a_stack, b_stack = self.stacks[key]
         if x.is_cuda:
             from tritium.kernels.lora_triton import lora_add_sgmv
-            return lora_add_sgmv(y, x.contiguous(), a_stack, b_stack, seg)
-        ranks = [self.slot_ranks[s].get(key, 0) for s in seg.seg_slots]
-        if not any(ranks):
+            a_stack, bt_stack = self.stacks[key]
+            return lora_add_sgmv(y, x.contiguous(), a_stack, bt_stack, seg)
+        if key not in self._cut:
+            r = max(ranks.get(key, 0) for ranks in self.slot_ranks)
+            a_stack, bt_stack = self.stacks[key]
+            self._cut[key] = (a_stack[:, :r].contiguous(), bt_stack[:, :r].contiguous()) if r else None
+        cut = self._cut[key]
+        if cut is None:  # no loaded adapter touches this linear
             return y
-        return lora_add_grouped(y, x.to(a_stack.dtype), a_stack, b_stack, seg, ranks)
+        return lora_add_grouped(y, x.to(cut[0].dtype), cut[0], cut[1], seg)
