@@ -111,15 +111,14 @@ def make_adapter(key: str, source: str, model_cfg, parts: Dict[Tuple[int, str], 
                  max_lora_rank: int) -> LoRAAdapter:
     """Check the parts against the engine, fuse them, and fingerprint the result."""
     check_parts(f"LoRA adapter {key!r}", model_cfg, parts, max_lora_rank)
+    h = hashlib.sha256()  # over the parts as given (SHA extensions make it the fast one here)
+    for (layer, name), p in sorted(parts.items()):
+        h.update(f"{layer}.{name}:{p.scale!r}".encode())
+        for t in (p.a, p.b):
+            h.update(t.detach().float().contiguous().numpy())
     modules = fuse(model_cfg, parts)
-    h = hashlib.blake2b(digest_size=16)
-    nbytes = 0
-    for (layer, name), (a, b) in sorted(modules.items()):
-        h.update(f"{layer}.{name}".encode())
-        for t in (a, b):
-            h.update(t.contiguous().numpy().tobytes())
-            nbytes += t.numel() * t.element_size()
-    return LoRAAdapter(key, source, modules, max(p.a.shape[0] for p in parts.values()), h.digest(), nbytes)
+    nbytes = sum(t.numel() * t.element_size() for a, b in modules.values() for t in (a, b))
+    return LoRAAdapter(key, source, modules, max(p.a.shape[0] for p in parts.values()), h.digest()[:16], nbytes)
 
 
 def module_names() -> List[str]:
