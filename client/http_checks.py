@@ -35,10 +35,11 @@ class GuardLimits:
 class GuardError(Exception):
     """A request the guard answers itself: HTTP `status` with {"error": message}."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Tuple[Tuple[str, str], ...] = ()):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers  # extra response headers (WWW-Authenticate on a 401)
 
 
 # Content types forwarded as they are; those in _AS_JSON are forwarded as application/json.
@@ -127,6 +128,19 @@ def check_json_depth(data: bytes, limits: GuardLimits) -> None:
                               f"(--max-json-depth)")
 
 
+def check_json_syntax(data: bytes):
+    """The parsed JSON of `data` (None if empty); GuardError 400 unless it is UTF-8 JSON:
+    tritonserver 2.51 answers a malformed JSON body with a 500, never right for a client's mistake."""
+    if not data.strip():
+        return None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise GuardError(400, f"the request body is not UTF-8 (byte {e.start}); JSON must be UTF-8") from None
+    except ValueError as e:  # after check_json_depth: no RecursionError here
+        raise GuardError(400, f"the request body is not valid JSON: {e}") from None
+
+
 def json_part(body: bytes, header_length: Optional[str]) -> bytes:
     """The JSON part of an inference body: all of it, or the first Inference-Header-Content-Length
     bytes when binary tensor data follows (Triton's binary data extension)."""
@@ -139,7 +153,8 @@ def json_part(body: bytes, header_length: Optional[str]) -> bytes:
 
 
 # ---- HTTP/1.1 message heads ------------------------------------------------------------------
-_REASONS = {400: "Bad Request", 413: "Payload Too Large", 415: "Unsupported Media Type",
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 413: "Payload Too Large",
+            415: "Unsupported Media Type",
             431: "Request Header Fields Too Large", 501: "Not Implemented", 502: "Bad Gateway",
             503: "Service Unavailable"}
 
@@ -179,10 +194,25 @@ def parse_head(head: bytes) -> Request:
     return Request(parts[0], parts[1], parts[2], headers)
 
 
-def error_response(status: int, message: str) -> bytes:
+def error_response(status: int, message: str, headers: Tuple[Tuple[str, str], ...] = ()) -> bytes:
     body = json.dumps({"error": f"tritium guard: {message}"}).encode()
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+# tritonserver 2.51 answers these client mistakes with a 5xx (its request converters use
+# TRITONSERVER_ERROR_INTERNAL / UNSUPPORTED): the guard passes them on as 400.
+_CLIENT_MISTAKES = (b'{"error":"Unable to parse ', b'{"error":"failed to parse ',
+                    b'{"error":"HTTP end point doesn\'t support models with decoupled')
+
+
+def upstream_status(status: int, body: bytes) -> int:
+    """The status to relay for tritonserver's (status, body): 400 for a known client mistake it
+    reports as 500 / 501, else `status`."""
+    if status in (500, 501) and body.startswith(_CLIENT_MISTAKES):
+        return 400
+    return status
 
 
 def parse_response_head(head: bytes) -> Tuple[int, List[Tuple[str, str]]]:

@@ -8,6 +8,9 @@ upstream connection; a request is read whole (bounded), checked, forwarded with 
 Content-Length, and the response is relayed as it arrives (chunked generate_stream events go out
 one by one). A client that goes away closes its upstream connection, which is how Triton learns
 to cancel the request. Rejections are answered here as {"error": "..."} like Triton's own.
+On the HTTP port the guard also checks keys before reading a body (client/guard_auth.py: the
+admin APIs need the admin key, inference the API key when one is set); with --tls-cert /
+--tls-key every route is served over TLS. The keys come in the environment, never in argv.
 """
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ import argparse
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from typing import List, Optional, Tuple
 
+from tritium.client.generate_checks import check_generate_fields, is_generate
+from tritium.client.guard_auth import GuardKeys, check_access
 from tritium.client.http_checks import (GuardError, GuardLimits, Request, check_body_size, check_json_depth,
+                                        check_json_syntax, upstream_status,
                                         decode_body, error_response, forward_content_type, json_part,
                                         parse_content_length, parse_head, parse_response_head)
 
@@ -34,9 +41,10 @@ class _StaleUpstream(Exception):
 
 
 class Guard:
-    def __init__(self, upstream: Tuple[str, int], limits: GuardLimits):
+    def __init__(self, upstream: Tuple[str, int], limits: GuardLimits, keys: Optional[GuardKeys] = None):
         self.upstream = upstream
         self.limits = limits
+        self.keys = keys  # None: no key checks (the metrics port)
         self.num_connections = 0
         self.buffered_bytes = 0
 
@@ -74,7 +82,7 @@ class Guard:
             if not (e.status == 502 and req_target.startswith("/v2/health")):  # not every startup probe
                 print(f"tritium-guard: {e.status} {e.message}", file=sys.stderr, flush=True)
             try:
-                writer.write(error_response(e.status, e.message))
+                writer.write(error_response(e.status, e.message, e.headers))
                 await writer.drain()
                 await _linger(reader, writer)
             except (ConnectionError, OSError, asyncio.TimeoutError):
@@ -103,12 +111,14 @@ class Guard:
         except asyncio.LimitOverrunError:
             raise GuardError(431, f"request head is over {self.limits.max_header_bytes} bytes") from None
         req = parse_head(head)
+        if self.keys is not None:  # before the body: an unauthorized client gets nothing buffered
+            check_access(req.target, req.get, self.keys)
         te = req.get_all("transfer-encoding")
         length = parse_content_length(req.get_all("content-length"))
         if te and length is not None:
             raise GuardError(400, "both Transfer-Encoding and Content-Length")
         if te and [t.strip().lower() for t in ",".join(te).split(",")] != ["chunked"]:
-            raise GuardError(501, f"Transfer-Encoding {','.join(te)!r} is not supported; use chunked or Content-Length")
+            raise GuardError(400, f"Transfer-Encoding {','.join(te)!r} is not supported; use chunked or Content-Length")
         ctype = forward_content_type(req.get("content-type"))
         if length is not None:
             check_body_size(length, self.limits)
@@ -119,7 +129,12 @@ class Guard:
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             body = await asyncio.wait_for(self._read_body(reader, length, bool(te)), BODY_TIMEOUT_S)
             body = decode_body(body, req.get("content-encoding"), self.limits)
-            check_json_depth(json_part(body, req.get("inference-header-content-length")), self.limits)
+            part = json_part(body, req.get("inference-header-content-length"))
+            check_json_depth(part, self.limits)
+            if ctype != "application/octet-stream":
+                parsed = check_json_syntax(part)
+                if parsed is not None and is_generate(req.target):
+                    check_generate_fields(parsed)
         except BaseException:
             self.buffered_bytes -= reserved
             raise
@@ -185,12 +200,19 @@ class Guard:
             raise _StaleUpstream() from None
         except (ConnectionError, OSError):
             raise _StaleUpstream() from None
-        resp = parse_response_head(head)
+        status, headers = parse_response_head(head)
+        cl = [v for k, v in headers if k == "content-length"]
+        if status in (500, 501) and req.method != "HEAD" and cl and cl[0].isdigit() and int(cl[0]) <= 2 ** 16:
+            body = await up_r.readexactly(int(cl[0]))
+            new = upstream_status(status, body)
+            if new != status:  # a client mistake tritonserver calls a server error
+                head = f"HTTP/1.1 {new} Bad Request\r\n".encode() + head.split(b"\r\n", 1)[1]
+            writer.write(head + body)
+            await writer.drain()
+            return "close" not in ",".join(v for k, v in headers if k == "connection").lower()
         writer.write(head)
-        status, headers = resp
         conn = ",".join(v for k, v in headers if k == "connection").lower()
         te = ",".join(v for k, v in headers if k == "transfer-encoding").lower()
-        cl = [v for k, v in headers if k == "content-length"]
         if req.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             pass
         elif "chunked" in te:
@@ -244,12 +266,13 @@ async def _linger(reader, writer, max_bytes: int = 64 * 2 ** 20, timeout: float 
     await asyncio.wait_for(drain(), timeout)
 
 
-async def serve(routes: List[Tuple[socket.socket, Tuple[str, int]]], limits: GuardLimits) -> None:
-    """Serve each (listening socket, upstream address) pair until the parent process is gone."""
+async def serve(routes: List[Tuple[socket.socket, Tuple[str, int], Optional[GuardKeys]]], limits: GuardLimits,
+                ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    """Serve each (listening socket, upstream address, keys) route until the parent process is gone."""
     servers = []
-    for sock, upstream in routes:
-        servers.append(await asyncio.start_server(Guard(upstream, limits).handle, sock=sock,
-                                                  limit=limits.max_header_bytes))
+    for sock, upstream, keys in routes:
+        servers.append(await asyncio.start_server(Guard(upstream, limits, keys).handle, sock=sock,
+                                                  limit=limits.max_header_bytes, ssl=ssl_context))
     parent = os.getppid()
     while os.getppid() == parent:  # the parent (tritium serve) is gone: so is the guard
         await asyncio.sleep(1.0)
@@ -259,15 +282,35 @@ async def serve(routes: List[Tuple[socket.socket, Tuple[str, int]]], limits: Gua
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tritium.client.http_guard", description=__doc__.splitlines()[0])
-    p.add_argument("--route", action="append", required=True,
+    p.add_argument("--route", action="append", default=[],
                    help="FD=HOST:PORT (an inherited listening socket) or LISTEN_HOST:PORT=HOST:PORT: "
-                        "guard HOST:PORT from there; repeat for more ports")
+                        "guard HOST:PORT from there, checking keys ($TRITIUM_GUARD_ADMIN_KEY, "
+                        "$TRITIUM_GUARD_API_KEY); repeat for more ports")
+    p.add_argument("--open-route", action="append", default=[],
+                   help="the same, without key checks (the metrics port)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve every route over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     for f, v in GuardLimits().__dict__.items():
         p.add_argument("--" + f.replace("_", "-"), type=int, default=v)
     args = p.parse_args(argv)
+    if not args.route and not args.open_route:
+        p.error("give at least one --route or --open-route")
     limits = GuardLimits(**{f: getattr(args, f) for f in GuardLimits().__dict__})
+    keys = GuardKeys.from_env()
+    if args.route and keys is None:
+        print("tritium-guard: --route needs $TRITIUM_GUARD_ADMIN_KEY (use --open-route for a route without "
+              "key checks)", file=sys.stderr)
+        return 2
+    ssl_context = None
+    if args.tls_cert or args.tls_key:
+        from tritium.client.security import server_ssl_context
+        try:
+            ssl_context = server_ssl_context(args.tls_cert, args.tls_key)
+        except (TypeError, ValueError) as e:
+            print(f"tritium-guard: {e}", file=sys.stderr)
+            return 2
     routes = []
-    for r in args.route:
+    for r, route_keys in [(r, keys) for r in args.route] + [(r, None) for r in args.open_route]:
         front, _, upstream = r.partition("=")
         host, _, port = upstream.rpartition(":")
         if front.isdigit():
@@ -280,9 +323,9 @@ def main(argv=None) -> int:
             except OSError as e:
                 print(f"tritium-guard: {e}", file=sys.stderr)
                 return 2
-        routes.append((sock, (host, int(port))))
+        routes.append((sock, (host, int(port)), route_keys))
     try:
-        asyncio.run(serve(routes, limits))
+        asyncio.run(serve(routes, limits, ssl_context))
     except KeyboardInterrupt:
         pass
     return 0

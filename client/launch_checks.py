@@ -52,16 +52,20 @@ def listen_socket(what: str, host: str, port: int) -> socket.socket:
     return s
 
 
-def start_guard(routes, limits: Optional[GuardLimits], log_fh) -> subprocess.Popen:
-    """Run client/http_guard.py; routes: (listening socket, upstream "HOST:PORT") pairs whose
-    sockets the guard inherits. Returns the process."""
+def start_guard(routes, limits: Optional[GuardLimits], log_fh, security) -> subprocess.Popen:
+    """Run client/http_guard.py; routes: (listening socket, upstream "HOST:PORT", check keys?)
+    whose sockets the guard inherits; `security` (client/security.py) gives the keys (in the
+    guard's environment) and TLS files. Returns the process."""
     cmd = [sys.executable, "-m", "tritium.client.http_guard"]
-    for sock, upstream in routes:
-        cmd += ["--route", f"{sock.fileno()}={upstream}"]
+    for sock, upstream, keyed in routes:
+        cmd += ["--route" if keyed else "--open-route", f"{sock.fileno()}={upstream}"]
     for name, value in (limits or GuardLimits()).__dict__.items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
-    return subprocess.Popen(cmd, pass_fds=[s.fileno() for s, _ in routes], stdout=log_fh or subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT if log_fh else subprocess.DEVNULL, start_new_session=True)
+    if security.tls:
+        cmd += ["--tls-cert", security.tls_cert, "--tls-key", security.tls_key]
+    return subprocess.Popen(cmd, pass_fds=[r[0].fileno() for r in routes], stdout=log_fh or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT if log_fh else subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, **security.guard_env()))
 
 
 def new_shm_prefix() -> str:

@@ -24,6 +24,12 @@ def register(sub) -> None:
                    help="largest request body in bytes (default %(default)s; larger ones get 413)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default warning)")
+    p.add_argument("--triton-tls-ca", default=None,
+                   help="reach tritonserver's gRPC over TLS, trusting this PEM certificate")
+    from tritium.client.security import add_arguments as add_security_arguments
+    # --api-key: this API's key, also sent to tritonserver; --admin-key: tritonserver's admin key,
+    # needed to list its models (its model-repository and model-config APIs are restricted)
+    add_security_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -35,7 +41,10 @@ def check_port(value: int, flag: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from tritium.client.openai_server import OpenAIServer
+    from tritium.client.security import check_exposure, security_from_args
     check_port(args.port, "--port")
+    security = security_from_args(args)
+    check_exposure(args.host, security, args.insecure, f"the OpenAI API (port {args.port})")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     try:
@@ -44,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise OSError("the OpenAI API needs fastapi and uvicorn: pip install 'tritium[serve]'") from None
     srv = OpenAIServer(args.triton_url, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
-                       log_level=args.log_level)
+                       log_level=args.log_level, security=security, triton_tls_ca=args.triton_tls_ca)
     print(f"OpenAI API: {srv.url}  (tritonserver gRPC {args.triton_url}); Ctrl-C stops it.", flush=True)
     print(f"try: curl {srv.url}/models", file=sys.stderr, flush=True)
     # uvicorn stops on SIGINT / SIGTERM, then re-raises the signal to the handlers it found: make

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from tritium.backend.chat_template import normalize_messages
-from tritium.backend.sampling_params import MAX_LOGPROBS, MAX_N, MAX_NUM_STOP
+from tritium.backend.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_NUM_STOP
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # the OpenAI completions API's default
 MAX_COMPLETION_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
@@ -119,7 +119,9 @@ def _logit_bias(body: dict) -> Optional[Dict[str, float]]:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise bad("logit_bias", f"logit_bias must be an object mapping token ids to a bias, got {v!r}")
+        raise bad("logit_bias", f"logit_bias must be an object mapping token ids to a bias, got {v!r:.200}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias has {len(v)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     out = {}
     for k, b in v.items():
         try:
@@ -257,8 +259,8 @@ def parse_completion_request(body: dict) -> ParsedRequest:
             reqs.append(_request({"prompt": p}, sp, lp))
             echoes.append(p if echo else None)
         else:
-            if any(i < 0 for i in p):
-                raise bad("prompt", "prompt token ids must be >= 0")
+            if any(i < 0 or i > 2 ** 31 - 1 for i in p):  # int32 on the wire: never let an id wrap around
+                raise bad("prompt", "prompt token ids must be in [0, 2147483647]")
             reqs.append(_request({"input_ids": p}, sp, lp))
             echoes.append("" if echo else None)  # ids only: the prompt text is not known here
     return ParsedRequest("completion", model, reqs, n=n, stream=stream, include_usage=include_usage,

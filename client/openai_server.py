@@ -12,6 +12,9 @@ stream, or a dropped connection while a non-streamed answer is being generated) 
 Triton requests. Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
 400 a bad parameter (named in `param`), 404 an unknown model or route, 413 a body over the limit,
 503 Triton unreachable or the engine overloaded, 500 a bug (one line, never a traceback).
+With an API key (client/security.py) every path but /health needs `Authorization: Bearer KEY`
+(401 otherwise, client/openai_auth.py); with certificate files it serves HTTPS, and it reaches
+tritonserver's gRPC with the same keys and over TLS as well.
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tritium.client.openai_auth import RequireApiKey
 from tritium.client.openai_protocol import (OpenAIError, error_from_triton, parse_chat_request,
                                             parse_completion_request)
 from tritium.client.openai_responses import AnswerBuilder
@@ -50,14 +54,44 @@ async def _read_json(request, max_body_bytes: int) -> dict:
         if len(body) > max_body_bytes:
             raise OpenAIError(413, f"request body is larger than {max_body_bytes} bytes")
     try:
-        d = json.loads(body.decode("utf-8"))
+        d = json.loads(body.decode("utf-8"), parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise OpenAIError(400, f"the request body must be JSON ({e})") from None
     except (RecursionError, ValueError):
         raise OpenAIError(400, "the request body must be JSON (nested too deeply or a number too large)") from None
     if not isinstance(d, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    bad_text = _lone_surrogate(d)
+    if bad_text is not None:  # "\ud800" is valid JSON but no text: it cannot be encoded for Triton
+        raise OpenAIError(400, f"{bad_text} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape); "
+                               "text must be valid Unicode", param=bad_text.split("[")[0].split(".")[0],
+                          code="invalid_parameter")
     return d
+
+
+def _parse_int(digits: str):
+    """JSON integers; one too long for Python's int() (4,300 digits) becomes inf, so that the field
+    check that follows names the field ("max_tokens must be ...") instead of failing the whole body."""
+    return int(digits) if len(digits) <= 4000 else float("inf")
+
+
+def _lone_surrogate(d) -> Optional[str]:
+    """The path ("messages[0].content") of the first string or key holding a lone surrogate, else None."""
+    stack = [("", d)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((f"{path}.{k}" if path else str(k), k))
+                stack.append((f"{path}.{k}" if path else str(k), x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
 
 
 async def _unless_disconnected(request, aw: Awaitable):
@@ -76,9 +110,12 @@ async def _unless_disconnected(request, aw: Awaitable):
             await asyncio.gather(task, return_exceptions=True)
 
 
-def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """The FastAPI app; `triton_url` is tritonserver's gRPC HOST:PORT."""
-    bridge = TritonBridge(triton_url)
+def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, security=None,
+               triton_tls_ca: Optional[str] = None):
+    """The ASGI app; `triton_url` is tritonserver's gRPC HOST:PORT. `security` (a Security):
+    its API key guards this API and, with its admin key, goes to tritonserver; `triton_tls_ca`:
+    reach tritonserver's gRPC over TLS, trusting this PEM file."""
+    bridge = TritonBridge(triton_url, security=security, tls_ca=triton_tls_ca)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -198,6 +235,8 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return await generate(request, parsed, name)
 
+    if security is not None and security.api_key:
+        return RequireApiKey(app, security.api_key)
     return app
 
 
@@ -206,7 +245,8 @@ class OpenAIServer:
     with its number), in this thread (run) or a background one (start / stop)."""
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = 9000,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning"):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", security=None,
+                 triton_tls_ca: Optional[str] = None):
         from tritium.client.launch_checks import listen_socket
         self.sock = listen_socket("OpenAI", host, port)
         self.host = host
@@ -214,17 +254,22 @@ class OpenAIServer:
         self.triton_url = triton_url
         self.max_body_bytes = max_body_bytes
         self.log_level = log_level
+        self.security = security
+        self.triton_tls_ca = triton_tls_ca or None
         self._server = None
         self._thread = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        scheme = "https" if self.security is not None and self.security.tls else "http"
+        return f"{scheme}://{self.host}:{self.port}/v1"
 
     def _make(self):
         import uvicorn
-        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes), log_level=self.log_level,
-                             access_log=False, timeout_graceful_shutdown=5)
+        sec = self.security
+        tls = dict(ssl_certfile=sec.tls_cert, ssl_keyfile=sec.tls_key) if sec is not None and sec.tls else {}
+        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes, sec, self.triton_tls_ca),
+                             log_level=self.log_level, access_log=False, timeout_graceful_shutdown=5, **tls)
         self._server = uvicorn.Server(cfg)
         return self._server
 

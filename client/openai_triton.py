@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Dict, List
+from typing import AsyncIterator, Dict, List, Optional
 
 from tritium.client.openai_protocol import OpenAIError
 from tritium.client.triton_client import Chunk, build_request, chunk_from_result, grpc_inputs
@@ -29,9 +29,15 @@ class TritonRequestError(RuntimeError):
 
 
 class TritonBridge:
-    def __init__(self, url: str, timeout: float = 3600.0):
+    """`security` (client/security.py): the keys sent with every call (the admin key only with the
+    model index and configs, which tritonserver restricts); `tls_ca`: gRPC over TLS, trusting it."""
+
+    def __init__(self, url: str, timeout: float = 3600.0, security=None, tls_ca: Optional[str] = None):
         self.url = url.split("://", 1)[-1].rstrip("/")
         self.timeout = timeout
+        self.headers = security.headers("grpc") if security is not None else {}
+        self.admin_headers = security.headers("grpc", admin=True) if security is not None else {}
+        self.tls_ca = tls_ca
         self._client = None
         self._models: Dict[str, float] = {}   # name -> time first seen (the `created` field)
         self._models_at = 0.0
@@ -41,7 +47,8 @@ class TritonBridge:
         # Created inside the running event loop (grpc.aio channels belong to one loop).
         if self._client is None:
             import tritonclient.grpc.aio as aio
-            self._client = aio.InferenceServerClient(self.url)
+            from tritium.client.security import grpc_tls_kwargs
+            self._client = aio.InferenceServerClient(self.url, **grpc_tls_kwargs(self.tls_ca))
         return self._client
 
     async def close(self) -> None:
@@ -50,6 +57,10 @@ class TritonBridge:
             self._client = None
 
     async def _unavailable(self, e: Exception) -> OpenAIError:
+        if "protocol is restricted" in str(e):  # tritonserver refused our keys
+            why = " ".join(str(e).split())
+            return OpenAIError(503, f"tritonserver at {self.url} refuses this API's calls ({why}): give it the "
+                                    "server's keys (--api-key, --admin-key)", code="triton_unavailable")
         return OpenAIError(503, f"cannot reach tritonserver at {self.url} (grpc): {' '.join(str(e).split())}",
                            code="triton_unavailable")
 
@@ -60,13 +71,13 @@ class TritonBridge:
         from tritonclient.utils import InferenceServerException
         c = self._grpc()
         try:
-            index = await c.get_model_repository_index(as_json=True)
+            index = await c.get_model_repository_index(headers=self.admin_headers, as_json=True)
             found, parents = {}, {}
             for m in index.get("models", []):
                 if m.get("state") != "READY":
                     continue
                 name = m["name"]
-                cfg = await c.get_model_config(name, as_json=True)
+                cfg = await c.get_model_config(name, headers=self.admin_headers, as_json=True)
                 if cfg.get("config", {}).get("backend") == "tritium":
                     found[name] = self._models.get(name, time.time())
                     for adapter in _lora_names(cfg.get("config", {})):
@@ -108,7 +119,7 @@ class TritonBridge:
                    "enable_empty_final_response": True}
             await done.wait()  # keep the stream open until the final response is in
 
-        call = self._grpc().stream_infer(requests(), stream_timeout=self.timeout)
+        call = self._grpc().stream_infer(requests(), stream_timeout=self.timeout, headers=self.headers)
         finished = False
         try:
             async for result, error in call:
@@ -125,7 +136,8 @@ class TritonBridge:
                     return
         except InferenceServerException as e:
             finished = True
-            if "UNAVAILABLE" in str(e.status() or "") or "failed to connect" in str(e).lower():
+            if "UNAVAILABLE" in str(e.status() or "") or "failed to connect" in str(e).lower() \
+                    or "protocol is restricted" in str(e):
                 raise await self._unavailable(e) from None
             raise TritonRequestError(e.message()) from None
         finally:

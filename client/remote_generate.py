@@ -31,6 +31,9 @@ def add_remote_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-name", default=None, metavar="NAME",
                    help="the LoRA adapter to generate with: one the server's model lists in lora_adapters "
                         "(with --url), or one of the --lora adapters (with --engine); docs/lora.md")
+    g.add_argument("--api-key", default=None,
+                   help="the server's API key, sent as 'Authorization: Bearer KEY' (default: $TRITIUM_API_KEY)")
+    g.add_argument("--tls-ca", default=None, help="TLS: trust this PEM certificate (the server's --tls-cert)")
 
 
 def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -> dict:
@@ -92,7 +95,8 @@ def run_remote(args: argparse.Namespace) -> int:
         items = [((None, None, json.dumps(chat_messages(args, p), ensure_ascii=False)), o) for (p, _), o in items]
     else:
         items = [((p, ids, None), o) for (p, ids), o in items]
-    client = TritiumClient(args.url, protocol=args.protocol, model=args.model)
+    client = TritiumClient(args.url, protocol=args.protocol, model=args.model, api_key=getattr(args, "api_key", None),
+                           tls_ca=getattr(args, "tls_ca", None))
     n = getattr(args, "n", 1) or 1
     want_lp = getattr(args, "logprobs", None) is not None
     try:

@@ -47,6 +47,8 @@ def register(sub) -> None:
                    help="HTTP guard: largest request body, after gzip/deflate (default %(default)s)")
     p.add_argument("--max-json-depth", type=int, default=GuardLimits.max_json_depth,
                    help="HTTP guard: deepest JSON nesting of a request (default %(default)s)")
+    from tritium.client.security import add_arguments as add_security_arguments
+    add_security_arguments(p)  # --api-key --admin-key --tls-cert --tls-key --insecure (docs/security.md)
     p.set_defaults(func=run)
 
 
@@ -100,7 +102,18 @@ def _limits(args):
     return GuardLimits(max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth)
 
 
-def _openai_server(args):
+def _security(args):
+    """The keys and TLS files; a non-loopback --host with no API key is refused (exit 2) unless --insecure."""
+    from tritium.client.security import check_exposure, security_from_args
+    sec = security_from_args(args)
+    openai = f", {args.openai_port} (OpenAI API)" if args.openai_port != -1 else ""
+    what = (f"inference on ports {args.http_port} (HTTP), {args.grpc_port} (gRPC){openai} "
+            f"and metrics on {args.metrics_port}")
+    check_exposure(args.host, sec, args.insecure, what)
+    return sec
+
+
+def _openai_server(args, security):
     """The OpenAI API's server with its port bound now (a taken port fails before tritonserver starts)."""
     if args.openai_port == -1:
         return None
@@ -111,7 +124,8 @@ def _openai_server(args):
     except ImportError:
         raise OSError("the OpenAI API needs fastapi and uvicorn: pip install 'tritium[serve]' "
                       "(or --openai-port -1 to serve without it)") from None
-    return OpenAIServer("", host=args.host, port=args.openai_port)
+    # tritonserver's gRPC serves the same certificate: the API trusts that file to reach it
+    return OpenAIServer("", host=args.host, port=args.openai_port, security=security, triton_tls_ca=security.tls_cert)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,22 +134,23 @@ def run(args: argparse.Namespace) -> int:
                  metrics_port=_port(args.metrics_port))
     if args.openai_port < -1 or args.openai_port > 65535:
         raise ValueError(f"--openai-port must be in [0, 65535], or -1 for off; got {args.openai_port}")
+    security = _security(args)
     if args.repo:
         repository_models(args.repo)  # before anything starts
-    openai = _openai_server(args)
+    openai = _openai_server(args, security)
     try:
-        return _serve(args, ports, limits, openai)
+        return _serve(args, ports, limits, openai, security)
     finally:
         if openai is not None:
             openai.stop()
 
 
-def _serve(args, ports, limits, openai) -> int:
+def _serve(args, ports, limits, openai, security) -> int:
     from tritium.client.server import TritonServer, cache_dir
     repo = args.repo if args.repo else default_repository()
     log_file = args.log_file or os.path.join(cache_dir(), "tritonserver.log")
     open(log_file, "w").close()
-    srv = TritonServer(repo, host=args.host, log_file=log_file, guard_limits=limits, **ports)
+    srv = TritonServer(repo, host=args.host, log_file=log_file, guard_limits=limits, security=security, **ports)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -155,7 +170,7 @@ def _serve(args, ports, limits, openai) -> int:
         models = ready_models(srv)
         if not models:
             raise RuntimeError(f"tritonserver is up but serves no model (log: {log_file})")
-        print(f"tritonserver ready: HTTP http://{srv.http_url}  gRPC {srv.grpc_url}  metrics {srv.metrics_url}")
+        print(f"tritonserver ready: HTTP {srv.scheme}://{srv.http_url}  gRPC {srv.grpc_url}  metrics {srv.metrics_url}")
         print(f"models: {', '.join(models)}")
         llm = next((m for m in models if not m.endswith(("_preprocessing", "_postprocessing", "_ensemble", "_bls"))),
                    models[0])
@@ -165,8 +180,12 @@ def _serve(args, ports, limits, openai) -> int:
             print(f"OpenAI API: {openai.url}")
             body = json.dumps({"model": llm, "messages": [{"role": "user", "content": HINT_QUESTION}],
                                "max_tokens": 48, "temperature": 0})
-            print(f"try: curl -s {openai.url}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
-        print(f'try: tritium generate --url {srv.grpc_url} --model {llm} --chat --stream "{HINT_QUESTION}"')
+            auth = " -H \"Authorization: Bearer $TRITIUM_API_KEY\"" if security.api_key else ""
+            tls = f" --cacert {security.tls_cert}" if security.tls else ""
+            print(f"try: curl -s{tls} {openai.url}/chat/completions{auth} -H 'Content-Type: application/json' "
+                  f"-d '{body}'")
+        tls = f" --tls-ca {security.tls_cert}" if security.tls else ""  # the key: from $TRITIUM_API_KEY
+        print(f'try: tritium generate --url {srv.grpc_url}{tls} --model {llm} --chat --stream "{HINT_QUESTION}"')
         print("Ctrl-C stops the server.", flush=True)
         while not stop.is_set():
             if srv.proc.poll() is not None:
@@ -187,12 +206,10 @@ def _serve(args, ports, limits, openai) -> int:
 
 
 def ready_models(srv) -> list:
-    """Names of the models this server reports READY (its repository index, through our own guard)."""
+    """Names of the models this server reports READY (its repository index, through our own guard,
+    with the admin key only this process holds unless --admin-key was given)."""
     import json
-    import urllib.request
-    req = urllib.request.Request(f"http://{srv.http_url}/v2/repository/index", data=b"{}",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
+    with srv.urlopen("/v2/repository/index", data=b"{}", admin=True) as r:
         index = json.loads(r.read())
     return sorted({m["name"] for m in index if m.get("state") == "READY"})
 

@@ -15,6 +15,10 @@ from the Python it finds there) and with the wheel's nvidia_pytriton.libs on LD_
 By default the public HTTP port is served by the HTTP guard (client/http_guard.py), which
 keeps single requests that crash tritonserver 2.51's HTTP frontend away from it; tritonserver's
 own HTTP service then listens on a free loopback port (`triton_http_url`).
+Secure by default (client/security.py, docs/security.md): tritonserver runs with its
+model-repository, model-config, shared-memory, trace and logging APIs restricted to an admin key
+(a random one unless `Security(admin_key=...)` is given), inference to the API key if one is set,
+and gRPC over TLS when certificate files are given; the guard checks the same keys and serves TLS.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from typing import List, Optional
 from tritium.client.http_checks import GuardLimits
 from tritium.client.launch_checks import (check_port_free, listen_socket, new_shm_prefix, remove_shm_files,
                                           shm_backend_args, start_guard)
+from tritium.client.security import Security, local_client_ssl_context
 
 # tritonserver's own grace period for unloading models on SIGINT. Unloading takes ~1.5 s here,
 # more on a busy machine: 5 s made a clean stop exit with code 1 under load. Below stop_timeout.
@@ -146,9 +151,10 @@ class TritonServer:
     """A tritonserver child process on chosen (or free) ports.
 
     with TritonServer(repo) as srv: ... srv.http_url / srv.grpc_url / srv.metrics_url
-    Models load at start (explicit model control, --load-model=*), so load/unload via the
-    repository API works too. stop() sends SIGINT, then SIGKILL to the process group after
-    `stop_timeout` seconds, so no stub survives, and removes the server's shared-memory files.
+    Models load at start (explicit model control, --load-model=*); load/unload via the
+    repository API needs the admin key (`headers("grpc", admin=True)`); `security` (client/
+    security.py) sets the keys and TLS, secure by default. stop() sends SIGINT, then SIGKILL to
+    the process group after `stop_timeout` seconds, so no stub survives, and removes the server's shared-memory files.
     start() raises OSError naming the port if one is taken. http_guard False exposes
     tritonserver's HTTP port directly (for comparisons only: a single request can crash it).
     """
@@ -157,7 +163,8 @@ class TritonServer:
                  metrics_port: Optional[int] = None, host: str = "127.0.0.1", log_file: Optional[str] = None,
                  backend_dir: Optional[str] = None, load_models: Optional[List[str]] = None,
                  exit_on_error: bool = True, extra_args: Optional[List[str]] = None, log_verbose: int = 0,
-                 stop_timeout: float = 20.0, http_guard: bool = True, guard_limits: Optional[GuardLimits] = None):
+                 stop_timeout: float = 20.0, http_guard: bool = True, guard_limits: Optional[GuardLimits] = None,
+                 security: Optional[Security] = None):
         if not os.path.isdir(repo):
             raise FileNotFoundError(f"--repo {repo}: not a directory")
         self.repo = os.path.abspath(repo)
@@ -174,6 +181,7 @@ class TritonServer:
         self.stop_timeout = stop_timeout
         self.http_guard = http_guard
         self.guard_limits = guard_limits
+        self.security = security or Security()
         # With the guard, tritonserver's HTTP and metrics services listen here (loopback only) instead.
         self.triton_http_port = free_port("127.0.0.1") if http_guard else self.http_port
         self.triton_metrics_port = free_port("127.0.0.1") if http_guard else self.metrics_port
@@ -201,7 +209,23 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"{self.scheme}://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def scheme(self) -> str:
+        """Of the public HTTP and metrics ports: https when the guard serves TLS."""
+        return "https" if self.security.tls and self.http_guard else "http"
+
+    def headers(self, protocol: str, admin: bool = False) -> dict:
+        """Headers with this server's keys for tritonclient `protocol` "http" / "grpc" (admin: the admin key too)."""
+        return self.security.headers(protocol, admin)
+
+    def urlopen(self, path: str, data: Optional[bytes] = None, admin: bool = False, timeout: float = 30.0):
+        """This process's own request to its public HTTP port (readiness, the model index)."""
+        headers = dict(self.headers("http", admin), **({"Content-Type": "application/json"} if data else {}))
+        req = urllib.request.Request(f"{self.scheme}://{self.http_url}{path}", data=data, headers=headers)
+        ctx = local_client_ssl_context() if self.scheme == "https" else None
+        return urllib.request.urlopen(req, timeout=timeout, context=ctx)
 
     def command(self) -> List[str]:
         cmd = [wheel_paths()["binary"], f"--model-repository={self.repo}",
@@ -212,7 +236,7 @@ class TritonServer:
                f"--exit-on-error={'true' if self.exit_on_error else 'false'}",
                "--strict-readiness=true", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={self.log_verbose}"]
         cmd += [f"--load-model={m}" for m in self.load_models]
-        return cmd + shm_backend_args(self.shm_prefix) + self.extra_args
+        return cmd + shm_backend_args(self.shm_prefix) + self.security.triton_args() + self.extra_args
 
     def start(self, wait: bool = True, timeout: float = 300.0) -> "TritonServer":
         if self.backend_dir is None:
@@ -223,9 +247,9 @@ class TritonServer:
         routes = []
         try:
             if self.http_guard:  # hold the public ports now: no other server can take them from here on
-                routes.append((listen_socket("HTTP", self.host, self.http_port), self.triton_http_url))
+                routes.append((listen_socket("HTTP", self.host, self.http_port), self.triton_http_url, True))
                 routes.append((listen_socket("metrics", self.host, self.metrics_port),
-                               f"127.0.0.1:{self.triton_metrics_port}"))
+                               f"127.0.0.1:{self.triton_metrics_port}", False))
             else:
                 check_port_free("HTTP", self.host, self.http_port)
                 check_port_free("metrics", self.host, self.metrics_port)
@@ -234,10 +258,10 @@ class TritonServer:
                 self._log_fh = open(self.log_file, "ab")
                 out = self._log_fh
             if routes:
-                self.guard_proc = start_guard(routes, self.guard_limits, self._log_fh)
+                self.guard_proc = start_guard(routes, self.guard_limits, self._log_fh, self.security)
         finally:
-            for sock, _ in routes:
-                sock.close()  # the guard holds its own copies
+            for route in routes:
+                route[0].close()  # the guard holds its own copies
         # Own process group: stop() can reap the Python backend stubs along with the server.
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=server_env(),
                                      start_new_session=True)
@@ -247,7 +271,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+            with self.urlopen("/v2/health/ready", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False

@@ -14,6 +14,7 @@ and NAME_bls models alike.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import urllib.error
 import urllib.request
@@ -124,16 +125,32 @@ def _chunk_from_arrays(get) -> Chunk:
 
 
 class TritiumClient:
-    """Generate text from a Tritium model over gRPC (default) or HTTP."""
+    """Generate text from a Tritium model over gRPC (default) or HTTP. `api_key` (default
+    $TRITIUM_API_KEY) is sent as the server's API key; `tls_ca`: TLS, trusting this PEM file."""
 
     def __init__(self, url: str = "127.0.0.1:8001", protocol: str = "grpc", model: str = "tritium",
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, api_key: Optional[str] = None, tls_ca: Optional[str] = None):
+        from tritium.client.security import API_KEY_ENV, key_headers
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
         self.url = url.split("://", 1)[-1].rstrip("/")
         self.protocol = protocol
         self.model = model
         self.timeout = timeout
+        self.tls_ca = tls_ca
+        self.headers = key_headers(api_key if api_key is not None else os.environ.get(API_KEY_ENV), protocol)
+
+    def _grpc_client(self):
+        import tritonclient.grpc as grpcclient
+        from tritium.client.security import grpc_tls_kwargs
+        return grpcclient.InferenceServerClient(self.url, **grpc_tls_kwargs(self.tls_ca))
+
+    def _urlopen(self, path: str, data: Optional[bytes] = None, timeout: Optional[float] = None):
+        import ssl
+        headers = dict(self.headers, **({"Content-Type": "application/json"} if data is not None else {}))
+        scheme, ctx = ("https", ssl.create_default_context(cafile=self.tls_ca)) if self.tls_ca else ("http", None)
+        r = urllib.request.Request(f"{scheme}://{self.url}{path}", data=data, headers=headers)
+        return urllib.request.urlopen(r, timeout=timeout or self.timeout, context=ctx)
 
     # ---- public API ------------------------------------------------------------------------
     def stream(self, prompt: Optional[str] = None, **params) -> Iterator[Chunk]:
@@ -159,11 +176,10 @@ class TritiumClient:
 
     def is_ready(self) -> bool:
         if self.protocol == "grpc":
-            import tritonclient.grpc as grpcclient
-            with grpcclient.InferenceServerClient(self.url) as c:
+            with self._grpc_client() as c:
                 return c.is_model_ready(self.model)
         try:
-            with urllib.request.urlopen(f"http://{self.url}/v2/models/{self.model}/ready", timeout=5) as r:
+            with self._urlopen(f"/v2/models/{self.model}/ready", timeout=5) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -174,11 +190,11 @@ class TritiumClient:
         from tritonclient.utils import InferenceServerException
         inputs = grpc_inputs(req, grpcclient)
         results: "queue.Queue" = queue.Queue()
-        client = grpcclient.InferenceServerClient(self.url)
+        client = self._grpc_client()
         done = False
         try:
             client.start_stream(callback=lambda result, error: results.put((result, error)),
-                                stream_timeout=self.timeout)
+                                stream_timeout=self.timeout, headers=self.headers)
             try:
                 client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
                                           enable_empty_final_response=True)
@@ -210,7 +226,7 @@ class TritiumClient:
         from tritonclient.utils import InferenceServerException
         if not isinstance(error, InferenceServerException):
             return TritiumClientError(str(error))
-        if "UNAVAILABLE" in str(error.status() or ""):
+        if "UNAVAILABLE" in str(error.status() or "") and "protocol is restricted" not in error.message():
             return ConnectionError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
         return TritiumClientError(error.message())
 
@@ -220,10 +236,8 @@ class TritiumClient:
         sse = stream or int(req.get("num_return_sequences", 1) or 1) > 1
         endpoint = "generate_stream" if sse else "generate"
         body = json.dumps(req).encode("utf-8")
-        r = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/{endpoint}", data=body,
-                                   headers={"Content-Type": "application/json"})
         try:
-            resp = urllib.request.urlopen(r, timeout=self.timeout)
+            resp = self._urlopen(f"/v2/models/{self.model}/{endpoint}", data=body)
         except urllib.error.HTTPError as e:
             raise TritiumClientError(_http_error(e.read())) from None
         with resp:

@@ -109,10 +109,12 @@ def test_parse_head():
 
 
 def _guard(route: str):
+    import os
     import subprocess
     import sys
+    env = dict(os.environ, TRITIUM_GUARD_ADMIN_KEY="x" * 32)  # a keyed --route needs the admin key
     return subprocess.Popen([sys.executable, "-m", "tritium.client.http_guard", "--route", route],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def test_standalone_guard_answers_for_a_missing_upstream_and_refuses_a_taken_port():

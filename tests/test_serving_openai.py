@@ -30,6 +30,7 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 QUESTION = "Which fox jumps over the lazy dog?"
 MAX_POS = 4096  # long enough that a cancelled request is provably cut short
+ADMIN_KEY = "admin-key-of-the-openai-tests"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,8 @@ class Served:
 def served(built):
     """`tritium serve --repo REPO` with every port free-picked (--openai-port 0), as a user starts it."""
     engine, plain, repo, root = built
-    env = dict(os.environ, TRITIUM_CACHE=os.path.join(root, "cache"))
+    # the admin key, so that `tritium openai` alone (below) may list the models (docs/security.md)
+    env = dict(os.environ, TRITIUM_CACHE=os.path.join(root, "cache"), TRITIUM_ADMIN_KEY=ADMIN_KEY)
     proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
                              "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
                              "--log-file", os.path.join(root, "server.log")],
@@ -418,7 +420,8 @@ def test_overloaded_is_503(served):
 # ---- `tritium openai` alone --------------------------------------------------------------------
 def _openai_alone(triton_url):
     proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "openai", "--triton-url", triton_url,
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--port", "0", "--admin-key", ADMIN_KEY], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     m = re.search(r"OpenAI API: (\S+)", line)
     if not m:

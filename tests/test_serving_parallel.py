@@ -121,6 +121,6 @@ def test_unloading_a_model_stops_its_workers(server, engines):
     import tritonclient.grpc as grpcclient
     assert len(processes_with(engines["tiny2"])) == 2
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.unload_model("tiny2")
+    c.unload_model("tiny2", headers=server.headers("grpc", admin=True))  # the admin key: docs/security.md
     assert not wait_no_workers(engines["tiny2"], timeout=30)
     assert client(server, "tiny1").generate("Hello", max_tokens=2, temperature=0.0).token_ids

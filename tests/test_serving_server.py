@@ -274,7 +274,7 @@ def test_load_failures_give_one_line_reason(server, built):
     try:
         for bad, reason in cases:
             with pytest.raises(InferenceServerException, match=reason):
-                cl.load_model(bad)
+                cl.load_model(bad, headers=server.headers("grpc", admin=True))  # docs/security.md
             assert not cl.is_model_ready(bad)
         with open(os.path.join(built[2], "server.log"), encoding="utf-8") as f:
             log = f.read().splitlines()
@@ -286,7 +286,7 @@ def test_load_failures_give_one_line_reason(server, built):
         assert cl.is_model_ready(NAME) and cl.is_server_live()
     finally:
         for bad, _ in cases:
-            cl.unload_model(bad)
+            cl.unload_model(bad, headers=server.headers("grpc", admin=True))
         cl.close()
     # (with --strict-readiness the server reports not-ready while a model is UNAVAILABLE) it serves on:
     assert client(server).generate(PROMPTS[0], max_tokens=3, temperature=0.0).num_output_tokens == 3
