@@ -148,3 +148,28 @@ def test_smollm2_random_adapter_matches_peft(smollm2_engine, smollm2_gguf, tmp_p
     assert rel_err(engine_logits(eng, ids, "rand"), ref) < 1e-4
     out = eng.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=16, temperature=0), lora_names="rand")
     assert out[0].outputs[0].token_ids == hf_greedy(pm, ids, 16)
+
+
+def test_contract_parsing_of_lora_fields():
+    """The tensor contract's LoRA fields, parsed per row with errors naming the field."""
+    import numpy as np
+
+    from tritium.backend.triton_backend.request import parse_row
+    from tritium.client.generate_checks import check_generate_fields
+    from tritium.client.http_checks import GuardError
+    text = np.array([[b"hi"]], dtype=object)
+    p = parse_row({"text_input": text, "sampling_parameters": np.array([[b'{"lora_name": "sql", "top_k": 3}']],
+                                                                       dtype=object)}, 0, 1)
+    assert p.lora_name == "sql" and "lora_name" not in p.params and p.params["top_k"] == 3
+    w, c = np.zeros((1, 2, 10), np.float16), np.zeros((1, 2, 3), np.int32)
+    p = parse_row({"text_input": text, "lora_task_id": np.array([[7]], np.uint64), "lora_weights": w,
+                   "lora_config": c}, 0, 1)
+    assert p.lora_task_id == 7 and p.lora_tensors[0].shape == (2, 10)
+    for arrays, msg in (({"lora_weights": w, "lora_config": c}, "need lora_task_id"),
+                        ({"lora_task_id": np.array([[7]], np.uint64), "lora_weights": w}, "come together"),
+                        ({"lora_task_id": np.array([[7]], np.uint64),
+                          "sampling_parameters": np.array([[b'{"lora_name": "a"}']], dtype=object)}, "one of")):
+        with pytest.raises(ValueError, match=msg):
+            parse_row(dict(arrays, text_input=text), 0, 1)
+    with pytest.raises(GuardError, match="lora_config is a 2-D tensor"):
+        check_generate_fields({"text_input": "x", "lora_config": [[1, 0, 4]]})

@@ -134,7 +134,7 @@ def test_openai_api_serves_each_adapter_as_a_model(server, oracle):
     import openai
 
     from tritium.client.openai_server import OpenAIServer
-    api = OpenAIServer(server.grpc_url, port=0).start()
+    api = OpenAIServer(server.grpc_url, port=0, security=server.security).start()
     try:
         client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
         cards = {m.id: m for m in client.models.list().data}
