@@ -8,7 +8,11 @@ configurations interleaved (the host drifts; a shared, loaded host moves absolut
    tokens / wall s) of the base model alone (an engine without LoRA), of base-only rows on the
    LoRA engine, and of the adapters mixed round-robin with base rows (the LoRA engine);
 2. adapter load time: PEFT folder -> checked host adapter (disk read, checks, fusing), and host
-   -> a device slot (the copy into the per-linear stacks), median over the adapters.
+   -> a device slot (the copy into the per-linear stacks), median over the adapters;
+3. decode step cost: both engines hold 16 decoding sequences (base rows / the mix) and take one
+   step each, alternately, --steps times; the fastest and the median step of each. On a shared,
+   loaded host this is the robust figure: the two are timed microseconds apart, and steady-state
+   decode throughput at concurrency 16 is 16 / step time.
 """
 from __future__ import annotations
 
@@ -65,6 +69,28 @@ def throughput(engine: LLMEngine, prompts, loras, max_tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
+def decode_step_cost(configs: Dict[str, tuple], prompts, steps: int) -> Dict[str, List[float]]:
+    """configs: label -> (engine, lora names per prompt). Seconds of each decode step, per label."""
+    for label, (eng, loras) in configs.items():
+        params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"step-{label}-{i}", prompt_token_ids=p, params=params,
+                            lora_name=None if loras is None else loras[i])
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()  # the prefill
+    times: Dict[str, List[float]] = {label: [] for label in configs}
+    for _ in range(steps):
+        for label, (eng, _) in configs.items():
+            t = time.perf_counter()
+            eng.step()
+            times[label].append(time.perf_counter() - t)
+    for eng, _ in configs.values():
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.step()
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tritium.client.lora_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--engine", required=True, help="engine directory")
@@ -74,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps timed per configuration (part 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
@@ -104,7 +131,7 @@ def main(argv=None) -> int:
     print(f"\n## adapter load time (median of {len(paths)}; {mb:.1f} MiB of fp32 weights each)")
     print("| step | ms |\n|---|---|")
     print(f"| PEFT folder -> host adapter (read, check, fuse q/k/v and gate/up) | {1e3 * statistics.median(host):.1f} |")
-    print(f"| host -> device slot | {1e3 * statistics.median(dev):.1f} |")
+    print(f"| host -> device slot | {1e3 * statistics.median(dev):.1f} |", flush=True)
 
     n = args.concurrency
     prompts = _prompts(base.tokenizer, m.vocab_size, n, args.prompt_tokens)
@@ -115,9 +142,10 @@ def main(argv=None) -> int:
     res: Dict[str, List[float]] = {}
     throughput(base, prompts[:2], None, 4)  # warm-up
     throughput(lora, prompts[:2], mixed[:2], 4)
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         for label, (eng, loras) in configs.items():
             res.setdefault(label, []).append(throughput(eng, prompts, loras, args.max_tokens))
+            print(f"# rep {rep + 1}: {label}: {res[label][-1]:.1f} tok/s", flush=True)
     ref = statistics.median(res["base alone (no LoRA)"])
     print(f"\n## concurrency {n} (prompt {args.prompt_tokens} tokens, {args.max_tokens} generated, greedy; "
           f"generated tokens / wall s, median of {args.reps}; rows of the mix: {', '.join(str(x) for x in mixed)})")
@@ -125,6 +153,18 @@ def main(argv=None) -> int:
     for label, v in res.items():
         med = statistics.median(v)
         print(f"| {label} | {med:.1f} | {med / ref:.2f}x |")
+
+    steps = decode_step_cost({"base alone (no LoRA)": (base, None),
+                              f"{len(names)} adapters mixed + base rows": (lora, mixed)}, prompts, args.steps)
+    fast = {label: min(v) for label, v in steps.items()}
+    med = {label: statistics.median(v) for label, v in steps.items()}
+    b_label = "base alone (no LoRA)"
+    print(f"\n## decode step of {n} sequences, the two engines alternating ({args.steps} steps each)")
+    print("| configuration | fastest step ms | median step ms | throughput vs base alone (fastest / median) |")
+    print("|---|---|---|---|")
+    for label in steps:
+        print(f"| {label} | {1e3 * fast[label]:.1f} | {1e3 * med[label]:.1f} | "
+              f"{fast[b_label] / fast[label]:.2f}x / {med[b_label] / med[label]:.2f}x |")
     return 0
 
 
