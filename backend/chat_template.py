@@ -112,6 +112,14 @@ def normalize_messages(messages: Any, where: str = "messages") -> List[Dict[str,
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if m.get("tool_calls") is not None:  # an assistant turn that called tools
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise ValueError(f"{at}.tool_calls must be a list of tool call objects")
+            msg["tool_calls"] = m["tool_calls"]
+        if m.get("tool_call_id") is not None:  # a tool's answer
+            if not isinstance(m["tool_call_id"], str):
+                raise ValueError(f"{at}.tool_call_id must be a string")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 

@@ -156,6 +156,10 @@ class EngineConfig:
     tensor_parallel: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)  # provenance: source, sha256, tool version, time
     format_version: int = ENGINE_FORMAT_VERSION
+    # Batch-invariant kernels everywhere, also where a fast library path would not be (oneDNN's
+    # bf16 GEMMs on CPU): `tritium build --deterministic`, or the backend parameter
+    # `deterministic` (docs/determinism.md).
+    deterministic: bool = False
 
     # ---- JSON round trip -------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -191,6 +195,7 @@ class EngineConfig:
                 tensor_parallel=d.get("tensor_parallel", {}),
                 build=d.get("build", {}),
                 format_version=version,
+                deterministic=d.get("deterministic", False),
             )
         except KeyError as e:
             raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: missing field {e}") from None
@@ -201,6 +206,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         m = self.model
+        if not isinstance(self.deterministic, bool):
+            raise EngineFormatError(f"deterministic must be true or false, got {self.deterministic!r}")
         if m.architecture not in SUPPORTED_ARCHITECTURES:
             raise EngineFormatError(
                 f"model.architecture {m.architecture!r} is not supported; "
@@ -261,3 +268,15 @@ class EngineConfig:
 
     def weights_file(self, rank: int = 0) -> str:
         return f"rank{rank}.safetensors"
+
+
+def with_deterministic(cfg: "EngineConfig", deterministic: Optional[bool]) -> "EngineConfig":
+    """cfg with the `deterministic` option overridden (None: the engine's own setting)."""
+    if deterministic is None or deterministic == cfg.deterministic:
+        return cfg
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be true or false, got {deterministic!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("deterministic: a tensor-parallel engine takes it from its build "
+                         "(tritium build --deterministic), not as a runtime override")
+    return dataclasses.replace(cfg, deterministic=deterministic)

@@ -13,8 +13,9 @@ from typing import Dict, List, Optional
 import torch
 
 from .block_manager import BlockManager, cdiv
-from .config import EngineConfig
+from .config import EngineConfig, with_deterministic
 from .detokenizer import IncrementalDetokenizer
+from .guided import state as guided
 from .loader import load_engine
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
@@ -41,7 +42,10 @@ class ThreadPolicy:
     frontend and the response path; during small, memory-bound steps those preempt OpenMP
     workers, which then stall at every barrier (measured on 2 cores through tritonserver: one
     thread decodes a single stream about 1.2x faster than two, while two threads serve a batch of
-    16 about 1.15x faster than one)."""
+    16 about 1.15x faster than one). The stalls are far worse while idle OpenMP threads spin
+    (libgomp's default): servers run with OMP_WAIT_POLICY=PASSIVE (client/server.py), and at
+    load 16 a batch of 16 decoded at 64.4 tokens/s with it against 2.1 without
+    (docs/quantization.md, "Build time on shared cores")."""
 
     def __init__(self, threads: int, small_step_threads: int):
         for name, v in (("num_threads", threads), ("small_step_threads", small_step_threads)):
@@ -63,10 +67,12 @@ class LLMEngine:
                  max_num_batched_tokens: Optional[int] = None, enable_prefix_caching: bool = True,
                  device: Optional[str] = None, kv_cache_memory_bytes: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, speculative: Optional[SpeculativeConfig] = None,
+                 deterministic: Optional[bool] = None,  # None: the engine's own setting
                  lora: Optional[LoRAConfig] = None):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         cfg, model, tokenizer = load_engine(engine_dir, device)
+        cfg = with_deterministic(cfg, deterministic)
         runner = None
         if cfg.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
             runner = ParallelRunner(engine_dir, cfg, model, next(iter(model.buffers())).device, num_kv_blocks,
@@ -223,7 +229,7 @@ class LLMEngine:
             self.lora.count(lora, requests=1, prompt_tokens=len(ids))
         for seq in req.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop_list) if self.tokenizer else None
-        self.requests[request_id] = req
+        self.requests[request_id] = guided.attach(self, req)  # constrained: compile starts, a matcher per sample
         self.scheduler.add(req.seqs[0])
 
     def abort(self, request_id: str) -> bool:
@@ -340,6 +346,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
         req, p = seq.request, seq.request.params
+        if seq.guide is not None and guided.dead_end(seq, tok, entry, self.scheduler): return  # noqa: E701
         seq.token_ids.append(tok)
         seq.unreported_token_ids.append(tok)
         self.num_generated_tokens += 1

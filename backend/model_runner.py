@@ -12,9 +12,11 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from tritium.kernels import ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .models.decoder import TORCH_DTYPES
+from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .step_arrays import StepArrays
@@ -52,6 +54,18 @@ def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memo
     return int(n)
 
 
+def _pack_deterministic(model) -> None:
+    """EngineConfig.deterministic: pack every dense bf16 weight (and a tied LM head) for the
+    native batch-invariant GEMM, never oneDNN (kernels/cpu_linear.py; docs/determinism.md)."""
+    for mod in model.modules():
+        if isinstance(mod, DenseLinear):
+            mod.pack_for_cpu(deterministic=True)
+    head = getattr(model, "embed_tokens_weight", None)
+    if getattr(model, "lm_head", 1) is None and getattr(model, "embed_tokens", 1) is None \
+            and head is not None and cpu_packing_supported(head):
+        model.packed_head = pack_for_cpu(head, deterministic=True)
+
+
 class ModelRunner:
     """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step."""
 
@@ -73,7 +87,9 @@ class ModelRunner:
                 raise ValueError(f"kv_cache.dtype {cfg.kv_cache.dtype!r} needs layers.N.k_scale/v_scale "
                                  f"in the engine weights; missing for layers {missing[:4]}")
         if device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            model.pack_for_cpu()  # oneDNN pre-packed bf16 weights (no-op for other dtypes)
+            if cfg.deterministic:
+                _pack_deterministic(model)
+            model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(m.num_layers)]
@@ -140,7 +156,9 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            deterministic=self.cfg.deterministic,
         )
+        meta.cpu_plan = ops.attention_plan(meta)  # once per step, shared by the layers
         return (torch.from_numpy(a.input_ids).to(dev), torch.from_numpy(a.positions).to(dev), meta,
                 a.logit_rows.tolist())
 

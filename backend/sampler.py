@@ -17,13 +17,16 @@ Each row of the batch carries its own SamplingParams. Processing order, per row:
      E from its own torch.Generator, one vocabulary-sized draw per token, so its tokens depend
      only on its seed and its own history, never on the rest of the batch.
 Logprobs are the model's raw log-softmax (step 0 logits, before any of the above), the same
-numbers a user can recompute from the model alone.
+numbers a user can recompute from the model alone; for a constrained row (step 0: the grammar's
+mask, backend/guided/) they are those of the constrained distribution.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence as Seq, Tuple
 
 import torch
+
+from .guided.state import mask_logits
 
 NEG_INF = float("-inf")
 
@@ -142,6 +145,7 @@ class Sampler:
         Returns (token ids, logprob entries or None per row).
         """
         n, vocab = logits.shape
+        mask_logits(logits, seqs)  # structured outputs (backend/guided/): before everything else
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
+from .guided.params import GuidedDecodingParams
+
 # Largest number of top logprobs a request may ask for per token.
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -59,6 +61,8 @@ class SamplingParams:
     `bad_words` are strings never generated. `logprobs` N returns the sampled token's logprob
     plus the top N (N = 0: sampled only). `n` independent samples share the prompt's KV blocks.
     `logit_bias` {token id: bias in [-100, 100]} is added to those logits before sampling.
+    `guided` constrains the output to a JSON schema / regex / grammar / choice (backend/guided/);
+    its mask comes first, so logprobs report the constrained distribution.
     """
     max_tokens: int = 16
     temperature: float = 1.0
@@ -77,6 +81,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     n: int = 1
     logit_bias: Optional[Dict[int, float]] = None
+    guided: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self):
         if type(self.top_k) is int and self.top_k in (0, -1):
@@ -126,6 +131,13 @@ class SamplingParams:
         _check_number("n", self.n, lo=1, hi=MAX_N, integer=True)
         if self.logit_bias is not None:
             self._check_logit_bias(vocab_size)
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecodingParams):
+                raise ValueError(f"guided must be a GuidedDecodingParams, got {type(self.guided).__name__}")
+            self.guided.validate()
+            if self.ignore_eos:
+                raise ValueError(f"ignore_eos cannot be combined with {self.guided.source}: the grammar "
+                                 "decides where the output ends (EOS only where it may end)")
 
     def _check_logit_bias(self, vocab_size: int) -> None:
         """{token id: bias}; ids may arrive as strings (JSON object keys); normalized in place."""

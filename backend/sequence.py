@@ -42,7 +42,7 @@ class Sequence:
         self.block_hashes: List[bytes] = []
         self.status = SequenceStatus.WAITING if index == 0 else SequenceStatus.PENDING_FORK
         self.generator = generator
-        self.finish_reason: Optional[str] = None  # None | "stop" | "length" | "abort"
+        self.finish_reason: Optional[str] = None  # None | "stop" | "length" | "abort" | "grammar_dead_end"
         self.stop_reason = None                   # the stop string or token id that ended it
         self.logprobs: Optional[List[dict]] = [] if request.params.logprobs is not None else None
         self.cum_logprob = 0.0
@@ -52,6 +52,7 @@ class Sequence:
         # postprocess, never part of token_ids) and the draft's probabilities for them (k, V) or None.
         self.spec_token_ids: List[int] = []
         self.spec_draft_probs: Optional[torch.Tensor] = None
+        self.guide = None  # guided.state.GuideState of a constrained request (set by the engine)
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,7 @@ class BuildOptions:
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
+    deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
     max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant_auto.py)
     auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
@@ -120,7 +121,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     if max_seq > m.max_position_embeddings:
         raise ValueError(f"--max-seq-len {max_seq} exceeds the model's context "
                          f"({m.max_position_embeddings} positions)")
-    cfg = EngineConfig(model=m, dtype=opts.dtype,
+    cfg = EngineConfig(model=m, dtype=opts.dtype, deterministic=bool(opts.deterministic),
                        limits=Limits(opts.max_batch_size, max_seq, opts.block_size),
                        build={"source": os.path.abspath(opts.source), "tool": f"tritium {TOOL_VERSION}",
                               "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

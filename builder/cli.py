@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 
-from tritium.backend.config import (ENGINE_CONFIG_FILE, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES,
-                                    SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
+from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPORTED_DTYPES,
+                                    SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 
 
@@ -64,6 +64,10 @@ def register(sub) -> None:
     a.add_argument("--auto-candidates", default=None, metavar="KINDS",
                    help="formats an auto build may pick, comma-separated from int4,int8,none (default all; "
                         "'none' = float)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels only: never oneDNN's bf16 GEMMs, whose K blocking depends on "
+                        "the batch (docs/determinism.md; the default is already invariant on x86 AVX512-BF16 "
+                        "CPUs for K <= 1024); the backend parameter `deterministic` overrides it")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the weights over N tensor-parallel ranks, written as rank0..rank{N-1}.safetensors "
                         "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")
@@ -115,6 +119,7 @@ def options_from_args(args: argparse.Namespace):
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
+                        deterministic=bool(getattr(args, "deterministic", False)),
                         progress=not args.quiet, **extra)
 
 
@@ -131,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
           f"{f', tensor parallel {cfg.tensor_parallel_size} ranks' if cfg.tensor_parallel_size > 1 else ''}", file=sys.stderr)
+    _print_quality(args.output)
     if getattr(args, "repo", None):
         from .repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
@@ -138,6 +144,17 @@ def run(args: argparse.Namespace) -> int:
                                   engine_params=spec_params)
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return _budget_status(cfg.quantization.budget)
+
+
+def _print_quality(engine_dir: str) -> None:
+    """A quantized build's held-out figures from its build report (nothing for a float build)."""
+    import json
+    from .report import quality_summary
+    path = os.path.join(engine_dir, BUILD_REPORT_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in quality_summary(json.load(f)):
+                print(line, file=sys.stderr)
 
 
 def _budget_status(budget: dict) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from tritium.kernels.quant_layouts import pack_int4
 
+from .build_threads import column_loop_threads, torch_threads
 from .quantize_int4 import int4_codes, int4_params, int4_params_mse
 
 
@@ -81,9 +82,23 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     Hinv = inverse_hessian_factor(H, damp_percent)
-
     # Blocks are whole groups, so a group's (scale, zero) is set from its error-updated weights.
     block = max(group_size, (block_size // group_size) * group_size)
+    with torch_threads(column_loop_threads(n)):  # thousands of small ops (build_threads.py)
+        Q = _gptq_columns(W, Hinv, scales, zeros, params, group_size, block, perm, static_groups)
+    g_idx = None
+    if act_order:
+        inv = torch.argsort(perm)
+        Q = Q[:, inv]
+        if not static_groups:
+            g_idx = (torch.arange(k) // group_size)[inv].to(torch.int32)
+    return pack_int4(Q), scales.contiguous(), zeros.contiguous(), g_idx
+
+
+def _gptq_columns(W, Hinv, scales, zeros, params, group_size: int, block: int, perm, static_groups: bool):
+    """GPTQ's column loop over W (N, K) in place: the int4 codes (N, K) uint8; fills scales and
+    zeros (K // G, N) unless static_groups (then they are read)."""
+    n, k = W.shape
     Q = torch.zeros(n, k, dtype=torch.uint8)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
@@ -107,11 +122,4 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
             Err1[:, i] = err
         # Lazy batch update of all later columns (the paper's block trick).
         W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
-
-    g_idx = None
-    if act_order:
-        inv = torch.argsort(perm)
-        Q = Q[:, inv]
-        if not static_groups:
-            g_idx = (torch.arange(k) // group_size)[inv].to(torch.int32)
-    return pack_int4(Q), scales.contiguous(), zeros.contiguous(), g_idx
+    return Q

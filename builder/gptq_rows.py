@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .build_threads import column_loop_threads, torch_threads
 from .gptq import inverse_hessian_factor, zero_dead_inputs
 from .quantize_int8 import int8_row_scales
 
@@ -40,21 +41,22 @@ def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
     Z = zeros.float()[:, perm] if zeros is not None else None
     Hinv = inverse_hessian_factor(H, damp_percent)
     Q = torch.empty(n, k)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            s_col = scales if S is None else S[:, i1 + i]
-            z_col = 0.0 if Z is None else Z[:, i1 + i]
-            q = round_codes((W1[:, i] - z_col) / s_col)
-            Q[:, i1 + i] = q
-            err = (W1[:, i] - (q * s_col + z_col)) / Hinv1[i, i]
-            W1[:, i:].sub_(torch.outer(err, Hinv1[i, i:]))
-            Err1[:, i] = err
-        # Lazy batch update of all later columns (the paper's block trick).
-        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
+    with torch_threads(column_loop_threads(n)):  # thousands of small ops (build_threads.py)
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            W1 = W[:, i1:i2].clone()
+            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                s_col = scales if S is None else S[:, i1 + i]
+                z_col = 0.0 if Z is None else Z[:, i1 + i]
+                q = round_codes((W1[:, i] - z_col) / s_col)
+                Q[:, i1 + i] = q
+                err = (W1[:, i] - (q * s_col + z_col)) / Hinv1[i, i]
+                W1[:, i:].sub_(torch.outer(err, Hinv1[i, i:]))
+                Err1[:, i] = err
+            # Lazy batch update of all later columns (the paper's block trick).
+            W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
     return Q[:, torch.argsort(perm)]
 
 

@@ -33,10 +33,11 @@ from tritium.backend.config import EngineConfig, KVCacheConfig, LayerQuant, Quan
 from tritium.backend.parallel.layout import TensorParallelError, plan_layout
 
 from . import calibration as calib
+from . import quant_auto_budget as budget_mix
 from .quant_auto_alloc import Option, allocation_ladder, total_bytes, total_sensitivity
 from .quant_auto_sensitivity import (AUTO_INT4_METHODS, AUTO_KINDS, INT4_GROUP_SIZES, SENSITIVITY_SAMPLES,
                                      candidate_layer_quants, measure_sensitivities, swap_module)
-from .quant_eval import encode_text, window_log_probs, windows
+from .quant_eval import window_log_probs, windows
 from .quant_plan import excluded, plan_layers
 from .quant_pipeline import (DEFAULT_EVAL_TOKENS, QuantOptions, _float_model, _read_text,
                              load_source_tokenizer, quantize_engine_weights, validate_quant_args)
@@ -89,28 +90,36 @@ class HeldOutCheck:
     """Perplexity increase of the float model with some linears swapped for their quantized
     runtime modules, against the float model itself, on a fixed token slice (reference once)."""
 
-    def __init__(self, model, modules: Dict[Tuple[str, str], torch.nn.Module], token_ids: Sequence[int]):
+    def __init__(self, model, modules: Dict[Tuple[str, str], torch.nn.Module], texts: Dict[str, Sequence[int]]):
+        # texts: domain -> token ids (quant_auto_budget.budget_texts); the check is the worst domain
         self.model, self.modules = model, modules
-        self.windows = windows(token_ids, model.cfg.limits.max_seq_len)
-        if not self.windows:
-            raise ValueError("--quantization auto: the held-out evaluation text is too short")
-        self.num_tokens = sum(len(w) - 1 for w in self.windows)
+        self.windows = {d: windows(ids, model.cfg.limits.max_seq_len) for d, ids in texts.items()}
+        short = [d for d, w in self.windows.items() if not w]
+        if short:
+            raise ValueError(f"--quantization auto: the budget text of domain(s) {short} is too short")
+        self.num_tokens = {d: sum(len(w) - 1 for w in ws) for d, ws in self.windows.items()}
         self.ref_nll = self._nll()
+        self.last: Dict[str, float] = {}  # per-domain increases of the latest call
 
     @torch.no_grad()
-    def _nll(self) -> float:
-        nll = 0.0
-        for w in self.windows:
-            lp = window_log_probs(self.model, w)
-            nll -= lp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
-        return nll / self.num_tokens
+    def _nll(self) -> Dict[str, float]:
+        out = {}
+        for d, ws in self.windows.items():
+            nll = 0.0
+            for w in ws:
+                lp = window_log_probs(self.model, w)
+                nll -= lp.gather(1, torch.tensor(w[1:])[:, None]).sum().item()
+            out[d] = nll / self.num_tokens[d]
+        return out
 
     def __call__(self, assignment: Dict[str, Option]) -> float:
-        """Measured perplexity increase (a fraction) of `assignment`."""
+        """Measured perplexity increase (a fraction) of `assignment` on its worst domain."""
         restores = [swap_module(self.model, name, self.modules.get((name, opt.name)))
                     for name, opt in assignment.items()]
         try:
-            return math.exp(self._nll() - self.ref_nll) - 1.0
+            nll = self._nll()
+            self.last = {d: math.exp(nll[d] - self.ref_nll[d]) - 1.0 for d in nll}
+            return budget_mix.worst(self.last)
         finally:
             for restore in reversed(restores):
                 restore()
@@ -208,8 +217,9 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
     options = {name: [Option(c, b, s) for c, (b, s) in d.items()] for name, d in measured.items()}
     ladder = allocation_ladder(options)
     eval_tokens = o.eval_tokens or DEFAULT_EVAL_TOKENS
-    check = HeldOutCheck(model, modules, encode_text(tokenizer, calib.default_eval_text(), eval_tokens))
-    idx, results = search_ladder(ladder, check, budget, o.progress)
+    check = HeldOutCheck(model, modules, budget_mix.budget_texts(tokenizer, eval_tokens))
+    accept = budget_mix.accept_threshold(budget)  # the budget less the margin kept for unseen text
+    idx, results = search_ladder(ladder, check, accept, o.progress)
     del model, modules, check
     top = len(ladder) - 1
     builds = []
@@ -220,9 +230,9 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
                                  auto_candidates=None)
         new, qcfg, kvcfg, report = quantize_engine_weights(cfg, tensors, o2, tokenizer=tokenizer,
                                                            model_factory=model_factory)
-        increase = report["eval"]["budget_check"]["perplexity_increase"]
+        increase = report["eval"]["budget_check"]["perplexity_increase"]  # the worst budget domain
         builds.append({"rung": idx, "bytes": _nbytes(new), "ppl_increase_pct": 100 * increase})
-        if increase <= budget or idx == top or len(builds) == MAX_BUILDS:
+        if increase <= accept or idx == top or len(builds) == MAX_BUILDS:
             break
         idx = min(top, idx + max(1, (top - idx) // 2))
     met = increase <= budget
@@ -233,6 +243,8 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
     summary = {"max_ppl_increase_pct": o.max_ppl_increase, "measured_ppl_increase_pct": 100 * increase,
                "met": met, "held_out_text": report["eval"]["budget_check"]["text"],
                "held_out_tokens": report["eval"]["budget_check"]["tokens"],
+               "budget_check": budget_mix.describe(report["eval"]["budget_check"]["domains"], budget,
+                                                   report["eval"]["budget_check"]["tokens_per_domain"]),
                "int4_method": method, "choices": dict(sorted(counts.items()))}
     qcfg = dataclasses.replace(qcfg, method="auto", group_size=None, budget=summary)
     report["method"] = "auto"
@@ -242,7 +254,7 @@ def quantize_auto(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], opts=None
                        "calibration tokens",
         "ladder_rungs": len(ladder),
         "search": [{"rung": i, "linear_bytes": total_bytes(ladder[i]), "predicted_kl": total_sensitivity(ladder[i]),
-                    "ppl_increase_pct": 100 * r, "met": r <= budget} for i, r in sorted(results.items())],
+                    "ppl_increase_pct": 100 * r, "met": r <= accept} for i, r in sorted(results.items())],
         "builds": builds,
         "layers": {name: {"choice": chosen[name].name, "bytes": chosen[name].num_bytes,
                           "sensitivity_kl": chosen[name].sensitivity,

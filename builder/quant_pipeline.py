@@ -18,7 +18,6 @@ import time
 from typing import Dict, Optional, Tuple
 
 import torch
-from tqdm import tqdm
 
 from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig,
@@ -34,7 +33,8 @@ from .calibration_mix import mix_samples, source_chat_template
 from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_offsets, kv_head_offsets,
                         kv_head_scales)
 from .heldout_eval import evaluate_held_out
-from .quant_eval import encode_text, evaluate
+from .layer_progress import LayerProgress
+from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
 from .quantize_fp8 import has_float8
@@ -245,12 +245,13 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
     # hidden states of the quantized model, so the last layer is run forward too.
     head_calibrated = ((o.quantization in CALIBRATED or bool(o.head_centring))
                        and head_name(plan, cfg.model.tie_word_embeddings) is not None)
-    for i in tqdm(range(cfg.model.num_layers), desc=f"quantizing ({o.quantization})", unit="layer",
-                  disable=not o.progress):
+    progress = LayerProgress(f"quantizing ({o.quantization})", cfg.model.num_layers, enabled=o.progress)
+    for i in range(cfg.model.num_layers):
         layer = model.layers[i]
         stats = _collect_layer_inputs(runner, i, o.quantization) if calibrated else None
         layer_reports.update(quantize_layer(cfg, i, layer, new, plan, o.quantization, stats))
         if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
+            progress.done(i)
             continue
         kv_stats: dict = {}
         handle, pos = None, ({} if o.kv_offsets == "attention" else None)
@@ -271,6 +272,7 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
                 if kv_rotation == "hadamard":
                     x = rotate(x)  # the scales fit what the cache stores
                 kv_scales[f"layers.{i}.{key}_scale"] = kv_head_scales(x, o.kv_cache_dtype)
+        progress.done(i)
     head_stats = collect_head_stats(runner) if head_calibrated else None
     return layer_reports, kv_scales, head_stats
 
@@ -345,11 +347,17 @@ def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, mod
     qmodel.load_engine_weights(q_tensors)
     result = evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
     if o.layer_plan is not None:
-        # --quantization auto checks its budget on the builder's evaluation text (never a held-out
-        # domain, so the domains above stay an independent score of the chosen plan)
-        ids = encode_text(tokenizer, calib.default_eval_text(), o.eval_tokens)
-        check = evaluate(qmodel, ids, reference=ref, progress=o.progress)
-        result["budget_check"] = {**{k: check[k] for k in ("perplexity", "perplexity_increase", "mean_kl",
-                                                            "top1_agreement", "tokens")},
-                                  "text": "builder evaluation text (calibration.default_eval_text)"}
+        # --quantization auto checks its budget on the worst of the budget mix's domains
+        # (quant_auto_budget.py; never a held-out domain, so the domains above stay an
+        # independent score of the chosen plan)
+        from .quant_auto_budget import BUDGET_DOMAINS, budget_texts
+        per = {d: evaluate(qmodel, ids, reference=ref, progress=o.progress)
+               for d, ids in budget_texts(tokenizer, o.eval_tokens).items()}
+        w = max(per, key=lambda d: per[d]["perplexity_increase"])
+        result["budget_check"] = {**{k: per[w][k] for k in ("perplexity", "perplexity_increase", "mean_kl",
+                                                             "top1_agreement")},
+                                  "tokens": sum(p["tokens"] for p in per.values()),
+                                  "tokens_per_domain": [per[d]["tokens"] for d in BUDGET_DOMAINS],
+                                  "domains": {d: per[d]["perplexity_increase"] for d in BUDGET_DOMAINS},
+                                  "text": f"budget mix {'+'.join(BUDGET_DOMAINS)} (worst: {w})"}
     return result

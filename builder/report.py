@@ -35,3 +35,23 @@ def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def quality_summary(report: dict) -> list:
+    """Console lines for a quantized build's held-out scores against the float model (the build
+    report's quantization_report.eval): one line per domain; [] when there are none."""
+    q = (report.get("quantization_report") or {})
+    ev = q.get("eval") or {}
+    domains = ev.get("domains") or {}
+    if not domains:
+        return []
+    lines = [f"quality vs the float model ({ev.get('tokens_per_domain')} held-out tokens per domain; "
+             f"build_report.json has the rest):"]
+    for name, d in domains.items():
+        lines.append(f"  {name}: perplexity {d['perplexity']:.3f} vs {d['reference_perplexity']:.3f} "
+                     f"({100 * d['perplexity_increase']:+.2f}%), mean KL {d['mean_kl']:.4f}, "
+                     f"top-1 agreement {100 * d['top1_agreement']:.1f}%")
+    seconds = q.get("quantize_seconds")
+    if seconds is not None:
+        lines.append(f"quantization took {seconds:.0f} s")
+    return lines

@@ -18,7 +18,7 @@ from tritium.backend.triton_backend.contract import INPUTS, OUTPUTS, TensorSpec
 
 # Inputs of the ensemble that map 1:1 to the LLM model (everything except the prompt ids, and
 # chat `messages`: the ensemble's prompt is text_input, tokenized by its preprocessing step).
-_PASSTHROUGH = [s for s in INPUTS if s.name not in ("text_input", "input_ids", "input_lengths", "messages")]
+_PASSTHROUGH = [s for s in INPUTS if s.name not in ("text_input", "input_ids", "input_lengths", "messages", "tools")]
 # logprobs_detail is sent only on request (not every response has it): NAME and NAME_bls carry it.
 _ENSEMBLE_LLM_OUTPUTS = [s for s in OUTPUTS if s.name not in ("text_output", "context_ids", "logprobs_detail")]
 

@@ -16,7 +16,7 @@ import json
 import sys
 
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
-from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
+from tritium.client.generate_inputs import chat_messages, guide_from_args, parse_prompt_ids, read_input_file
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +91,7 @@ def _params(args, overrides: dict):
         top_k=overrides.get("top_k", args.top_k), top_p=overrides.get("top_p", args.top_p),
         seed=overrides.get("seed", args.seed), min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         ignore_eos=args.ignore_eos, stop=[stop] if isinstance(stop, str) else list(stop),
-        logprobs=args.logprobs, n=args.n)
+        logprobs=args.logprobs, n=args.n, guided=guide_from_args(args))
 
 
 def _result(out, comp, logprobs: bool, n: int) -> dict:

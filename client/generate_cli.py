@@ -1,12 +1,15 @@
-"""`tritium generate`: run an engine in-process and print the completion."""
+"""`tritium generate`: print a completion from an engine run in this process (--engine) or from a
+running tritonserver (--url)."""
 from __future__ import annotations
 
 import argparse
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from an engine (in-process, no server)",
-                       description="Generate a completion. With --engine the engine runs in this process.")
+    p = sub.add_parser("generate", help="generate text: in-process from an engine (--engine) or from a running "
+                                        "tritonserver (--url)",
+                       description="Generate a completion. With --engine the engine runs in this process (no "
+                                   "server); with --url a running tritonserver answers over gRPC or HTTP.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument("--engine", help="engine directory (from `tritium build`)")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids; replaces the text prompt")
@@ -26,6 +29,8 @@ def register(sub) -> None:
     add_remote_arguments(p)  # --url/--model/--stream/--protocol: see remote_generate.py
     from tritium.client.engine_generate import add_engine_arguments
     add_engine_arguments(p)  # --stop/--logprobs/--n/--input-file/--stats/...: see engine_generate.py
+    from tritium.client.generate_inputs import add_guide_arguments
+    add_guide_arguments(p)  # --json-schema/--regex/--choice/--grammar
     p.set_defaults(func=run)
 
 

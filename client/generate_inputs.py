@@ -1,5 +1,6 @@
 """Prompt inputs of `tritium generate`, shared by the in-process and the server paths:
---prompt-ids, --input-file F.jsonl and --chat / --system."""
+--prompt-ids, --input-file F.jsonl and --chat / --system; structured outputs --json-schema FILE,
+--regex RX, --choice TEXT (repeatable), --grammar FILE."""
 from __future__ import annotations
 
 import json
@@ -49,3 +50,34 @@ def read_input_file(path: str) -> List[Tuple[dict, dict]]:
     if not reqs:
         raise ValueError(f"{path}: no requests")
     return reqs
+
+
+def add_guide_arguments(p) -> None:
+    """--json-schema / --regex / --choice / --grammar (structured outputs, docs/structured-outputs.md)."""
+    g = p.add_argument_group("structured outputs (one of)")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON valid against this JSON Schema file")
+    g.add_argument("--regex", default=None, metavar="RX", help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is exactly one of these strings (repeat the flag for each)")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="the output follows this EBNF (GBNF) grammar file")
+
+
+def guide_from_args(args):
+    """The GuidedDecodingParams of --json-schema / --regex / --choice / --grammar, or None."""
+    from tritium.backend.guided.params import GuidedDecodingParams, json_schema
+    given = [f for f in ("json_schema", "regex", "choice", "grammar") if getattr(args, f, None)]
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --regex, --choice and --grammar, got "
+                         + ", ".join("--" + f.replace("_", "-") for f in given))
+    if not given:
+        return None
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            return json_schema(f.read(), "--json-schema")
+    if args.regex:
+        return GuidedDecodingParams("regex", args.regex, "--regex").validate()
+    if args.choice:
+        return GuidedDecodingParams("choice", tuple(args.choice), "--choice").validate()
+    with open(args.grammar, encoding="utf-8") as f:
+        return GuidedDecodingParams("ebnf_grammar", f.read(), "--grammar").validate()

@@ -1,6 +1,8 @@
 """What TritonServer (client/server.py) does around the tritonserver process itself: check that
-the ports are free before launching, hold the public HTTP port for the HTTP guard, and give the
-Python backend's shared-memory files a per-server prefix so that they can be removed afterwards."""
+the ports are free before launching (all of them at once, so one message names every taken
+port), hold the public HTTP port for the HTTP guard, name each server's log file after its HTTP
+port, and give the Python backend's shared-memory files a per-server prefix so that they can be
+removed afterwards."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +11,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from typing import Optional
+from typing import Iterable, List, Optional, Tuple
 
 from tritium.client.http_checks import GuardLimits
 
@@ -34,12 +36,55 @@ def port_in_use_error(what: str, host: str, port: int, err: OSError) -> OSError:
                    f"hold it: stop it or pick another port (--{what.lower()}-port N, 0 = any free port)")
 
 
-def check_port_free(what: str, host: str, port: int) -> None:
-    """Raise OSError naming the port if something already listens on host:port."""
-    try:
-        _bind(host, port).close()
-    except OSError as e:
-        raise port_in_use_error(what, host, port, e) from None
+# The user's flag for each public port (internal ports, picked by us, have none).
+PORT_FLAGS = {"HTTP": "--http-port", "gRPC": "--grpc-port", "metrics": "--metrics-port", "OpenAI": "--openai-port"}
+
+
+def taken_ports(host: str, ports: Iterable[Tuple[str, Optional[int]]]) -> List[Tuple[str, int, str]]:
+    """(what, port, reason) for each (what, port) that something already listens on; ports of
+    None or 0 (any free port) are skipped."""
+    taken = []
+    for what, port in ports:
+        if not port:
+            continue
+        try:
+            _bind(host, port).close()
+        except OSError as e:
+            taken.append((what, port, e.strerror or str(e)))
+    return taken
+
+
+def check_ports_free(host: str, ports: Iterable[Tuple[str, Optional[int]]]) -> None:
+    """Raise one OSError naming every taken port of `ports` ((what, port) pairs; what is "HTTP",
+    "gRPC", "metrics", "OpenAI" or a description of an internal port), and ValueError if two
+    of them are the same port. Nothing is started or written before this passes."""
+    ports = [(w, p) for w, p in ports if p]
+    seen: dict = {}
+    for what, port in ports:
+        if port in seen:
+            raise ValueError(f"{PORT_FLAGS.get(seen[port], seen[port])} and {PORT_FLAGS.get(what, what)} are both "
+                             f"{port}: each service needs its own port")
+        seen[port] = what
+    taken = taken_ports(host, ports)
+    if not taken:
+        return
+    names = [f"{what} port {port}" for what, port, _ in taken]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    flags = [f"{PORT_FLAGS[what]} N" for what, _, _ in taken if what in PORT_FLAGS]
+    advice = (f"stop it or pick {'another port' if len(flags) == 1 else 'other ports'} "
+              f"({', '.join(flags)}; 0 = any free port)" if flags else "")
+    if len(flags) < len(taken):  # an internal port we picked was taken since: picking again helps
+        advice += ("; " if advice else "") + "start again to pick new internal ports"
+    raise OSError(f"{listed} on {host} {'is' if len(taken) == 1 else 'are'} not available ({taken[0][2]}); "
+                  f"another server may hold {'it' if len(taken) == 1 else 'them'}: {advice}")
+
+
+def default_log_file(cache: str, http_port: int) -> str:
+    """<cache>/logs/tritonserver-<HTTP port>.log: each running server has its own log (no two
+    servers hold one HTTP port), and a restart on the same port replaces its own old log."""
+    d = os.path.join(cache, "logs")
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"tritonserver-{http_port}.log")
 
 
 def listen_socket(what: str, host: str, port: int) -> socket.socket:

@@ -24,6 +24,9 @@ def register(sub) -> None:
                    help="largest request body in bytes (default %(default)s; larger ones get 413)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default warning)")
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3", "mistral"),
+                   help="how the model writes tool calls (default auto: from the model's chat template, "
+                        "hermes when it cannot tell)")
     p.add_argument("--triton-tls-ca", default=None,
                    help="reach tritonserver's gRPC over TLS, trusting this PEM certificate")
     from tritium.client.security import add_arguments as add_security_arguments
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise OSError("the OpenAI API needs fastapi and uvicorn: pip install 'tritium[serve]'") from None
     srv = OpenAIServer(args.triton_url, host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
-                       log_level=args.log_level, security=security, triton_tls_ca=args.triton_tls_ca)
+                       log_level=args.log_level, security=security, triton_tls_ca=args.triton_tls_ca,
+                       tool_call_parser=args.tool_call_parser)
     print(f"OpenAI API: {srv.url}  (tritonserver gRPC {args.triton_url}); Ctrl-C stops it.", flush=True)
     print(f"try: curl {srv.url}/models", file=sys.stderr, flush=True)
     # uvicorn stops on SIGINT / SIGTERM, then re-raises the signal to the handlers it found: make

@@ -8,11 +8,12 @@ tritium.client.triton_client), and what the answer needs (n, stream, logprobs, e
 
 Supported: max_tokens / max_completion_tokens, temperature, top_p, n, seed, stop,
 presence_penalty, frequency_penalty, logprobs (+ top_logprobs for chat), logit_bias, echo
-(completions), stream + stream_options.include_usage; and vLLM's extensions ignore_eos and
-min_tokens (benchmarks use them to fix output lengths). Ignored, as the API allows: user,
-metadata, store, service_tier, parallel_tool_calls, and keys this server does not know.
-Refused with a 400 naming them: tools / functions (no tool calling), response_format other
-than text, best_of other than n, suffix.
+(completions), stream + stream_options.include_usage; response_format (text, json_object,
+json_schema: structured outputs, backend/guided/); tools + tool_choice (client/openai_tools.py);
+and vLLM's extensions ignore_eos and min_tokens (benchmarks use them to fix output lengths).
+Ignored, as the API allows: user, metadata, store, service_tier, parallel_tool_calls, and keys
+this server does not know. Refused with a 400 naming them: functions / function_call (use
+tools), best_of other than n, suffix, response_format together with a forced tool call.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from tritium.backend.chat_template import normalize_messages
+from tritium.backend.guided.surfaces import from_response_format
 from tritium.backend.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_NUM_STOP
+from tritium.client.openai_tools import ToolError, ToolRequest, call_guide, parse_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # the OpenAI completions API's default
 MAX_COMPLETION_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
@@ -63,6 +66,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: Optional[int] = None         # top-N per token (0: only the sampled token); None: off
     echo_prompts: List[Optional[str]] = field(default_factory=list)  # completions echo: prompt text per prompt
+    tools: Optional[ToolRequest] = None    # chat with tools (tool_choice not none)
 
 
 # ---- parameter checks --------------------------------------------------------------------
@@ -137,15 +141,11 @@ def _logit_bias(body: dict) -> Optional[Dict[str, float]]:
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
-    for name in ("tools", "functions"):
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise bad(name, f"{name} is not supported by this server (no tool calling)")
-    tc = body.get("tool_choice", body.get("function_call"))
-    if tc not in (None, "none", "auto"):
-        raise bad("tool_choice", "tool_choice is not supported by this server (no tool calling)")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format", 'response_format: only {"type": "text"} is supported')
+            raise bad(name, f"{name} is not supported (the API's older form): use tools and tool_choice")
+    if kind == "completion" and (body.get("tools") or body.get("tool_choice")):
+        raise bad("tools", "tools are a chat completions parameter")
     if kind == "completion":
         if body.get("suffix"):
             raise bad("suffix", "suffix is not supported by this server")
@@ -195,6 +195,7 @@ def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
     lb = _logit_bias(body)
     if lb:
         sp["logit_bias"] = lb
+    _response_format(body, sp)
     # vLLM's extensions, which benchmarks (aiperf --extra-inputs) use to fix output lengths
     if _boolean(body, "ignore_eos"):
         sp["ignore_eos"] = True
@@ -211,6 +212,32 @@ def _common(body: dict, kind: str, max_tokens_name: str) -> tuple:
             raise bad("stream_options", f"stream_options must be an object, got {so!r}")
         include_usage = _boolean(so, "include_usage")
     return model, sp, n, stream, include_usage
+
+
+def _response_format(body: dict, sp: dict) -> None:
+    """response_format -> sampling_parameters.structured_outputs, checked here (the grammar is
+    built, so a schema that does not compile is a 400 naming response_format)."""
+    try:
+        g = from_response_format(body.get("response_format"))
+        if g is not None:
+            g.grammar()
+    except ValueError as e:
+        raise bad("response_format", str(e)) from None
+    if g is not None:
+        sp["structured_outputs"] = {"json_object": True} if g.kind == "json" else {"json": json.loads(g.guide)}
+
+
+def _tools(body: dict, sp: dict, tool_format: str) -> Optional[ToolRequest]:
+    try:
+        tr = parse_tools(body, tool_format)
+    except ToolError as e:
+        raise bad(e.param, str(e)) from None
+    if tr is not None and tr.forced:
+        if "structured_outputs" in sp:
+            raise bad("response_format", "response_format cannot be combined with a forced tool call "
+                                         "(tool_choice required or a named function)")
+        sp["structured_outputs"] = {"grammar": call_guide(tr).guide}
+    return tr
 
 
 def _request(prompt_kw: dict, sp: dict, logprobs: Optional[int]) -> dict:
@@ -267,9 +294,10 @@ def parse_completion_request(body: dict) -> ParsedRequest:
                          logprobs=lp, echo_prompts=echoes)
 
 
-def parse_chat_request(body: dict) -> ParsedRequest:
-    """POST /v1/chat/completions."""
+def parse_chat_request(body: dict, tool_format: str = "hermes") -> ParsedRequest:
+    """POST /v1/chat/completions. tool_format: how the model writes tool calls (openai_tools.FORMATS)."""
     model, sp, n, stream, include_usage = _common(body, "chat", "max_completion_tokens")
+    tr = _tools(body, sp, tool_format)
     want = _boolean(body, "logprobs")
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:
@@ -279,8 +307,12 @@ def parse_chat_request(body: dict) -> ParsedRequest:
         messages = normalize_messages(body.get("messages"))
     except ValueError as e:
         raise bad("messages", str(e)) from None
-    req = _request({"messages": json.dumps(messages, ensure_ascii=False)}, sp, lp)
-    return ParsedRequest("chat", model, [req], n=n, stream=stream, include_usage=include_usage, logprobs=lp)
+    prompt_kw = {"messages": json.dumps(messages, ensure_ascii=False)}
+    if tr is not None:  # rendered by the engine's chat template (its `tools` variable)
+        prompt_kw["tools"] = json.dumps(tr.tools, ensure_ascii=False)
+    req = _request(prompt_kw, sp, lp)
+    return ParsedRequest("chat", model, [req], n=n, stream=stream, include_usage=include_usage, logprobs=lp,
+                         tools=tr)
 
 
 # ---- Triton's errors -> OpenAI errors -----------------------------------------------------
@@ -291,6 +323,7 @@ _PARAM_OF = (
     ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
     ("logit_bias", "logit_bias"), ("logprobs", "logprobs"), ("n ", "n"), ("stop", "stop"),
     ("prompt", "prompt"), ("text_input", "prompt"), ("input_ids", "prompt"), ("messages", "messages"),
+    ("structured_outputs", "response_format"), ("tools", "tools"),
 )
 
 

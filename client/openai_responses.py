@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from tritium.client.openai_protocol import ParsedRequest
+from tritium.client.openai_tools import call_deltas, held_from, parse_calls
 from tritium.client.triton_client import Chunk
 
 # The backend's finish reasons -> the API's ("abort" only reaches a client that is gone).
+# "grammar_dead_end" (structured outputs: no token was allowed) goes out as it is.
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
@@ -25,6 +27,7 @@ class _Choice:
     logprobs: List[dict] = field(default_factory=list)   # logprobs_detail entries
     started: bool = False                                 # chat: the role delta went out
     offset: int = 0                                       # completions: text_offset of the next token
+    sent: int = 0                                         # chat with tools: characters of text streamed
 
 
 def _bytes(t: str) -> List[int]:
@@ -118,12 +121,23 @@ class AnswerBuilder:
                 c.started = True
                 out.append(self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]))
-            if chunk.text or entries:
-                out.append(self._chunk([{"index": idx, "delta": {"content": chunk.text},
+            text = chunk.text
+            if self.req.tools is not None:  # a call is held back until it is whole (openai_tools.held_from)
+                upto = len(c.text) if chunk.finish_reason else max(c.sent, held_from(c.text, self.req.tools))
+                calls = parse_calls(c.text, self.req.tools)[1] if chunk.finish_reason else []
+                if calls:
+                    upto = c.sent
+                text, c.sent = c.text[c.sent:upto], upto
+            if text or entries:
+                out.append(self._chunk([{"index": idx, "delta": {"content": text},
                                          "logprobs": self._chat_logprobs(entries), "finish_reason": None}]))
             if chunk.finish_reason:
-                out.append(self._chunk([{"index": idx, "delta": {}, "logprobs": None,
-                                         "finish_reason": c.finish_reason}]))
+                finish = c.finish_reason
+                if self.req.tools is not None and calls:
+                    out += [self._chunk([{"index": idx, "delta": d, "logprobs": None, "finish_reason": None}])
+                            for d in call_deltas(calls)]
+                    finish = "tool_calls"
+                out.append(self._chunk([{"index": idx, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         else:
             if chunk.text or entries or chunk.finish_reason:
                 out.append(self._chunk([{"index": idx, "text": chunk.text,
@@ -143,8 +157,13 @@ class AnswerBuilder:
         for idx in sorted(self.choices):
             c = self.choices[idx]
             if self.chat:
-                choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason})
+                msg, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                if self.req.tools is not None:
+                    content, calls = parse_calls(c.text, self.req.tools)
+                    if calls:
+                        msg, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                choices.append({"index": idx, "message": msg, "logprobs": self._chat_logprobs(c.logprobs),
+                                "finish_reason": finish})
             else:
                 echo = self.req.echo_prompts[idx // self.req.n] if self.req.echo_prompts else None
                 c.offset = len(echo) if echo else 0

@@ -111,10 +111,11 @@ async def _unless_disconnected(request, aw: Awaitable):
 
 
 def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, security=None,
-               triton_tls_ca: Optional[str] = None):
+               triton_tls_ca: Optional[str] = None, tool_call_parser: str = "auto"):
     """The ASGI app; `triton_url` is tritonserver's gRPC HOST:PORT. `security` (a Security):
     its API key guards this API and, with its admin key, goes to tritonserver; `triton_tls_ca`:
-    reach tritonserver's gRPC over TLS, trusting this PEM file."""
+    reach tritonserver's gRPC over TLS, trusting this PEM file; tool_call_parser: hermes, llama3,
+    mistral, or auto (from the model's chat template, client/openai_tools.py)."""
     bridge = TritonBridge(triton_url, security=security, tls_ca=triton_tls_ca)
 
     @asynccontextmanager
@@ -231,7 +232,10 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, se
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _read_json(request, max_body_bytes)
-        parsed = parse_chat_request(body)
+        fmt = tool_call_parser
+        if fmt == "auto":
+            fmt = await bridge.tool_format(body.get("model")) if isinstance(body, dict) and body.get("tools") else "hermes"
+        parsed = parse_chat_request(body, fmt)
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return await generate(request, parsed, name)
 
@@ -246,7 +250,7 @@ class OpenAIServer:
 
     def __init__(self, triton_url: str, host: str = "127.0.0.1", port: int = 9000,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", security=None,
-                 triton_tls_ca: Optional[str] = None):
+                 triton_tls_ca: Optional[str] = None, tool_call_parser: str = "auto"):
         from tritium.client.launch_checks import listen_socket
         self.sock = listen_socket("OpenAI", host, port)
         self.host = host
@@ -254,6 +258,7 @@ class OpenAIServer:
         self.triton_url = triton_url
         self.max_body_bytes = max_body_bytes
         self.log_level = log_level
+        self.tool_call_parser = tool_call_parser
         self.security = security
         self.triton_tls_ca = triton_tls_ca or None
         self._server = None
@@ -268,7 +273,8 @@ class OpenAIServer:
         import uvicorn
         sec = self.security
         tls = dict(ssl_certfile=sec.tls_cert, ssl_keyfile=sec.tls_key) if sec is not None and sec.tls else {}
-        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes, sec, self.triton_tls_ca),
+        cfg = uvicorn.Config(create_app(self.triton_url, self.max_body_bytes, sec, self.triton_tls_ca,
+                                        self.tool_call_parser),
                              log_level=self.log_level, access_log=False, timeout_graceful_shutdown=5, **tls)
         self._server = uvicorn.Server(cfg)
         return self._server

@@ -91,6 +91,27 @@ class TritonBridge:
         self._models, self.parents, self._models_at = found, parents, time.monotonic()
         return found
 
+    async def tool_format(self, name) -> str:
+        """The tool-call format of a model's chat template (openai_tools.detect_format), read from
+        its engine folder when this host can see it; "hermes" otherwise. Cached per model."""
+        import os
+
+        from tritium.backend.chat_template import read_template_source
+        from tritium.client.openai_tools import detect_format
+        cache = self.__dict__.setdefault("_tool_formats", {})
+        if name not in cache:
+            fmt = "hermes"
+            try:
+                cfg = await self._grpc().get_model_config(str(name), headers=self.admin_headers, as_json=True)
+                path = cfg.get("config", {}).get("parameters", {}).get("engine_dir", {}).get("string_value", "")
+                path = os.path.expanduser(path.strip())
+                if path and os.path.isdir(path):
+                    fmt = detect_format(read_template_source(path))
+            except Exception:  # noqa: BLE001 -- unknown model / unreadable folder: the default format
+                pass
+            cache[name] = fmt
+        return cache[name]
+
     async def check_model(self, name: str) -> None:
         """OpenAIError 404 unless `name` is a served LLM model."""
         if name in await self.models():

@@ -13,7 +13,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from tritium.client.generate_inputs import chat_messages, parse_prompt_ids, read_input_file
+from tritium.backend.guided.surfaces import to_tensors
+from tritium.client.generate_inputs import chat_messages, guide_from_args, parse_prompt_ids, read_input_file
 
 DEFAULT_MODEL = "smollm2"
 
@@ -58,6 +59,7 @@ def request_params(args: argparse.Namespace, overrides: Optional[dict] = None) -
         sp["lora_name"] = args.lora_name  # vllm_backend's key
     if sp:
         params["sampling_parameters"] = json.dumps(sp)
+    params.update(to_tensors(guide_from_args(args)))  # --json-schema / --regex / --choice / --grammar
     return params
 
 

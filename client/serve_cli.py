@@ -17,6 +17,8 @@ import signal
 import sys
 import threading
 
+from tritium.client.launch_checks import check_ports_free, default_log_file
+
 DEFAULT_NAME = "smollm2"
 # bf16 by default: on CPU the int8 / int4 engines decode one stream faster but serve batches no
 # faster than bf16 (docs/benchmarks.md), and a server runs batches. Serve a quantized engine with
@@ -40,7 +42,9 @@ def register(sub) -> None:
                    help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) "
                         "served beside tritonserver (default 9000; 0 = any free port; -1 = off)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--log-file", default=None, help="write the server log here (default: the cache folder)")
+    p.add_argument("--log-file", default=None,
+                   help="write the server log here (default: <cache>/logs/tritonserver-<HTTP port>.log, "
+                        "one per server)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness (default 600)")
     from tritium.client.http_checks import GuardLimits
     p.add_argument("--max-body-bytes", type=int, default=GuardLimits.max_body_bytes,
@@ -135,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     if args.openai_port < -1 or args.openai_port > 65535:
         raise ValueError(f"--openai-port must be in [0, 65535], or -1 for off; got {args.openai_port}")
     security = _security(args)
+    # Every port at once, before anything is built, started or written (a log file included).
+    check_ports_free(args.host, _public_ports(args))
     if args.repo:
         repository_models(args.repo)  # before anything starts
     openai = _openai_server(args, security)
@@ -145,12 +151,19 @@ def run(args: argparse.Namespace) -> int:
             openai.stop()
 
 
+def _public_ports(args) -> list:
+    return [("HTTP", args.http_port), ("gRPC", args.grpc_port), ("metrics", args.metrics_port)] + \
+        ([("OpenAI", args.openai_port)] if args.openai_port > 0 else [])
+
+
 def _serve(args, ports, limits, openai, security) -> int:
-    from tritium.client.server import TritonServer, cache_dir
+    from tritium.client.server import TritonServer, cache_dir, free_port
     repo = args.repo if args.repo else default_repository()
-    log_file = args.log_file or os.path.join(cache_dir(), "tritonserver.log")
-    open(log_file, "w").close()
+    ports["http_port"] = ports["http_port"] or free_port(args.host)  # the log's name needs it now
+    log_file = args.log_file or default_log_file(cache_dir(), ports["http_port"])
     srv = TritonServer(repo, host=args.host, log_file=log_file, guard_limits=limits, security=security, **ports)
+    check_ports_free(args.host, srv.ports())  # again (a first build takes minutes), then start a fresh log
+    open(log_file, "w").close()
     stop = threading.Event()
 
     def on_signal(signum, frame):

@@ -34,7 +34,7 @@ import urllib.request
 from typing import List, Optional
 
 from tritium.client.http_checks import GuardLimits
-from tritium.client.launch_checks import (check_port_free, listen_socket, new_shm_prefix, remove_shm_files,
+from tritium.client.launch_checks import (check_ports_free, listen_socket, new_shm_prefix, remove_shm_files,
                                           shm_backend_args, start_guard)
 from tritium.client.security import Security, local_client_ssl_context
 
@@ -122,12 +122,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_env() -> dict:
-    """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH."""
+    """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH,
+    OMP_WAIT_POLICY=PASSIVE unless set."""
     env = dict(os.environ)
     bindir = os.path.dirname(os.path.abspath(sys.executable))
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     libs = wheel_paths()["libs"]
     env["LD_LIBRARY_PATH"] = libs + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    # The engines' OpenMP threads sleep when idle instead of spinning (see client/cli.py).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
@@ -238,21 +241,26 @@ class TritonServer:
         cmd += [f"--load-model={m}" for m in self.load_models]
         return cmd + shm_backend_args(self.shm_prefix) + self.security.triton_args() + self.extra_args
 
+    def ports(self) -> List[tuple]:
+        """(what, port) of every port this server listens on, the guard's internal ones included."""
+        ports = [("HTTP", self.http_port), ("gRPC", self.grpc_port), ("metrics", self.metrics_port)]
+        if self.http_guard:
+            ports += [("tritonserver's internal HTTP", self.triton_http_port),
+                      ("tritonserver's internal metrics", self.triton_metrics_port)]
+        return ports
+
     def start(self, wait: bool = True, timeout: float = 300.0) -> "TritonServer":
         if self.backend_dir is None:
             self.backend_dir = prepare_backend_dir()
         install_tritium_backend(self.backend_dir)
-        # Fail before launching, with the port named, rather than leave it to the server log.
-        check_port_free("gRPC", self.host, self.grpc_port)
+        # Fail before launching, with every taken port named at once, rather than leave it to the log.
+        check_ports_free(self.host, self.ports())
         routes = []
         try:
             if self.http_guard:  # hold the public ports now: no other server can take them from here on
                 routes.append((listen_socket("HTTP", self.host, self.http_port), self.triton_http_url, True))
                 routes.append((listen_socket("metrics", self.host, self.metrics_port),
                                f"127.0.0.1:{self.triton_metrics_port}", False))
-            else:
-                check_port_free("HTTP", self.host, self.http_port)
-                check_port_free("metrics", self.host, self.metrics_port)
             out = subprocess.DEVNULL
             if self.log_file:
                 self._log_fh = open(self.log_file, "ab")

@@ -66,7 +66,12 @@ class Completion:
 
 
 def build_request(prompt: Optional[str] = None, **params) -> dict:
-    """Validated {input name: value} from keyword parameters (names of the tensor contract)."""
+    """Validated {input name: value} from keyword parameters (names of the tensor contract;
+    `guided=GuidedDecodingParams(...)` fills guided_decoding_guide_type / guided_decoding_guide)."""
+    if params.get("guided") is not None:
+        from tritium.backend.guided.surfaces import to_tensors
+        params.update(to_tensors(params["guided"].validate()))
+    params.pop("guided", None)
     req = {}
     if prompt is not None:
         req["text_input"] = prompt

@@ -62,6 +62,9 @@ if [ -n "$TLS_CERT" ]; then
     OPENAI_TLS="--tls-cert $TLS_CERT --tls-key $TLS_KEY --triton-tls-ca $TLS_CERT"
 fi
 
+# idle OpenMP threads sleep instead of spinning: on shared cores spinning stalls every parallel
+# region (client/cli.py, builder/build_threads.py)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 tritonserver --model-repository="${MODEL_REPOSITORY:-/models}" --model-control-mode=explicit --load-model='*' \
     --http-address=127.0.0.1 --http-port="$TRITON_HTTP_PORT" \
     --metrics-address=127.0.0.1 --metrics-port="$TRITON_METRICS_PORT" \

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -23,6 +23,12 @@ class AttentionMetadata:
     seq_lens_cpu: List[int]        # host copy of seq_lens
     max_query_len: int             # max(query_lens_cpu)
     max_seq_len: int               # max(seq_lens_cpu)
+    # The step's CPU attention state (attention_cpu.CpuAttentionPlan: row lists, SDPA groups,
+    # gather buffers), shared by the layers; set by the runner (ops.attention_plan), None on GPU.
+    cpu_plan: Optional[object] = None
+    # EngineConfig.deterministic: every query row through the decode kernel on the Triton side too
+    # (the CPU path is batch-invariant either way; docs/determinism.md)
+    deterministic: bool = False
 
     @property
     def num_seqs(self) -> int:

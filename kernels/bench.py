@@ -55,7 +55,7 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
     from tritium.kernels import elementwise_triton as ew, gemm_ref, kv_write_triton as kvw, quant_gemm as qg
     from tritium.kernels import paged_decode as pd, prefill_attention as pa
     from tritium.kernels.kv_write import kv_write_ref
-    from tritium.kernels.paged_attention import paged_attention_ref
+    from tritium.kernels.attention_ref import paged_attention_ref
     from tritium.kernels.rms_norm import rms_norm_ref
     from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
     from tritium.kernels.silu_mul import silu_mul_ref

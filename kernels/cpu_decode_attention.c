@@ -9,7 +9,12 @@
  * Work items are rows, spread over threads with OpenMP.
  *
  * Layouts: q, out (T, Hq, D); k_cache, v_cache (num_blocks, block_size, Hkv, D);
- * block_tables (B, table_stride) int32. Requires D % 32 == 0, Hq <= MAXH, Hq * D <= MAXQD.
+ * block_tables (B, table_stride) int32. Any D (the last 32 / 16 lanes of a head masked);
+ * Hq <= MAXH, Hq * D <= MAXQD.
+ *
+ * Prefill rows use this kernel too (a query token at position p is a row over keys [lo, p]): a
+ * row's result depends only on its query and its keys, in chunks of CHUNK counted from lo, never
+ * on the other rows of the step (batch invariance).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -26,11 +31,17 @@
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
                        int64_t D, int64_t BS, float scale, uint16_t *out) {
-    const int64_t grp = hq / hkv, dv = D / 16, dp = D / 32;
-    __m512bh qv[MAXQD / 32];               /* q rows as bf16 pairs for VDPBF16PS */
-    float o[MAXQD], m[MAXH], l[MAXH], s[MAXH][CHUNK];
-    for (int64_t c = 0; c < hq * dp; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(q + 32 * c));
-    for (int64_t d = 0; d < hq * D; d++) o[d] = 0.0f;
+    const int64_t grp = hq / hkv, dv = (D + 15) / 16, dp = (D + 31) / 32, DP = 16 * dv;
+    /* lanes of the last 32-wide (dot) and 16-wide (value) chunk of a head */
+    const __mmask32 mlast = D % 32 ? (__mmask32)((1u << (D % 32)) - 1) : 0xFFFFFFFFu;
+    const __mmask16 vlast = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : 0xFFFF;
+    __m512bh qv[MAXQD / 32 + MAXH];        /* q rows as bf16 pairs for VDPBF16PS */
+    float o[MAXQD + 16 * MAXH], m[MAXH], l[MAXH], s[MAXH][CHUNK];
+    for (int64_t r = 0; r < hq; r++)
+        for (int64_t c = 0; c < dp; c++)
+            qv[r * dp + c] = (__m512bh)_mm512_maskz_loadu_epi16(c == dp - 1 ? mlast : 0xFFFFFFFFu,
+                                                                (const void *)(q + r * D + 32 * c));
+    for (int64_t d = 0; d < hq * DP; d++) o[d] = 0.0f;
     for (int64_t r = 0; r < hq; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -52,7 +63,9 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                     __m512 acc = _mm512_setzero_ps();
                     for (int64_t c = 0; c < dp; c++)
                         acc = _mm512_dpbf16_ps(acc, qv[r * dp + c],
-                                               (__m512bh)_mm512_loadu_si512((const void *)(kp + h * D + 32 * c)));
+                                               (__m512bh)_mm512_maskz_loadu_epi16(
+                                                   c == dp - 1 ? mlast : 0xFFFFFFFFu,
+                                                   (const void *)(kp + h * D + 32 * c)));
                     s[r][j] = _mm512_reduce_add_ps(acc) * scale;
                 }
         }
@@ -71,7 +84,7 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
             m[r] = mx;
             __m512 vc = _mm512_set1_ps(corr);
             for (int64_t c = 0; c < dv; c++)
-                _mm512_storeu_ps(&o[r * D + 16 * c], _mm512_mul_ps(_mm512_loadu_ps(&o[r * D + 16 * c]), vc));
+                _mm512_storeu_ps(&o[r * DP + 16 * c], _mm512_mul_ps(_mm512_loadu_ps(&o[r * DP + 16 * c]), vc));
         }
         for (int64_t j = 0; j < nj; j++) {
             const int64_t pos = j0 + j;
@@ -83,10 +96,12 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
             }
             for (int64_t h = 0; h < hkv; h++)
                 for (int64_t c = 0; c < dv; c++) {
-                    __m512 vv = bf16x16_to_f32(vp + h * D + 16 * c);
+                    __m256i raw = _mm256_maskz_loadu_epi16(c == dv - 1 ? vlast : 0xFFFF,
+                                                           (const void *)(vp + h * D + 16 * c));
+                    __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
                     for (int64_t g = 0; g < grp; g++) {
                         const int64_t r = h * grp + g;
-                        float *op = &o[r * D + 16 * c];
+                        float *op = &o[r * DP + 16 * c];
                         _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, _mm512_loadu_ps(op)));
                     }
                 }
@@ -94,7 +109,7 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
     }
     for (int64_t r = 0; r < hq; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * DP + d] * inv);
     }
 }
 

@@ -3,7 +3,9 @@
  * Each computes in float32 and rounds to bfloat16 where the torch reference does (noted at each
  * step), so results match rms_norm_ref / rotary_ref / silu_mul_ref to bf16 rounding. Rows are
  * independent: a batched row equals the same row alone. Vector widths: H, D / 2 and n must be
- * multiples of 16 (the Python side checks). Small work per call: no threads.
+ * multiples of 16 (the Python side checks). Every row is computed the same way whatever the
+ * number of rows (batch invariance: prefill rows and decode rows take this one path); rows are
+ * spread over OpenMP threads only from GLUE_PARALLEL_ROWS rows on (small steps stay on one).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -12,12 +14,15 @@
 
 #include "cpu_simd.h"
 
+#define GLUE_PARALLEL_ROWS 32
+
 static inline void store_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, f32x16_to_bf16(x)); }
 
 /* res_out = bf16(x + res) (x itself when res is NULL);
  * out = bf16(w * bf16(r / sqrt(mean(r^2) + eps))), r = res_out in float32. */
 void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps,
                                int64_t T, int64_t H, uint16_t *out, uint16_t *res_out) {
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xr = x + t * H;
         uint16_t *rr = res_out + t * H;
@@ -55,6 +60,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
                                 const int64_t *slot, int64_t T, int64_t hq, int64_t hkv, int64_t D,
                                 uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache) {
     const int64_t row = (hq + 2 * hkv) * D;
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *src = qkv + t * row, *c = cos + t * D, *s = ssin + t * D;
         for (int64_t h = 0; h < hq; h++) rope_head(src + h * D, c, s, D, q_out + (t * hq + h) * D);
@@ -67,6 +73,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
 /* x (T, 2n) = [gate | up]: out (T, n) = bf16(bf16(silu(gate)) * up), silu(a) = a / (1 + e^-a). */
 void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *out) {
     const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = x + t * 2 * n, *u = g + n;
         for (int64_t i = 0; i < n; i += 16) {

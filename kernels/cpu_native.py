@@ -1,4 +1,5 @@
-"""Native CPU kernels, built once with the system C compiler: the int8 GEMM (cpu_gemm.c), paged
+"""Native CPU kernels, built once with the system C compiler: the int8 GEMMs (cpu_gemm.c), the
+batch-invariant bfloat16 and int4 GEMMs (cpu_gemm_bf16.c), paged
 decode attention over a bfloat16 KV cache (cpu_decode_attention.c), and the bfloat16 element-wise
 steps between a layer's GEMMs (cpu_glue.c).
 
@@ -7,7 +8,7 @@ On an x86 CPU with AVX512-BF16 the library is compiled on first use into the Tri
 loaded with ctypes; it runs on the OpenMP runtime torch has already loaded, so torch's thread
 count applies. Anywhere else (no compiler, another CPU, TRITIUM_NATIVE_CPU=0) `available()` is
 False and the quantized layers keep torch's packed kernels. The references these kernels are
-tested against are gemm_ref.w8a16_gemm_ref and paged_attention.paged_attention_ref.
+tested against are gemm_ref.w8a16_gemm_ref and attention_ref.paged_attention_ref.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_decode_attention.c", "cpu_glue.c")]
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _FLAGS = ["-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
@@ -85,6 +86,10 @@ def _lib() -> Optional[ctypes.CDLL]:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.tritium_w8a16_gemm.argtypes = [p, p, p, p, i64, i64, i64]
     lib.tritium_w8a16_gemm.restype = None
+    lib.tritium_bf16_gemm.argtypes = [p, p, p, i64, i64, i64]
+    lib.tritium_bf16_gemm.restype = None
+    lib.tritium_w4_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
+    lib.tritium_w4_gemm.restype = None
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
@@ -128,6 +133,31 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
     _lib().tritium_w8a16_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(),
                               xb.shape[0], n, k)
+    return y
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ weight bfloat16 (N, K)^T -> float32 (M, N), any K; each output reduced in an
+    order fixed by K alone (kernels/cpu_gemm_bf16.c), so row m is the same whatever M is."""
+    n, k = weight.shape
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    xb = _check(x, k)
+    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+    _lib().tritium_bf16_gemm(xb.data_ptr(), weight.data_ptr(), y.data_ptr(), xb.shape[0], n, k)
+    return y
+
+
+def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group_size: int) -> torch.Tensor:
+    """The int4 layout (no g_idx): x (M, K) @ int4_to_bf16(...)^T -> float32 (M, N), the same bits
+    as int4_to_bf16 followed by bf16_gemm. K and G multiples of 32."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    assert qweight.dtype == torch.uint8 and qweight.is_contiguous() and group_size % _ALIGN == 0 and k % group_size == 0
+    assert scales.dtype == zeros.dtype == torch.float32 and scales.is_contiguous() and zeros.is_contiguous()
+    xb = _check(x, k)
+    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+    _lib().tritium_w4_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(),
+                           xb.shape[0], n, k, group_size)
     return y
 
 
@@ -202,11 +232,11 @@ MAX_HEADS, MAX_HEADS_X_DIM = 64, 8192  # the decode kernel's MAXH and MAXQD
 
 def decode_supported(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
     """Whether paged_decode_bf16 takes this layer: bfloat16 q and cache (no KV quantization),
-    head_dim a multiple of 32, at most 64 query heads and 8192 query values per token."""
+    at most 64 query heads and 8192 query values per token (any head_dim)."""
     hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and k_scale is None
-            and d % _ALIGN == 0 and hq <= MAX_HEADS and hq * d <= MAX_HEADS_X_DIM and hq % hkv == 0
-            and q.is_contiguous() and k_cache.is_contiguous())
+            and hq <= MAX_HEADS and hq * d <= MAX_HEADS_X_DIM and hq % hkv == 0
+            and q.is_contiguous() and k_cache.is_contiguous() and q.device.type == "cpu" and available())
 
 
 def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -223,16 +253,12 @@ def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), out.data_ptr())
 
 
-# The element-wise kernels run rows one after another on one thread: used for decode-sized
-# batches, where one call replaces several ATen dispatches; bigger ones (prefill) stay on torch.
-GLUE_MAX_TOKENS = 64
-
-
 def glue_ok(x: torch.Tensor, width: int) -> bool:
-    """Whether the element-wise kernels take x: bfloat16, contiguous, at most GLUE_MAX_TOKENS
-    rows, `width` (the vectorized length) a multiple of 16, and the library available."""
+    """Whether the element-wise kernels take x: bfloat16, contiguous, `width` (the vectorized
+    length) a multiple of 16, and the library available. Any number of rows: a step of any size
+    takes the same kernel, so a row is rounded the same way alone, in a batch or in a prefill."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
-            and x.shape[0] <= GLUE_MAX_TOKENS and width % 16 == 0 and available())
+            and width % 16 == 0 and available())
 
 
 def add_rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None):

@@ -2,8 +2,9 @@
 
 CUDA tensors go to the Triton kernels; CPU tensors to torch (the references or leaner torch
 forms of them) and, for bfloat16 on CPUs with AVX512-BF16, to the native kernels of cpu_native
-(decode attention, and the element-wise steps of decode-sized batches); the quantized linear
-classes add torch's packed int4/int8 GEMMs and the native int8 GEMM on CPU.
+(attention of every query row, the element-wise steps, the GEMMs), all batch-invariant: a row's
+bits do not depend on the other rows of a step (docs/determinism.md). CPU linears are packed
+and dispatched in one place, cpu_linear.py (pack_cpu_linear / cpu_linear below).
 `TRITIUM_KERNELS=reference|triton` forces the CPU path or the Triton side (TRITIUM_NATIVE_CPU=0
 keeps the CPU path on torch alone); forcing triton for CPU tensors needs `TRITON_INTERPRET=1`
 (Triton's interpreter).
@@ -16,11 +17,13 @@ import functools
 import importlib
 import importlib.util
 import os
+from typing import Optional
 
 from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
-from .paged_attention import paged_attention_cpu
+from . import cpu_linear as _cpu_linear
+from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
 from .rms_norm import rms_norm_cpu
 from .rotary import rotary_cpu, rotary_ref, rotary_tables
 from .silu_mul import silu_mul_ref
@@ -122,13 +125,49 @@ def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return kv_write_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def attention_plan(meta) -> Optional[CpuAttentionPlan]:
+    """The per-step state of CPU attention (attention_cpu.CpuAttentionPlan), built once per step
+    and kept in AttentionMetadata.cpu_plan; None where the Triton kernels run."""
+    if use_triton(meta.block_tables):
+        return None
+    return plan_attention(meta)
+
+
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
     """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode."""
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                                         k_scale, v_scale)
-    # CPU: the batched torch path (same contract as paged_attention_ref, which stays the oracle).
+    # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
     return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+
+
+def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False):
+    """A linear layer's weight packed for its CPU kernel (a cpu_linear.CpuLinear, or None for a
+    dense weight that plain F.linear serves). method: 'none' | 'int8' | 'fp8' | 'int4';
+    buffers: the layer's tensors by engine name (weight / qweight, scales, zeros, g_idx);
+    dtype: the engine dtype; deterministic: never use oneDNN (see cpu_linear.py)."""
+    if method == "none":
+        return _cpu_linear.pack_dense(buffers["weight"], deterministic)
+    if method == "int8":
+        return _cpu_linear.pack_int8(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size, dtype)
+    if method == "fp8":
+        return _cpu_linear.pack_fp8(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size, dtype)
+    if method == "int4":
+        return _cpu_linear.pack_int4(buffers["qweight"], buffers["scales"], buffers["zeros"], group_size,
+                                     buffers.get("g_idx"), dtype)
+    raise ValueError(f"linear method {method!r}; allowed: none, int8, fp8, int4")
+
+
+def can_pack_dense_cpu(weight) -> bool:
+    """Whether pack_cpu_linear('none', ...) has a packed kernel for this dense weight."""
+    return _cpu_linear.dense_packable(weight)
+
+
+def cpu_linear(x, packed):
+    """x (M, K) @ W^T with a pack_cpu_linear weight (float32 or the compute dtype; the caller
+    rounds once to the engine dtype)."""
+    return _cpu_linear.run(x, packed)
 
 
 def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):

@@ -158,14 +158,12 @@ def check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sc
     return False
 
 
-def _default_partition(device: torch.device, num_programs: int, max_seq_len: int) -> int:
-    """Keys per split: enough splits to give every SM ~2 programs, partitions of >= 256 keys."""
-    if device.type != "cuda":
-        return 512
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, triton.cdiv(2 * sms, max(num_programs, 1)))
-    splits = max(1, min(want, triton.cdiv(max_seq_len, 256)))
-    return max(256, next_pow2(triton.cdiv(max_seq_len, splits)))
+# Keys per split-K partition, fixed: a row's partitions are [0, P), [P, 2P), ... whatever the batch
+# and the longest context of the step, and the merge always runs (also for one partition), so a
+# row's result never depends on the other rows ("Defeating Nondeterminism in LLM Inference",
+# Thinking Machines Lab, 2025: a fixed split size, not a fixed split count). The cost: a small
+# batch of short contexts fills fewer SMs than splits sized per step would (docs/determinism.md).
+DECODE_PARTITION = 256
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,14 +191,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
-    partition = _default_partition(q.device, b * hkv, max_seq_len) if partition_size is None else int(partition_size)
+    partition = DECODE_PARTITION if partition_size is None else int(partition_size)
     if partition < 16 or partition & (partition - 1):
         raise ValueError(f"partition_size: must be a power of two >= 16, got {partition_size}")
     num_splits = triton.cdiv(max(max_seq_len, 1), partition)
     block_n = min(64, partition)
     block_d = next_pow2(d)
     block_g = max(16, next_pow2(group))  # tl.dot wants M >= 16
-    use_split = num_splits > 1
+    use_split = True  # the merge even for one partition: the same arithmetic for every row
     upcast = dot_upcast(q.dtype)
     if use_split:
         part_acc = torch.empty((b, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -222,5 +220,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # partials (B, Hq, S, D_pad) -> out (B, Hq, D). Grid: (sequence, query head).
         _paged_decode_reduce_kernel[(b, hq)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), d, num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4)
     return out

@@ -134,9 +134,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Sequences with query_len == 1 go to the split-K decode kernel, the others to the varlen
     prefill kernel; the split uses the host copies of the lengths, so it never syncs the device.
+    With meta.deterministic every query token is a row of the decode kernel over its own keys, so
+    a row gets the same bits in a prefill, a chunk, a verification or a decode (docs/determinism.md).
     """
     out = torch.empty_like(q)
     qlens = meta.query_lens_cpu
+    if getattr(meta, "deterministic", False):
+        return _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out)
     decode = [b for b, n in enumerate(qlens) if n == 1]
     prefill = [b for b, n in enumerate(qlens) if n > 1]
     if decode:
@@ -164,3 +168,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                           max(qlens[b] for b in prefill), scale, sliding_window, k_scale, v_scale,
                           seq_ids=seq_ids, out=out)
     return out
+
+
+def _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out):
+    """Query token j of a sequence with query_len n and context s: a decode row over keys
+    [0, s - n + 1 + j) of that sequence's block table."""
+    seq_of_row, lens = [], []
+    for b, (n, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        seq_of_row.extend([b] * n)
+        lens.extend(range(s - n + 1, s + 1))
+    if not lens:
+        return out
+    dev = q.device
+    tables = meta.block_tables.index_select(0, torch.tensor(seq_of_row, dtype=torch.int64, device=dev))
+    return paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev), scale,
+                        sliding_window, k_scale, v_scale, max_seq_len=max(lens), out=out)

@@ -107,6 +107,49 @@ def smollm2_engine(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer_checkpoint(tiny_checkpoint, smollm2_gguf, tmp_path_factory):
+    """Factory: a tiny random Llama (vocabulary 49,152) with SmolLM2's real tokenizer.json (and no
+    tokenizer_config.json) -> checkpoint folder (cached). Random weights pick adversarial
+    tokens: what structured-output tests want."""
+    import shutil
+
+    from tritium.builder.quant_pipeline import load_source_tokenizer
+    cache = {}
+
+    def make(seed: int = 0):
+        if seed not in cache:
+            src = str(tmp_path_factory.mktemp("ckpt-smoltok"))
+            shutil.copytree(tiny_checkpoint("llama", vocab_size=49152, seed=seed, max_position_embeddings=1024), src,
+                            dirs_exist_ok=True)
+            for f in os.listdir(src):
+                if f.startswith(("tokenizer", "special_tokens")):
+                    os.remove(os.path.join(src, f))
+            if "tok" not in cache:
+                cache["tok"] = load_source_tokenizer(smollm2_gguf)
+            cache["tok"].save(os.path.join(src, "tokenizer.json"))
+            cache[seed] = src
+        return cache[seed]
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_engine(smollm2_tokenizer_checkpoint, tmp_path_factory):
+    """Factory: smollm2_tokenizer_checkpoint(seed) built into an engine dir (cached)."""
+    from tritium.builder.build import BuildOptions, build_engine
+    cache = {}
+
+    def make(seed: int = 0, **kw):
+        key = (seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = str(tmp_path_factory.mktemp("engine-smoltok") / "engine")
+            build_engine(BuildOptions(source=smollm2_tokenizer_checkpoint(seed), output=out, dtype="float32",
+                                      progress=False, **kw))
+            cache[key] = out
+        return cache[key]
+    return make
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
     """HF transformers' own load of the SmolLM2 GGUF (float32): the numerics oracle."""
     import warnings

@@ -13,7 +13,7 @@ from kernel_env import NUM_CASES, assert_close, new_rng
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.kv_write import quantize_kv_ref
-from tritium.kernels.paged_attention import paged_attention_ref
+from tritium.kernels.attention_ref import paged_attention_ref
 from tritium.kernels.paged_decode import paged_decode
 from tritium.kernels.prefill_attention import paged_attention, prefill_attention
 

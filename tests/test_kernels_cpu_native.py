@@ -40,7 +40,10 @@ def test_w8a16_native_matches_reference(case):
 
 
 def test_int8_linear_uses_native_kernel_for_batches(monkeypatch):
+    """bfloat16 int8 linear: the fused native kernel below DEQUANT_MIN_ROWS rows, the bf16 copy +
+    native bf16 GEMM from there on, and the two give every row the same bits (batch invariance)."""
     from tritium.backend import quant
+    from tritium.kernels import cpu_linear
     assert cpu_native.available()
     n, k = 48, 96
     lin = quant.Int8Linear(k, n, False, torch.bfloat16)
@@ -49,12 +52,15 @@ def test_int8_linear_uses_native_kernel_for_batches(monkeypatch):
     calls = []
     real = cpu_native.w8a16_gemm
     monkeypatch.setattr(cpu_native, "w8a16_gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for m in (1, quant.NATIVE_INT8_MIN_ROWS - 1, quant.NATIVE_INT8_MIN_ROWS, 33, quant.DEQUANT_INT8_MIN_ROWS + 5):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        ref = w8a16_gemm_ref(x.float(), lin.qweight, lin.scales)
-        got = lin(x)
+    big = cpu_linear.DEQUANT_MIN_ROWS + 5
+    x = torch.randn(big, k).to(torch.bfloat16)
+    solo = torch.cat([lin(x[i:i + 1]) for i in range(big)])
+    for m in (2, 7, 8, 33, big):
+        ref = w8a16_gemm_ref(x[:m].float(), lin.qweight, lin.scales)
+        got = lin(x[:m])
         assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
-    assert calls == [quant.NATIVE_INT8_MIN_ROWS, 33]  # prefill-sized batches: bf16 copy + oneDNN
+        assert torch.equal(got, solo[:m]), m
+    assert calls == [1] * big + [2, 7, 8, 33]
 
 
 def test_int8_to_bf16_is_exact():
@@ -103,6 +109,7 @@ def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
     from types import SimpleNamespace
 
     from tritium.backend import quant
+    from tritium.kernels import cpu_linear
     from tritium.kernels.quant_layouts import dequantize_int4
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
@@ -117,7 +124,7 @@ def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
     got = cpu_native.int4_to_bf16(lin.qweight, lin.scales, lin.zeros, g, lin.g_idx).float()
     assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all(), f"seed={seed}"  # within 1/2 bf16 ulp
     from tritium.kernels.gemm_ref import w4a16_gemm_ref
-    for m in (quant.DEQUANT_INT4_MIN_ROWS - 1, quant.DEQUANT_INT4_MIN_ROWS + 3):
+    for m in (cpu_linear.DEQUANT_MIN_ROWS - 1, cpu_linear.DEQUANT_MIN_ROWS + 3):
         x = torch.randn(m, k).bfloat16()
         ref = w4a16_gemm_ref(x.float(), lin.qweight, lin.scales, lin.zeros, g, lin.g_idx).float()
         torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item(),

@@ -9,7 +9,7 @@ from tritium.backend.loader import load_engine
 from simple_generate import alloc_kv_caches
 from tritium.builder.kv_scales import kv_head_offsets, kv_head_scales
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
-from tritium.kernels.paged_attention import paged_attention_ref
+from tritium.kernels.attention_ref import paged_attention_ref
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from tritium.backend.models.kv_rotation import hadamard, rotate, rotation_suppor
 from tritium.builder import quant_pipeline as qp
 from tritium.builder.kv_scales import kv_head_scales
 from tritium.kernels.kv_write import quantize_kv_ref
-from tritium.kernels.paged_attention import paged_attention_ref
+from tritium.kernels.attention_ref import paged_attention_ref
 
 from test_kv_offset import chunked_then_decode_logits
 

@@ -102,7 +102,9 @@ def test_text_parts_are_joined():
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"model": 3}, "model"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
     ({"prompt": ["a"] * 5, "n": 64}, "n"),
 ])
 def test_completion_parameters_are_checked_by_name(body, param):

@@ -170,6 +170,12 @@ def test_generous_budget_takes_int4_everywhere_and_reports_every_linear(tiny_che
     for name, entry in auto["layers"].items():
         assert entry["choice"] in entry["options"] and "none" in entry["options"]
     assert auto["measured_ppl_increase_pct"] == pytest.approx(100 * _report(out)["eval"]["budget_check"]["perplexity_increase"])
+    # the budget is checked on the worst of the budget mix's four texts, accepted at 0.75 of the budget
+    check = auto["budget_check"]
+    assert set(check["domains"]) == {"docstrings", "prose", "dialogue", "code"}
+    assert check["worst_ppl_increase_pct"] == pytest.approx(max(check["domains"].values()), abs=1e-3)
+    assert check["worst_domain"] == max(check["domains"], key=check["domains"].get)
+    assert check["accept_below_pct"] == pytest.approx(750.0) and all(n > 0 for n in check["tokens_per_domain"])
     # the engine serves: greedy decoding through the engine
     with LLMEngine(out, device="cpu", num_kv_blocks=64) as eng:
         outs = eng.generate(prompt_token_ids=[PROMPT], params=SamplingParams(max_tokens=8, temperature=0.0,
@@ -184,7 +190,7 @@ def model_sampled_eval_text(tiny_checkpoint, monkeypatch):
     arbitrary text a random model's perplexity moves either way."""
     from transformers import AutoModelForCausalLM
 
-    from tritium.builder import heldout_eval, quant_auto, quant_pipeline
+    from tritium.builder import heldout_eval, quant_auto_budget
     ckpt = tiny_checkpoint("llama", **DIMS)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -195,7 +201,7 @@ def model_sampled_eval_text(tiny_checkpoint, monkeypatch):
 
     def encode_text(tokenizer, text, num_tokens, *a, **kw):
         return ids[:num_tokens] if num_tokens else ids
-    for mod in (quant_auto, quant_pipeline, heldout_eval):
+    for mod in (quant_auto_budget, heldout_eval):
         monkeypatch.setattr(mod, "encode_text", encode_text)
     return ckpt
 

@@ -164,14 +164,14 @@ def test_grid_int8_linear_without_native_kernel_runs_packed_int4(monkeypatch):
     lin = make_linear(256, 64, False, torch.bfloat16, LayerQuant("int8", group_size=32, asymmetric=True))
     _load(lin, {"qweight": q, "scales": s, "zeros": z})
     lin.prepare_for_device("cpu")
-    assert lin._get_packed()[0] == "int4"
+    assert lin._get_packed().kind == "int4pack"
     for m in (1, 7, 70):
         x = torch.randn(m, 256).to(torch.bfloat16)
         assert _rel(lin(x).float(), x.float() @ w.t()) < 1e-2, m
     # off the grid (symmetric groups of a Q4_1 weight) the codes do not fit 4 bits: dense copy
     lin2 = make_linear(256, 64, False, torch.bfloat16, LayerQuant("int8", group_size=32))
     _load(lin2, dict(zip(("qweight", "scales"), quantize_int8_grouped(w, 32))))
-    assert lin2._get_packed()[0] == "dense"
+    assert lin2._get_packed().kind == "dense_bf16"
 
 
 @pytest.mark.parametrize("zeros", [False, True])

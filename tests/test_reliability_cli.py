@@ -53,7 +53,7 @@ def test_serve_empty_repository_starts_nothing(tmp_path, monkeypatch, capsys):
     (tmp_path / "repo" / "not_a_model").mkdir(parents=True)
     assert main(["serve", "--repo", str(tmp_path / "repo"), "--openai-port", "0"]) == 2
     _one_line(capsys, "holds no model", "tritium build")
-    assert not (tmp_path / "cache" / "tritonserver.log").exists(), "a server was started"
+    assert not (tmp_path / "cache" / "logs").exists(), "a server was started"
 
 
 class _Ready(http.server.BaseHTTPRequestHandler):

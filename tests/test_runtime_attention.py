@@ -7,7 +7,8 @@ import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
-from tritium.kernels.paged_attention import paged_attention_cpu, paged_attention_ref
+from tritium.kernels.attention_cpu import paged_attention_cpu
+from tritium.kernels.attention_ref import paged_attention_ref
 
 
 def dense(q, k, v, qlen, scale, window):
@@ -103,7 +104,7 @@ def test_bf16_within_tolerance():
 def test_small_tiles_and_groups(monkeypatch, window, sdpa_mask_max):
     # Force several decode groups, and either the tiled prefill (several tiles per sequence:
     # causal key ranges, window lower bounds) or SDPA for every prefill row.
-    import tritium.kernels.paged_attention as pa
+    import tritium.kernels.attention_cpu as pa
     monkeypatch.setattr(pa, "SDPA_MASK_MAX", sdpa_mask_max)
     monkeypatch.setattr(pa, "PREFILL_TILE", 4)
     monkeypatch.setattr(pa, "DECODE_GROUP", 2)
@@ -120,7 +121,7 @@ def test_decode_grouping_is_the_cheapest_contiguous_partition():
     """partition_sorted against brute force over every way to cut sorted rows into groups."""
     import itertools
 
-    from tritium.kernels.paged_attention import partition_sorted
+    from tritium.kernels.attention_cpu import partition_sorted
     rng = random.Random(7)
     for _ in range(30):
         n = rng.randint(1, 8)

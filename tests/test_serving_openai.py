@@ -170,7 +170,8 @@ def test_unknown_model_is_404(client):
     (dict(top_logprobs=3), "top_logprobs"),                # without logprobs: true
     (dict(seed=-1), "seed"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]),
+     "tools[0].function.parameters"),
 ])
 def test_bad_parameter_is_400_naming_it(client, kwargs, param):
     import openai

@@ -10,40 +10,40 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 
+from tritium.kernels import ops
+
 from ..quant import Fp8Linear, Int4Linear, Int8Linear
 
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
-    """True where oneDNN can hold this weight pre-packed: a bf16 weight on a CPU whose torch has
-    oneDNN with native bf16 (AVX512-BF16 / AMX)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and \
-            hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
-        return False
+    """True where a bf16 weight on CPU has a packed kernel (kernels/cpu_linear.py: oneDNN's
+    pre-packed GEMM or the native batch-invariant one)."""
+    return ops.can_pack_dense_cpu(weight)
 
 
-def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor:
-    """The weight (N, K) reordered once into oneDNN's blocked layout (an opaque mkldnn tensor).
+def pack_for_cpu(weight: torch.Tensor, deterministic: bool = False):
+    """The weight (N, K) in its CPU kernel's form (kernels/cpu_linear.CpuLinear): oneDNN's blocked
+    layout where oneDNN is batch-invariant for this K, else the native bf16 GEMM's; the native
+    GEMM always with `deterministic`.
 
     F.linear on a plain bf16 weight lets oneDNN reorder the weight on every call; for decode,
     where a step is a few rows times every weight, that reorder is a large part of the call
     (SmolLM2's 49152 x 576 LM head, one row, one thread: 17.6 ms plain vs 11.3 ms pre-packed)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return ops.pack_cpu_linear("none", {"weight": weight}, weight.dtype, deterministic=deterministic)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x (..., K) @ packed^T (+ bias) with a weight from pack_for_cpu."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (..., K) @ packed^T (+ bias) with a weight from pack_for_cpu, rounded once to x's dtype."""
+    y = ops.cpu_linear(x.reshape(-1, x.shape[-1]), packed).to(x.dtype)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
 
 
 class DenseLinear(nn.Module):
     """Plain float linear: y = x W^T (+ b).
 
-    For inference on CPU, `pack_for_cpu()` swaps the weight for its oneDNN pre-packed form (same
-    bytes, not a copy; `weight` is then None, so code that reads it fails loudly)."""
+    For inference on CPU, `pack_for_cpu()` swaps the weight for its packed form (`weight` is then
+    None, so code that reads it fails loudly)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  layer_quant=None):
@@ -51,15 +51,15 @@ class DenseLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight = None
 
-    def pack_for_cpu(self) -> bool:
-        """Pre-pack the weight for oneDNN where supported (idempotent). Returns whether it did."""
+    def pack_for_cpu(self, deterministic: bool = False) -> bool:
+        """Pack the weight for its CPU kernel where there is one (idempotent). Returns whether it did."""
         if self.packed_weight is not None:
             return True
         if self.weight is None or not cpu_packing_supported(self.weight):
             return False
-        self.packed_weight = pack_for_cpu(self.weight)
+        self.packed_weight = pack_for_cpu(self.weight, deterministic)
         self.weight = None
         return True
 

@@ -3,8 +3,9 @@ processes, broadcasts each step's inputs to them, runs its own shard, and sample
 logits; the scheduler and the block manager live only here, and every rank's paged KV cache
 (its own KV heads) uses the same block ids.
 
-Failure handling: a worker that exits (crash, OOM kill) is seen before the next step or as a
-broken connection inside a collective; the step then raises TensorParallelWorkerError naming
+Failure handling: a worker that exits (crash, OOM kill) is seen before the next step, or while
+a collective waits (its exit is checked every comm.LIVENESS_POLL_S, whatever the collective
+timeout), or as a broken connection; the step then raises TensorParallelWorkerError naming
 the rank and its exit code, the runner stops the other workers and stays failed (`healthy` is
 False) until the engine is rebuilt. While idle, a heartbeat (an empty broadcast every
 HEARTBEAT_S) keeps the workers' waits short of the collective timeout and notices a dead worker
@@ -101,7 +102,8 @@ class ParallelRunner(ModelRunner):
         try:
             self._wait_loaded(timeout_s)
             self._join(master_addr, port, device, timeout_s)
-            self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device)
+            self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device,
+                              liveness=self._raise_if_worker_died, timeout_s=timeout_s)
             model.set_tensor_parallel(self.tp)
             blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes)
         except BaseException:
@@ -161,6 +163,18 @@ class ParallelRunner(ModelRunner):
         gone = [(r + 1, p.returncode) for r, p in enumerate(self.workers) if p.poll() is not None]
         return ", ".join(f"worker rank {r} exited with code {c}" for r, c in gone)
 
+    def _raise_if_worker_died(self) -> None:
+        """TPGroup's liveness check while a collective waits: a dead local worker ends the wait."""
+        dead = self._dead_workers()
+        if dead:
+            raise TensorParallelWorkerError(dead)
+
+    def _why(self, e: Exception, default: str) -> str:
+        """The failure of a step or heartbeat in words: the dead worker(s) first."""
+        if isinstance(e, TensorParallelWorkerError):  # seen by the liveness check: the exit code is known
+            return str(e)
+        return f"{self._dead_workers_after_error() or default} ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+
     def _dead_workers_after_error(self, wait_s: float = 2.0) -> str:
         """After a failed collective: a killed worker's connection can break before its exit code
         can be read, so wait up to wait_s for one to show."""
@@ -202,12 +216,12 @@ class ParallelRunner(ModelRunner):
                     return
                 try:
                     self._check()
-                    self.tp.broadcast(msg.header(msg.OP_NOP))
                 except TensorParallelWorkerError:
                     return
-                except Exception as e:  # a broken connection
-                    self._fail(f"{self._dead_workers_after_error() or 'a worker stopped answering'} "
-                               f"({type(e).__name__}: {e})")
+                try:
+                    self.tp.broadcast(msg.header(msg.OP_NOP))
+                except Exception as e:  # a worker died while it waited, or a broken connection
+                    self._fail(self._why(e, "a worker stopped answering"))
                     return
                 self._last_use = time.monotonic()
 
@@ -222,8 +236,7 @@ class ParallelRunner(ModelRunner):
                 self.tp.broadcast(msg.pack(arrays))
                 logits = self.execute(arrays)
             except Exception as e:
-                raise self._fail(f"{self._dead_workers_after_error() or 'a collective failed'} "
-                                 f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+                raise self._fail(self._why(e, "a collective failed")) from None
             finally:
                 self._last_use = time.monotonic()
         return logits

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ..guided.state import trim_proposals
 from .config import SpeculativeConfig
 from .ngram import ngram_propose
 from .verify import AcceptRule, speculative_sampling
@@ -57,6 +58,10 @@ class Speculator:
 
     # ------------------------------------------------------------------ 1. propose
     def propose(self, engine) -> None:
+        self._propose(engine)
+        trim_proposals(engine.scheduler.running)  # structured outputs: cut at the first token the grammar rejects
+
+    def _propose(self, engine) -> None:
         running = engine.scheduler.running
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None

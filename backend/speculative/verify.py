@@ -26,6 +26,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..guided.state import mask_proposal_rows
 from ..sampler import draw, logprob_entry, probabilities, processed_logits
 
 
@@ -87,6 +88,7 @@ def verify(logits: torch.Tensor, seq, proposal: List[int], draft_probs: Optional
     Returns (tokens to append: accepted proposal prefix + one token from the target, logprob
     entries or None per token)."""
     params = seq.request.params
+    mask_proposal_rows(logits, seq, proposal)  # structured outputs: row j under the grammar after s_1..s_j
     x = processed_rows(logits, seq, proposal)
     if params.temperature == 0.0:
         target = x.max(dim=-1).indices.tolist()

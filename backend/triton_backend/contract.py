@@ -18,6 +18,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from tritium.backend.guided.surfaces import TENSOR_INPUTS as _GUIDED_INPUTS
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -55,6 +57,14 @@ INPUTS = (
     TensorSpec("messages", "TYPE_STRING", (1,),
                doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
                    'replaces text_input'),
+    TensorSpec("tools", "TYPE_STRING", (1,),
+               doc="OpenAI tools as JSON [{\"type\": \"function\", \"function\": {...}}], passed to the chat "
+                   "template as `tools` (with messages)"),
+    # Structured outputs (backend/guided/surfaces.py declares them).
+    *(TensorSpec(name, dtype, (1,), doc=doc) for name, dtype, doc in _GUIDED_INPUTS),
+    # Sent by Triton's own OpenAI frontend; num_input_tokens / num_output_tokens always come back.
+    TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), doc="accepted; num_input_tokens is always returned"),
+    TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), doc="accepted; num_output_tokens is always returned"),
     # LoRA (docs/lora.md), tensorrtllm_backend's names; vllm_backend's sampling_parameters.lora_name too
     TensorSpec("lora_task_id", "TYPE_UINT64", (1,),
                doc="LoRA adapter id: cached with lora_weights + lora_config on first use, then alone"),
@@ -67,7 +77,7 @@ OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,), doc="generated text (the delta when streaming)"),
     TensorSpec("output_ids", "TYPE_INT32", (-1,),
                doc="generated token ids (new ones when streaming); prompt ids first if exclude_input_in_output is false"),
-    TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc='"" until done, then "stop", "length" or "abort"'),
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc='"" until done, then "stop", "length", "abort" or "grammar_dead_end"'),
     TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), doc="sum of output token logprobs so far"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), doc="logprob of each generated token in output_ids (needs return_log_probs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (-1,), doc="prompt length in tokens"),

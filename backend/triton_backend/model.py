@@ -34,6 +34,7 @@ from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine import ThreadPolicy
+from tritium.backend.guided import state as guided_state
 from tritium.backend.lora.setup import resolve_request_lora
 from tritium.backend.triton_backend.lora_params import lora_config_from_params
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
@@ -66,11 +67,12 @@ def _int_params(params: dict, names) -> dict:
 
 def _engine_kwargs(params: dict) -> dict:
     kw = _int_params(params, _ENGINE_INT_PARAMS)
-    v = params.get("enable_prefix_caching", "").strip().lower()
-    if v:
-        if v not in ("true", "false", "1", "0"):
-            raise ValueError(f"parameter enable_prefix_caching must be true or false, got {v!r}")
-        kw["enable_prefix_caching"] = v in ("true", "1")
+    for name in ("enable_prefix_caching", "deterministic"):  # deterministic: docs/determinism.md
+        v = params.get(name, "").strip().lower()
+        if v:
+            if v not in ("true", "false", "1", "0"):
+                raise ValueError(f"parameter {name} must be true or false, got {v!r}")
+            kw[name] = v in ("true", "1")
     if params.get("device", "").strip():
         kw["device"] = params["device"].strip()
     return kw
@@ -134,6 +136,7 @@ class TritonPythonModel:
             kwargs.setdefault("max_queue_size", DEFAULT_MAX_QUEUE_SIZE)
             self.engine = AsyncLLMEngine(engine_dir, **kwargs)
             self.engine.engine.thread_policy = policy
+            guided_state.warm_up(self.engine.engine)  # structured outputs: vocabulary tables, in the background
         except Exception as e:  # one line in the server log, not a traceback through the stub
             raise pb_utils.TritonModelException(
                 f"tritium: cannot load engine for model '{name}' from {engine_dir}: {type(e).__name__}: "
@@ -220,7 +223,8 @@ class TritonPythonModel:
                 if p.messages is not None:
                     if self.chat_template is None:
                         raise NoChatTemplateError(self._chat_template_error)
-                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True)
+                    p.prompt = self.chat_template.render(p.messages, add_generation_prompt=True,
+                                                         **({"tools": p.tools} if p.tools else {}))
                 if p.prompt is not None:
                     if self.tokenizer is None:
                         raise ValueError("text_input needs an engine with a tokenizer; send input_ids instead")

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from tritium.backend.chat_template import normalize_messages
+from tritium.backend.guided import surfaces as guided_surfaces
 from tritium.backend.triton_backend.contract import INPUTS
 
 DEFAULT_MAX_TOKENS = 16
@@ -52,6 +53,7 @@ class ParsedRequest:
     exclude_input_in_output: bool = True
     return_log_probs: bool = False
     messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
+    tools: Optional[List[dict]] = None     # OpenAI tools, for the chat template (with messages)
     lora_name: Optional[str] = None        # sampling_parameters.lora_name (vllm_backend)
     lora_task_id: Optional[int] = None     # tensorrtllm_backend's adapter id
     lora_tensors: Optional[Tuple[np.ndarray, np.ndarray]] = None  # (lora_weights, lora_config) sent with it
@@ -152,6 +154,9 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
     if not isinstance(d, dict):
         raise ValueError("sampling_parameters must be a JSON object")
     out: Dict[str, object] = {}
+    guided = guided_surfaces.from_vllm(d)  # pops structured_outputs / guided_* keys
+    if guided is not None:
+        out["guided"] = guided
     for key, v in d.items():
         if key == "lora_name":  # not a SamplingParams field: parse_row moves it to ParsedRequest
             if v is not None and (not isinstance(v, str) or not v):
@@ -159,8 +164,8 @@ def parse_sampling_parameters(text: str) -> Dict[str, object]:
             out["lora_name"] = v
             continue
         if key not in _JSON_KEYS:
-            raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: "
-                             f"{', '.join(sorted(list(_JSON_KEYS) + ['lora_name']))}")
+            allowed = sorted(set(_JSON_KEYS) | set(guided_surfaces.VLLM_KEYS) | {"lora_name"})
+            raise ValueError(f"sampling_parameters: unknown key {key!r}; allowed: {', '.join(allowed)}")
         fname, kind = _JSON_KEYS[key]
         if key == "max_tokens" and v is None:  # null: up to the end of the context (set once the prompt is known)
             out[fname] = None
@@ -201,17 +206,20 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     _add_word_lists(params, arrays, row, batch)
     _add_stop_ids(params, arrays, row, batch, vocab_size)
     flags = {}
-    for tname in ("stream", "exclude_input_in_output", "return_log_probs"):
+    _add_guide(params, arrays, row, batch)
+    for tname in ("stream", "exclude_input_in_output", "return_log_probs", "return_num_input_tokens",
+                  "return_num_output_tokens"):
         a = _row(arrays, tname, row, batch)
         flags[tname] = None if a is None else _scalar(tname, a, bool)
     return_log_probs = bool(flags["return_log_probs"]) or params.get("logprobs") is not None
     if return_log_probs and params.get("logprobs") is None:
         params["logprobs"] = 0
     messages = _messages(arrays, row, batch)
+    tools = _tools(arrays, row, batch, messages)
     prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
     lora_name, lora_task_id, lora_tensors = _lora(params, arrays, row, batch)
     return ParsedRequest(
-        prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages,
+        prompt=prompt, prompt_token_ids=prompt_ids, params=params, messages=messages, tools=tools,
         lora_name=lora_name, lora_task_id=lora_task_id, lora_tensors=lora_tensors,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
@@ -248,6 +256,25 @@ def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[L
     return parse_messages(_text("messages", flat[0]))
 
 
+def _tools(arrays: Dict[str, np.ndarray], row: int, batch: int, messages) -> Optional[List[dict]]:
+    """The `tools` input: a JSON list of objects, only with messages (the chat template renders it)."""
+    t = _row(arrays, "tools", row, batch)
+    if t is None:
+        return None
+    if messages is None:
+        raise ValueError("tools needs messages (the chat template renders them)")
+    text = _text("tools", np.asarray(t).reshape(-1)[0])
+    if len(text) > MAX_MESSAGES_CHARS:
+        raise ValueError(f"tools has {len(text)} characters; at most {MAX_MESSAGES_CHARS} are allowed")
+    try:
+        v = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("tools must be a JSON list of tool objects") from None
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise ValueError("tools must be a JSON list of tool objects")
+    return v or None
+
+
 def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dict[str, object]:
     """SamplingParams kwargs from `sampling_parameters` JSON, then the scalar tensors (which win)."""
     params: Dict[str, object] = {}
@@ -273,6 +300,21 @@ def _sampling_params(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Dic
         if isinstance(params.get(fname), float):
             _check_finite(fname, params[fname])
     return params
+
+
+def _add_guide(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int) -> None:
+    """guided_decoding_guide_type / guided_decoding_guide (they win over sampling_parameters')."""
+    texts = {}
+    for tname in (guided_surfaces.TYPE_TENSOR, guided_surfaces.GUIDE_TENSOR):
+        a = _row(arrays, tname, row, batch)
+        if a is not None:
+            flat = np.asarray(a).reshape(-1)
+            if flat.size != 1:
+                raise ValueError(f"{tname} must hold exactly one string per batch row, got {flat.size}")
+            texts[tname] = _text(tname, flat[0])
+    g = guided_surfaces.from_tensors(texts.get(guided_surfaces.TYPE_TENSOR), texts.get(guided_surfaces.GUIDE_TENSOR))
+    if g is not None:
+        params["guided"] = g
 
 
 def _add_word_lists(params: dict, arrays: Dict[str, np.ndarray], row: int, batch: int) -> None:

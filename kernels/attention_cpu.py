@@ -1,15 +1,24 @@
-"""Attention over a paged KV cache: the torch reference, which is also the CPU path.
+"""Attention over a paged KV cache on CPU: the production path (attention_ref.py is its oracle).
 
-Layouts:
-    q:        (T, Hq, D)   new tokens of all sequences, packed (cu_seqlens = query_start_loc)
-    k_cache:  (num_blocks, block_size, Hkv, D), v_cache the same
-    block_tables: (B, max_blocks) physical block ids per sequence
-Query token i of a sequence sits at absolute position p_i = seq_len - query_len + i and attends
-to keys j with j <= p_i and, with a sliding window W, p_i - j < W.
+Same contract as attention_ref.paged_attention_ref. Two routes:
+- native (bfloat16 q and cache, kernels/cpu_decode_attention.c): *every* query row, of a prefill
+  chunk, a decode or a speculative verification alike, is one row of the native kernel over its
+  own keys [lo, position], in chunks of 64 keys counted from lo. A row's result therefore depends
+  on its query and its keys only: not on the batch, on where the prefill chunk boundaries fall,
+  or on whether its keys were computed in this step or came from the prefix cache (batch
+  invariance; "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025: a fixed
+  split size, not a fixed split count).
+- torch (other dtypes, quantized KV caches, CPUs without AVX512-BF16): SDPA calls over groups of
+  rows, described below; fast, but the groups depend on the batch, so a row's last bits may too.
+
+Per-step state (the row lists, the SDPA groups and their masks, the gather buffers) lives in a
+CpuAttentionPlan built once per step and passed in (ModelRunner sets AttentionMetadata.cpu_plan);
+layers of one step share it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,51 +27,7 @@ from . import cpu_native
 from .kv_write import dequantize_kv_ref
 
 
-def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Contiguous (seq_len, Hkv, D) view of one sequence's cached K or V."""
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
-
-
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                        scale: float, sliding_window: Optional[int] = None,
-                        k_scale: Optional[torch.Tensor] = None,
-                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's cached context. Returns (T, Hq, D)."""
-    out = torch.empty_like(q)
-    hq = q.shape[1]
-    qsl = meta.query_start_loc.tolist()
-    for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if qlen == 0:
-            continue
-        start = qsl[b]
-        table = meta.block_tables[b]
-        k = dequantize_kv_ref(gather_kv_ref(k_cache, table, slen), k_scale, q.dtype)
-        v = dequantize_kv_ref(gather_kv_ref(v_cache, table, slen), v_scale, q.dtype)
-        lo = 0
-        if sliding_window is not None and qlen == 1:
-            lo = max(0, slen - sliding_window)  # decode: just trim the window
-        qb = q[start:start + qlen].transpose(0, 1)  # (Hq, qlen, D)
-        kb = k[lo:].transpose(0, 1)
-        vb = v[lo:].transpose(0, 1)
-        mask = None
-        if qlen > 1:
-            qpos = torch.arange(slen - qlen, slen).unsqueeze(1)
-            kpos = torch.arange(lo, slen).unsqueeze(0)
-            allowed = kpos <= qpos
-            if sliding_window is not None:
-                allowed &= (qpos - kpos) < sliding_window
-            mask = allowed
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                            enable_gqa=kb.shape[0] != hq)
-        out[start:start + qlen] = ob.transpose(0, 1)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Fast CPU path (runtime helper). Same semantics as paged_attention_ref, fewer and larger ops:
+# The torch route, fewer and larger ops than the reference:
 # - decode rows (query_len 1) are sorted by context length and run in groups of DECODE_GROUP with
 #   one padded SDPA call per group (keys past a row's length masked), K/V gathered block-wise
 #   with index_select (several times faster than advanced indexing on CPU);
@@ -133,11 +98,11 @@ def partition_sorted(lengths: List[int], overhead: float, max_group: int) -> Lis
     return groups[::-1]
 
 
-def _decode_plan(meta, rows, seq_lens, bs: int, window):
+def _decode_groups(meta, plan: "CpuAttentionPlan", rows, seq_lens, bs: int, window):
     """Groups of decode rows by context length, with their gather indices and masks. The same for
-    every layer of a step, so it is built once and kept on the step's metadata object."""
+    every layer of a step, so it is built once and kept in the step's plan."""
     # keyed by window: layers of one step may differ in sliding window (per-layer windows)
-    plans = meta.__dict__.setdefault("_cpu_decode_plans", {})
+    plans = plan.sdpa_groups
     if window in plans:
         return plans[window]
     order = sorted(range(len(rows)), key=lambda i: seq_lens[i])
@@ -159,28 +124,11 @@ def _decode_plan(meta, rows, seq_lens, bs: int, window):
     return plan
 
 
-def _native_rows(meta, rows, seq_lens, window) -> torch.Tensor:
-    """(n, 4) int64 [token row, block-table row, first key, context length] of the decode rows,
-    built once per step and window (cached on the metadata like the plans)."""
-    cache = meta.__dict__.setdefault("_cpu_native_rows", {})
-    if window not in cache:
-        cache[window] = torch.tensor(
-            [[t, b, max(0, n - window) if window is not None else 0, n] for (b, t), n in zip(rows, seq_lens)],
-            dtype=torch.int64)
-    return cache[window]
-
-
-def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, scale, window, k_scale, v_scale):
-    if cpu_native.decode_supported(q, k_cache, k_scale) and meta.block_tables.dtype == torch.int32 \
-            and cpu_native.available():
-        # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
-        cpu_native.paged_decode_bf16(q, k_cache, v_cache, meta.block_tables.contiguous(),
-                                     _native_rows(meta, rows, seq_lens, window), scale, out)
-        return
-    # One workspace per step (kept on the step's metadata, like the plans): every layer and group
-    # of the step reuses its two gather buffers; engines in other threads have their own.
-    ws = meta.__dict__.setdefault("_cpu_gather_workspace", {})
-    for tok, tables, nblk, masks, flat in _decode_plan(meta, rows, seq_lens, k_cache.shape[1], window):
+def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, plan, scale, window, k_scale, v_scale):
+    # One workspace per step (in the step's plan): every layer and group of the step reuses its
+    # two gather buffers; engines in other threads have their own.
+    ws = plan.workspace
+    for tok, tables, nblk, masks, flat in _decode_groups(meta, plan, rows, seq_lens, k_cache.shape[1], window):
         # SDPA turns a bool mask into an additive one on every call; build it once per step.
         mask = masks.get(q.dtype)
         if mask is None:
@@ -247,23 +195,65 @@ def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, wind
         out[start + t0:start + t1] = o.to(out.dtype)
 
 
-# Queries of at most this many tokens run as decode rows (1 + the largest speculative proposal).
+# torch route: queries of at most this many tokens run as decode rows (1 + the largest
+# speculative proposal), so a verification shares the decode numerics.
 SHORT_QUERY_MAX = 17
+
+
+@dataclass
+class CpuAttentionPlan:
+    """One step's CPU attention state, shared by its layers (built by plan_attention)."""
+    block_tables: torch.Tensor  # (B, max_blocks) int32, contiguous: what the native kernel reads
+    # native route: window -> (n, 4) int64 rows [token row, block-table row, first key, context length]
+    native_rows: Dict[Optional[int], torch.Tensor] = field(default_factory=dict)
+    # torch route: window -> SDPA groups of decode rows (tokens, tables, blocks, masks, flat ids)
+    sdpa_groups: Dict[Optional[int], list] = field(default_factory=dict)
+    workspace: Dict[str, torch.Tensor] = field(default_factory=dict)  # gather buffers, reused by layers
+
+    def rows_for(self, meta, window: Optional[int]) -> torch.Tensor:
+        """Every query token of the step as a native row, for one sliding window (or None)."""
+        if window not in self.native_rows:
+            rows = []
+            start = 0
+            for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+                for j in range(qlen):
+                    n = slen - qlen + 1 + j  # causal: keys [0, position]
+                    rows.append((start + j, b, max(0, n - window) if window is not None else 0, n))
+                start += qlen
+            self.native_rows[window] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        return self.native_rows[window]
+
+
+def plan_attention(meta) -> CpuAttentionPlan:
+    """An empty plan for one step's metadata (filled lazily by the first layer that needs it)."""
+    return CpuAttentionPlan(block_tables=meta.block_tables.contiguous())
+
+
+def native_route(q: torch.Tensor, k_cache: torch.Tensor, k_scale, meta) -> bool:
+    """Whether this layer's attention takes the native, batch-invariant route."""
+    return (cpu_native.decode_supported(q, k_cache, k_scale) and meta.block_tables.dtype == torch.int32
+            and cpu_native.available())
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
-                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """paged_attention_ref's contract, batched for CPU speed (see the comment above). (T, Hq, D)."""
+                        v_scale: Optional[torch.Tensor] = None,
+                        plan: Optional[CpuAttentionPlan] = None) -> torch.Tensor:
+    """paged_attention_ref's contract on CPU (see the module docstring). (T, Hq, D).
+    plan: the step's CpuAttentionPlan (default meta.cpu_plan, else a fresh one for this call)."""
+    plan = plan or getattr(meta, "cpu_plan", None) or plan_attention(meta)
     out = torch.empty_like(q)
+    if native_route(q, k_cache, k_scale, meta):
+        # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
+        cpu_native.paged_decode_bf16(q, k_cache, v_cache, plan.block_tables, plan.rows_for(meta, sliding_window),
+                                     scale, out)
+        return out
     decode_rows, decode_lens = [], []
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if 1 <= qlen <= SHORT_QUERY_MAX:
-            # A decode, or a few query tokens (a speculative verification, a small prefill chunk):
-            # token j is a decode row over the first slen - qlen + 1 + j keys (causal), so short
-            # queries share the decode kernel and its numerics.
+            # token j is a decode row over the first slen - qlen + 1 + j keys (causal)
             for j in range(qlen):
                 decode_rows.append((b, start + j))
                 decode_lens.append(slen - qlen + 1 + j)
@@ -272,6 +262,6 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                          sliding_window, k_scale, v_scale)
         start += qlen
     if decode_rows:
-        _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta, scale,
+        _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta, plan, scale,
                      sliding_window, k_scale, v_scale)
     return out
