@@ -14,11 +14,23 @@ from typing import Any, Optional
 from .parallel.layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
-ENGINE_FORMAT_VERSION = 1
+# 2: the model-family fields of ModelConfig / RopeConfig (all defaulted, so version-1 files of
+#    Llama / Mistral / Qwen2 load unchanged; an older runtime refuses a version-2 file by number).
+ENGINE_FORMAT_VERSION = 2
 ENGINE_CONFIG_FILE = "engine.json"
 BUILD_REPORT_FILE = "build_report.json"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# One declaration each in backend/models/families.py (which checks that the two lists agree).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
+                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
+# Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
+# (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
+SUPPORTED_NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# q/k RMSNorm after the projections: "head" (Qwen3, Gemma 3: per head over head_dim), "full"
+# (OLMo 2: over the whole q and k projections).
+SUPPORTED_QK_NORMS = ("none", "head", "full")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # "auto": per-layer choices under a quality budget (builder/quant_auto.py); the runtime reads
 # each linear's own entry in QuantConfig.layers, as for every method.
@@ -28,6 +40,8 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
+# How an MoE router turns its logits into expert weights: softmax over all experts, then top-k.
+SUPPORTED_ROUTER_SCORING = ("softmax",)
 
 
 class EngineFormatError(ValueError):
@@ -36,13 +50,30 @@ class EngineFormatError(ValueError):
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """One rotary embedding (backend/models/rope.py computes its table)."""
     theta: float = 10000.0
-    # "default" | "linear" | "llama3"
-    scaling_type: str = "default"
+    scaling_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: Optional[int] = None  # llama3 only
+    original_max_position_embeddings: Optional[int] = None  # llama3, yarn, longrope
+    # yarn: ramp bounds (in rotations) and the attention factor (None = from factor / mscale)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True
+    attention_factor: Optional[float] = None  # yarn, longrope
+    # longrope: per-frequency rescale factors (rotary_dim // 2 each)
+    short_factor: tuple = ()
+    long_factor: tuple = ()
+
+
+def _rope_from_dict(r: dict) -> RopeConfig:
+    r = dict(r)
+    for key in ("short_factor", "long_factor"):
+        r[key] = tuple(r.get(key, ()))
+    return RopeConfig(**r)
 
 
 @dataclass(frozen=True)
@@ -65,9 +96,44 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     pad_token_id: Optional[int] = None
+    # ---- what the families beyond Llama change (defaults are Llama's) -----------------------
+    activation: str = "silu"  # gated MLP activation, one of SUPPORTED_ACTIVATIONS
+    norm_placement: str = "pre"  # one of SUPPORTED_NORM_PLACEMENTS
+    qk_norm: str = "none"  # one of SUPPORTED_QK_NORMS
+    o_proj_bias: bool = False  # o_proj carries a bias (Gemma 3 / Granite with attention_bias)
+    mlp_bias: bool = False  # gate_up_proj and down_proj carry biases (Granite, SmolLM3 mlp_bias)
+    attention_scale: Optional[float] = None  # softmax scale; None = head_dim ** -0.5
+    attn_logit_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2/3)
+    embedding_multiplier: float = 1.0  # embeddings times this, rounded to the dtype (Gemma, Granite)
+    residual_multiplier: float = 1.0  # attention / MLP outputs times this before the residual add
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    rotary_dim: Optional[int] = None  # RoPE on the first rotary_dim channels of a head; None = all
+    # Sliding-window layers rotate with this rope instead of `rope` (Gemma 3's local base).
+    rope_local: Optional[RopeConfig] = None
+    nope_layers: tuple = ()  # layers without RoPE (SmolLM3's no_rope_layers)
+    # ---- mixture of experts (backend/models/moe.py); num_experts 0 = a dense model ----------
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate size (dense layers: intermediate_size)
+    router_scoring: str = "softmax"  # one of SUPPORTED_ROUTER_SCORING
+    norm_topk_prob: bool = False  # the k chosen probabilities renormalized to sum to one
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen2-MoE has one)
+    shared_expert_gate: bool = False  # shared expert output times sigmoid(x . w) (Qwen2-MoE)
+    dense_layers: tuple = ()  # layers that keep the dense MLP (mlp_only_layers, decoder_sparse_step)
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def rope_kind(self, layer: int) -> Optional[str]:
+        """Which rotary table layer `layer` uses: "global", "local" or None (no RoPE)."""
+        if layer in self.nope_layers:
+            return None
+        return "local" if self.rope_local is not None and self.window(layer) is not None else "global"
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -181,7 +247,11 @@ class EngineConfig:
                 f"(<= {ENGINE_FORMAT_VERSION}); upgrade tritium or rebuild the engine")
         try:
             m = dict(d["model"])
-            m["rope"] = RopeConfig(**m.get("rope", {}))
+            m["rope"] = _rope_from_dict(m.get("rope", {}))
+            if m.get("rope_local") is not None:
+                m["rope_local"] = _rope_from_dict(m["rope_local"])
+            m["nope_layers"] = tuple(m.get("nope_layers", ()))
+            m["dense_layers"] = tuple(m.get("dense_layers", ()))
             m["sliding_windows"] = tuple(m.get("sliding_windows", ()))
             m["eos_token_ids"] = tuple(m.get("eos_token_ids", ()))
             model = ModelConfig(**m)
@@ -234,6 +304,21 @@ class EngineConfig:
                 f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads ({m.num_kv_heads})")
         if m.sliding_windows and len(m.sliding_windows) != m.num_layers:
             raise EngineFormatError("model.sliding_windows must have one entry per layer")
+        for name, value, allowed in (("activation", m.activation, SUPPORTED_ACTIVATIONS),
+                                     ("norm_placement", m.norm_placement, SUPPORTED_NORM_PLACEMENTS),
+                                     ("qk_norm", m.qk_norm, SUPPORTED_QK_NORMS),
+                                     ("rope.scaling_type", m.rope.scaling_type, SUPPORTED_ROPE_TYPES)):
+            if value not in allowed:
+                raise EngineFormatError(f"model.{name} {value!r} is not supported; supported: {', '.join(allowed)}")
+        if m.rope_local is not None and m.rope_local.scaling_type not in SUPPORTED_ROPE_TYPES:
+            raise EngineFormatError(f"model.rope_local.scaling_type {m.rope_local.scaling_type!r} is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        bad = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+        self._validate_moe()
+        if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
+            raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise EngineFormatError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -246,6 +331,27 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len", "block_size"):
             if getattr(lim, name) <= 0:
                 raise EngineFormatError(f"limits.{name} must be > 0")
+
+    def _validate_moe(self) -> None:
+        m = self.model
+        if m.num_experts == 0:
+            return
+        if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
+            raise EngineFormatError(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
+        if not 0 < m.num_experts_per_tok <= m.num_experts:
+            raise EngineFormatError(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
+                                    f"[1, num_experts {m.num_experts}]")
+        if m.moe_intermediate_size <= 0:
+            raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
+        bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+        quantized = [k for k, lq in self.quantization.layers.items()
+                     if ".experts." in k and getattr(lq, "method", "none") != "none"]
+        if self.tensor_parallel_size > 1 and quantized:
+            raise EngineFormatError(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
+                                    f"supported; allowed: float experts, or tensor_parallel_size 1")
 
     # ---- files -------------------------------------------------------------------------
     def save(self, engine_dir: str) -> None:

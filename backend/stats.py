@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Dict
 
+from .models.moe import expert_token_counts
+
 
 def kv_live_tokens(engine) -> int:
     """Tokens whose K/V sit in blocks now in use; a block shared by several sequences counts once."""
@@ -51,6 +53,10 @@ def engine_stats(engine) -> dict:
     }
     if engine.speculator is not None:
         out.update(engine.speculator.stats())
+    # Mixture of experts: tokens routed to each expert, summed over the sparse layers (cumulative).
+    per_expert = expert_token_counts(getattr(getattr(engine, "runner", None), "model", None))
+    if per_expert is not None:
+        out["moe_expert_tokens"] = per_expert
     if getattr(engine, "lora", None) is not None:  # per adapter: requests, prompt / generated tokens
         out["lora"] = {k: dict(v) for k, v in engine.lora.counters.items()}
     return out

@@ -23,6 +23,7 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
+from .convert_moe import check_moe_build
 from tritium.backend.parallel.layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
@@ -115,6 +116,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
     imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
     m = ckpt.model_config
+    check_moe_build(m, opts, imported)
     if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
         plan_layout(m, opts.tensor_parallel_size)
     max_seq = opts.max_seq_len or min(m.max_position_embeddings, 2048)

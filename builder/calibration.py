@@ -111,7 +111,9 @@ class LayerwiseRunner:
             self.positions.append(torch.cat([torch.arange(n) for n in lens]))
             self.num_blocks.append(nb)
             ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-            self.hidden.append(model.embed_tokens_weight[ids])
+            # the model's own lookup: an int8 table, Gemma's / Granite's embedding multiplier
+            embed = getattr(model, "embed", None)
+            self.hidden.append(embed(ids) if embed is not None else model.embed_tokens_weight[ids])
             self.residual.append(None)
         self.kv_shape = (m.num_kv_heads, m.head_dim)
         self.num_tokens = sum(len(s) for s in samples)
@@ -130,7 +132,7 @@ class LayerwiseRunner:
             shape = (self.num_blocks[c], self.block_size) + self.kv_shape
             kv = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             h, r = layer(self.positions[c], self.hidden[c], self.residual[c], kv, meta,
-                         self.model.cos_sin_cache)
+                         self.model.rope_state(self.positions[c]))
             if advance:
                 self.hidden[c], self.residual[c] = h, r
 
@@ -162,30 +164,50 @@ def kv_sample_hook(layer, cos_sin_cache: torch.Tensor, stats: dict, seed: int = 
     queries of the causal softmax, at the real positions): stats['w'] (Hkv,) and the weighted sums
     stats['kw'] / stats['vw'] (Hkv, D), for attention-weighted offsets (kv_scales.py)."""
     from tritium.kernels import ops
-    nq = layer.num_heads * layer.head_dim
-    nkv = layer.num_kv_heads * layer.head_dim
     gen = torch.Generator().manual_seed(seed)
+    nq, nkv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+
+    def rot(q, k, pos):
+        # the layer's RoPE (none on a NoPE layer, partial on Phi's); a bare layer: full RoPE
+        if cos_sin_cache is None:
+            return q, k
+        if hasattr(layer, "rotate_qk"):
+            return layer.rotate_qk(q, k, pos, _OneTable(layer.rope_kind, cos_sin_cache))
+        return ops.rotary(q, k, pos, cos_sin_cache)
 
     def hook(_m, _args, out):
         t = out.shape[0]
         q = out[:, :nq].reshape(t, layer.num_heads, layer.head_dim)
         k = out[:, nq:nq + nkv].reshape(t, layer.num_kv_heads, layer.head_dim)
         v = out[:, nq + nkv:].reshape(t, layer.num_kv_heads, layer.head_dim)
-        drawn = torch.randint(0, cos_sin_cache.shape[0], (t,), generator=gen).to(out.device)
-        _, k = ops.rotary(q.clone(), k.clone(), drawn, cos_sin_cache)
-        stats.setdefault("k", []).append(k.float())
+        if hasattr(layer, "norm_qk"):  # the family's q/k norm comes before RoPE
+            q, k = layer.norm_qk(q, k)
+        drawn = torch.randint(0, cos_sin_cache.shape[0] if cos_sin_cache is not None else 1, (t,),
+                              generator=gen).to(out.device)
+        _, k_drawn = rot(q.clone(), k.clone(), drawn)
+        stats.setdefault("k", []).append(k_drawn.float())
         stats.setdefault("v", []).append(v.float().clone())
         if positions is not None:
-            _accumulate_attention(stats, q, out[:, nq:nq + nkv].reshape(t, layer.num_kv_heads, layer.head_dim),
-                                  v, positions["p"].to(out.device), cos_sin_cache, layer.scale)
+            pos = positions["p"].to(out.device)
+            qr, kr = rot(q.clone(), k.clone(), pos)
+            _accumulate_attention(stats, qr, kr, v, pos, None, layer.scale)
     return hook
+
+
+class _OneTable:
+    """A RopeState-like view holding one table (what rotate_qk reads)."""
+
+    def __init__(self, kind, cache):
+        self.caches, self.tables = {kind: cache}, {}
 
 
 def _accumulate_attention(stats: dict, q, k, v, positions, cos_sin_cache, scale: float) -> None:
     """Attention received by each key of each sequence in a packed chunk (sequences start where
-    the position is 0), summed into stats['w'] / stats['kw'] / stats['vw'] per KV head."""
+    the position is 0), summed into stats['w'] / stats['kw'] / stats['vw'] per KV head. With a
+    cos_sin_cache q and k are rotated here; None: they arrive rotated."""
     from tritium.kernels import ops
-    q, k = ops.rotary(q.clone(), k.clone(), positions, cos_sin_cache)
+    if cos_sin_cache is not None:
+        q, k = ops.rotary(q.clone(), k.clone(), positions, cos_sin_cache)
     q, k, v = q.float(), k.float(), v.float()
     hkv, d = k.shape[1], k.shape[2]
     rep = q.shape[1] // hkv

@@ -165,7 +165,7 @@ def tail_log_probs(model, runner, start: int) -> torch.Tensor:
         for c, meta in enumerate(runner.metas):
             shape = (runner.num_blocks[c], runner.block_size) + runner.kv_shape
             kv = (torch.zeros(shape, dtype=hs[c].dtype), torch.zeros(shape, dtype=hs[c].dtype))
-            hs[c], rs[c] = layer(runner.positions[c], hs[c], rs[c], kv, meta, model.cos_sin_cache)
+            hs[c], rs[c] = layer(runner.positions[c], hs[c], rs[c], kv, meta, model.rope_state(runner.positions[c]))
     out = []
     for h, r in zip(hs, rs):
         x, _ = ops.rms_norm(h, model.norm_weight, model.cfg.model.rms_norm_eps, r)

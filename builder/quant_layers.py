@@ -118,7 +118,9 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
         t = new[pre + norm_name]
         new[pre + norm_name] = (t.float() / s).to(t.dtype)
 
-    s = search("qkv_proj")
+    # A scale on a linear's inputs folds into the norm that feeds it; OLMo 2's post-norm layers
+    # have none before qkv_proj / gate_up_proj, so those two keep their unscaled weights.
+    s = search("qkv_proj") if pre + "input_norm.weight" in new else None
     if s is not None:
         W["qkv_proj"] = W["qkv_proj"] * s
         fold_norm("input_norm.weight", s)
@@ -139,7 +141,7 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
             bf = b.float().clone()
             bf[nq + nkv:] /= s_kv
             new[pre + "qkv_proj.bias"] = bf.to(b.dtype)
-    s = search("gate_up_proj")
+    s = search("gate_up_proj") if pre + "post_attn_norm.weight" in new else None
     if s is not None:
         W["gate_up_proj"] = W["gate_up_proj"] * s
         fold_norm("post_attn_norm.weight", s)
@@ -148,6 +150,11 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
         W["down_proj"] = W["down_proj"] * s
         W["gate_up_proj"] = W["gate_up_proj"].clone()
         W["gate_up_proj"][m.intermediate_size:] /= s[:, None]
+        if pre + "gate_up_proj.bias" in new:  # mlp_bias: the up rows' bias scales with them
+            b = new[pre + "gate_up_proj.bias"]
+            bf = b.float().clone()
+            bf[m.intermediate_size:] /= s
+            new[pre + "gate_up_proj.bias"] = bf.to(b.dtype)
     return alphas
 
 
@@ -156,11 +163,13 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
     """Quantize layer i's linears in `new` (engine tensors, replaced not mutated) and load the
     dequantized result into `layer` (a float DecoderLayer). Returns per-linear report entries."""
     pre = f"layers.{i}."
-    W = {lin: new[pre + lin + ".weight"].float() for lin in LINEARS}
+    # A sparse MoE layer has no dense gate_up_proj / down_proj (its experts stay float).
+    lins = tuple(lin for lin in LINEARS if pre + lin + ".weight" in new)
+    W = {lin: new[pre + lin + ".weight"].float() for lin in lins}
     orig = {lin: w for lin, w in W.items()}
     report = {}
     alphas = _awq_fold(cfg, i, W, new, plan, stats) if method == "int4-awq" else {}
-    for lin in LINEARS:
+    for lin in lins:
         name = pre + lin
         lq = plan.get(name)
         mod = getattr(layer, lin)
@@ -189,7 +198,9 @@ def quantize_layer(cfg, i: int, layer, new: dict, plan: dict, method: str,
             entry["rel_output_error"] = float(((d @ H) * d).sum() / ((orig[lin] @ H) * orig[lin]).sum())
         report[name] = entry
     for norm in ("input_norm.weight", "post_attn_norm.weight"):
-        layer._buffers[norm.replace(".weight", "_weight")] = new[pre + norm]
-    if pre + "qkv_proj.bias" in new:
-        layer.qkv_proj._buffers["bias"] = new[pre + "qkv_proj.bias"]
+        if pre + norm in new:
+            layer._buffers[norm.replace(".weight", "_weight")] = new[pre + norm]
+    for lin in ("qkv_proj", "gate_up_proj"):
+        if pre + lin + ".bias" in new:
+            getattr(layer, lin)._buffers["bias"] = new[pre + lin + ".bias"]
     return report

@@ -37,6 +37,7 @@ from .layer_progress import LayerProgress
 from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
+from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
@@ -183,6 +184,8 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     if o.quantization == "none" and o.kv_cache_dtype == "auto":
         return dict(tensors), QuantConfig(), KVCacheConfig(), {}
     plan = {} if o.quantization == "none" else dict(o.layer_plan) if o.layer_plan is not None else plan_layers(cfg, o)
+    if cfg.model.num_experts and plan:
+        plan = moe_plan(cfg, plan, o)
     kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding;
@@ -250,13 +253,15 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
         layer = model.layers[i]
         stats = _collect_layer_inputs(runner, i, o.quantization) if calibrated else None
         layer_reports.update(quantize_layer(cfg, i, layer, new, plan, o.quantization, stats))
+        if cfg.model.sparse(i):
+            layer_reports.update(quantize_experts(cfg, i, layer, new, plan, o.quantization))
         if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
             progress.done(i)
             continue
         kv_stats: dict = {}
         handle, pos = None, ({} if o.kv_offsets == "attention" else None)
         if o.kv_cache_dtype != "auto":
-            hook = calib.kv_sample_hook(layer, model.cos_sin_cache, kv_stats, seed=i, positions=pos)
+            hook = calib.kv_sample_hook(layer, model.rope_cache_of(layer), kv_stats, seed=i, positions=pos)
             handle = layer.qkv_proj.register_forward_hook(hook)
         # Re-run the now-quantized layer: its outputs feed layer i+1, its K/V give the scales.
         runner.run_layer(i, advance=True, on_chunk=None if pos is None else (lambda p: pos.__setitem__("p", p)))

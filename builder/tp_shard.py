@@ -13,8 +13,12 @@ and LM head keep a range of vocabulary rows. Quantized tensors move with what th
   group by group (with GPTQ act-order, by `g_idx`: each rank takes the channels of a run of whole
   groups, gate/up keep the matching rows, and `g_idx` is renumbered to the local groups).
 - KV-cache `k_scale` / `v_scale` (Hkv,) and `k_offset` / `v_offset` (Hkv, D) follow the KV heads.
+- q/k norms over the whole projection (OLMo 2, `qk_norm` "full") follow their heads; per-head
+  ones (Qwen3, Gemma 3) are replicated.
 - A row-parallel bias (no supported architecture has one) stays on rank 0 only, so the
   all-reduce adds it once.
+Mixture-of-experts tensors: each expert and the shared expert split by columns like a dense MLP
+(convert_moe.shard_moe_tensor); the router and the shared expert's gate replicated.
 Everything else (norm weights, the AWQ head's input scale and mean) is replicated.
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 from tritium.backend.config import EngineConfig
 from tritium.backend.parallel.layout import TensorParallelError, layout_to_dict, plan_layout
 from tritium.kernels.quant_layouts import pack_int4, unpack_int4
+
+from .convert_moe import shard_moe_tensor
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.(\w+)$")
 _KV = re.compile(r"^layers\.(\d+)\.(k_scale|v_scale|k_offset|v_offset)$")
@@ -150,8 +156,15 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
                                      grouped)
             elif kv:
                 out = t[lay.kv_heads[0]:lay.kv_heads[1]]
+            elif m.qk_norm == "full" and name.endswith((".q_norm.weight", ".k_norm.weight")):
+                # OLMo 2's q/k norms span the whole projection: each rank keeps its heads' part
+                # (the runtime sums the squares over the ranks, attention.py).
+                h0, h1 = lay.q_heads if name.endswith(".q_norm.weight") else lay.kv_heads
+                out = t[h0 * hd:h1 * hd]
             elif name in _VOCAB_ROWS:
                 out = t[lay.vocab[0]:lay.vocab[1]]
+            elif (moe := shard_moe_tensor(name, t, layout, r)) is not None:
+                out = moe
             else:
                 out = t
             shards[r][name] = out.contiguous().clone()

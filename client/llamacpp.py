@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from typing import List, Optional
@@ -50,24 +51,11 @@ def ensure_llama_cpp(src_dir: Optional[str] = None, jobs: int = 2, log=print) ->
     found = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))
     if found and has_build(found[0]):
         return found[0]
-    os.makedirs(work, exist_ok=True)
     log_file = os.path.join(work, "build.log")
     log(f"building llama-server from the {LLAMA_CPP_PYTHON} sdist into {work} (about 10 minutes on 2 cores; "
         f"log: {log_file}) ...")
+    src = llama_cpp_source()
     with open(log_file, "ab") as fh:
-        sdists = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
-                  "-d", work], fh, "pip download")
-            sdists = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            raise OSError(f"pip download of {LLAMA_CPP_PYTHON} left no sdist in {work} (log: {log_file})")
-        with tarfile.open(sdists[0]) as tar:
-            try:
-                tar.extractall(work, filter="data")
-            except TypeError:  # Python without extraction filters (< 3.10.12)
-                tar.extractall(work)
-        src = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run(["cmake", "-B", "build", *gen, *CMAKE_FLAGS], fh, "cmake configure", cwd=src)
         _run(["cmake", "--build", "build", "--target", "llama-server", "llama-quantize", "-j", str(jobs)], fh,
@@ -75,6 +63,38 @@ def ensure_llama_cpp(src_dir: Optional[str] = None, jobs: int = 2, log=print) ->
     if not has_build(src):
         raise OSError(f"llama.cpp build finished without llama-server / llama-quantize (log: {log_file})")
     return src
+
+
+def llama_cpp_source() -> str:
+    """The vendor/llama.cpp folder of the llama-cpp-python sdist, downloaded (pip, once) and
+    unpacked into <tritium cache>/llama.cpp/; holds convert_hf_to_gguf.py and its gguf-py."""
+    from tritium.client.server import cache_dir
+    work = os.path.join(cache_dir(), "llama.cpp")
+    found = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp", "convert_hf_to_gguf.py"))
+    if found:
+        return os.path.dirname(found[0])
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(work, "download.log"), "ab") as fh:
+        sdists = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
+                  "-d", work], fh, "pip download")
+            sdists = glob.glob(os.path.join(work, "llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            raise OSError(f"pip download of {LLAMA_CPP_PYTHON} left no sdist in {work} (log: {fh.name})")
+    tmp = tempfile.mkdtemp(prefix=".unpack-", dir=work)  # unpack aside, then move: concurrent callers
+    try:
+        with tarfile.open(sdists[0]) as tar:
+            try:
+                tar.extractall(tmp, filter="data")
+            except TypeError:  # Python without extraction filters (< 3.10.12)
+                tar.extractall(tmp)
+        for name in os.listdir(tmp):
+            if not os.path.exists(os.path.join(work, name)):
+                os.replace(os.path.join(tmp, name), os.path.join(work, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
 
 
 def _run(cmd: List[str], log_fh, what: str, cwd: Optional[str] = None) -> None:

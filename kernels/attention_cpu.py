@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_native
+from .attention_ref import paged_attention_ref
 from .kv_write import dequantize_kv_ref
 
 
@@ -239,16 +240,21 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None,
-                        plan: Optional[CpuAttentionPlan] = None) -> torch.Tensor:
+                        plan: Optional[CpuAttentionPlan] = None,
+                        softcap: Optional[float] = None) -> torch.Tensor:
     """paged_attention_ref's contract on CPU (see the module docstring). (T, Hq, D).
-    plan: the step's CpuAttentionPlan (default meta.cpu_plan, else a fresh one for this call)."""
+    plan: the step's CpuAttentionPlan (default meta.cpu_plan, else a fresh one for this call).
+    softcap: scores -> softcap * tanh(scores / softcap) (Gemma 2): the native route applies it;
+    SDPA has none, so off the native route a soft-capped layer runs attention_ref's loop."""
     plan = plan or getattr(meta, "cpu_plan", None) or plan_attention(meta)
     out = torch.empty_like(q)
     if native_route(q, k_cache, k_scale, meta):
         # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
         cpu_native.paged_decode_bf16(q, k_cache, v_cache, plan.block_tables, plan.rows_for(meta, sliding_window),
-                                     scale, out)
+                                     scale, out, softcap)
         return out
+    if softcap is not None:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
     decode_rows, decode_lens = [], []
     start = 0
     for b, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):

@@ -31,8 +31,10 @@ def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
-                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's cached context. Returns (T, Hq, D)."""
+                        v_scale: Optional[torch.Tensor] = None,
+                        softcap: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached context. Returns (T, Hq, D).
+    With softcap, scores s = scale q.k become softcap * tanh(s / softcap) before the mask."""
     out = torch.empty_like(q)
     hq = q.shape[1]
     qsl = meta.query_start_loc.tolist()
@@ -57,9 +59,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             if sliding_window is not None:
                 allowed &= (qpos - kpos) < sliding_window
             mask = allowed
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                            enable_gqa=kb.shape[0] != hq)
+        if softcap is None:
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                                enable_gqa=kb.shape[0] != hq)
+        else:
+            ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap)
         out[start:start + qlen] = ob.transpose(0, 1)
     return out
+
+
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q (Hq, n, D), k / v (Hkv, m, D): softmax(cap * tanh(scale q k^T / cap) + mask) v in float32
+    (Gemma 2's attn_logit_softcapping); query head h reads KV head h // (Hq / Hkv)."""
+    rep = q.shape[0] // k.shape[0]
+    kf = k.float().repeat_interleave(rep, dim=0)
+    vf = v.float().repeat_interleave(rep, dim=0)
+    s = torch.matmul(q.float(), kf.transpose(1, 2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(s.softmax(dim=-1), vf).to(q.dtype)
 
 

@@ -2,7 +2,8 @@
  * q and KV cache, read in place from the cache blocks through the block table (no gather copy).
  *
  * For query head h of a decode row with context positions [lo, len):
- *     out_h = sum_j softmax_j(scale * q_h . k_j) v_j
+ *     out_h = sum_j softmax_j(s_j) v_j,   s_j = scale * q_h . k_j
+ * and with a soft-cap c > 0 (Gemma 2's attn_logit_softcapping) s_j = c * tanh(scale * q_h . k_j / c),
  * computed in float32 with the online softmax of FlashAttention (Dao et al., 2022) over chunks
  * of CHUNK keys. The grp query heads that share a KV head (GQA, HF repeat_kv order: query head
  * h reads KV head h / grp) are handled together, so each key and value is read once for them.
@@ -30,7 +31,7 @@
  * cache (Hkv * D values), so the row's cache lines are read once, in order, for all heads. */
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
-                       int64_t D, int64_t BS, float scale, uint16_t *out) {
+                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
     const int64_t grp = hq / hkv, dv = (D + 15) / 16, dp = (D + 31) / 32, DP = 16 * dv;
     /* lanes of the last 32-wide (dot) and 16-wide (value) chunk of a head */
     const __mmask32 mlast = D % 32 ? (__mmask32)((1u << (D % 32)) - 1) : 0xFFFFFFFFu;
@@ -66,7 +67,8 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                                                (__m512bh)_mm512_maskz_loadu_epi16(
                                                    c == dp - 1 ? mlast : 0xFFFFFFFFu,
                                                    (const void *)(kp + h * D + 32 * c)));
-                    s[r][j] = _mm512_reduce_add_ps(acc) * scale;
+                    const float sc = _mm512_reduce_add_ps(acc) * scale;
+                    s[r][j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
                 }
         }
         for (int64_t r = 0; r < hq; r++) {
@@ -117,11 +119,12 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
-                               int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out) {
+                               int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
+                               uint16_t *out) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < nrows; i++) {
         const int64_t off = tok[i] * hq * D;
         decode_row(q + off, k_cache, v_cache, block_tables + seq[i] * table_stride, lo[i], len[i], hq, hkv, D,
-                   BS, scale, out + off);
+                   BS, scale, softcap, out + off);
     }
 }

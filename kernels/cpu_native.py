@@ -91,7 +91,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_w4_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
     lib.tritium_w4_gemm.restype = None
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
-                                              ctypes.c_float, p]
+                                              ctypes.c_float, ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
     lib.tritium_w8g_gemm.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
@@ -240,9 +240,11 @@ def decode_supported(q: torch.Tensor, k_cache: torch.Tensor, k_scale) -> bool:
 
 
 def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                      block_tables: torch.Tensor, rows: torch.Tensor, scale: float, out: torch.Tensor,
+                      softcap: Optional[float] = None) -> None:
     """Decode attention for the rows of q listed in `rows` (int64 (n, 4): token row, block-table
-    row, first key position, context length), written into the same rows of out (T, Hq, D)."""
+    row, first key position, context length), written into the same rows of out (T, Hq, D).
+    softcap: scores s -> softcap * tanh(s / softcap) (None: none)."""
     assert block_tables.dtype == torch.int32 and block_tables.is_contiguous() and out.is_contiguous()
     assert rows.dtype == torch.int64 and rows.is_contiguous() and v_cache.is_contiguous()
     cols = rows.t().contiguous()
@@ -250,7 +252,7 @@ def paged_decode_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _lib().tritium_paged_decode_bf16(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         tok.data_ptr(), seq.data_ptr(), lo.data_ptr(), ln.data_ptr(), rows.shape[0], q.shape[1],
-        k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), out.data_ptr())
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), float(softcap or 0.0), out.data_ptr())
 
 
 def glue_ok(x: torch.Tensor, width: int) -> bool:

@@ -23,6 +23,7 @@ from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from . import cpu_linear as _cpu_linear
+from .moe_cpu import fused_moe_cpu
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
 from .rms_norm import rms_norm_cpu
 from .rotary import rotary_cpu, rotary_ref, rotary_tables
@@ -133,13 +134,16 @@ def attention_plan(meta) -> Optional[CpuAttentionPlan]:
     return plan_attention(meta)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None):
-    """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode."""
+def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None,
+                    softcap=None):
+    """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode.
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
-                                                        k_scale, v_scale)
+                                                        k_scale, v_scale, softcap=softcap)
     # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale,
+                               softcap=softcap)
 
 
 def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False):
@@ -190,3 +194,14 @@ def linear_fp8(x, qweight, scales, bias=None):
     if use_triton(x) and _fp8_kernels_ok(x):
         return _tk("quant_gemm").fp8_gemm(x, qweight, scales, bias)
     return fp8_gemm_ref(x, qweight, scales, bias)
+
+
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul=silu_mul_ref):
+    """Mixture-of-experts FFN (kernels/moe_ref.py has the formula): the Triton grouped GEMMs on
+    GPU, on CPU only the experts that received tokens (moe_cpu.py). Experts are float (E, N, K)
+    tensors or moe_ref.QuantExperts (int8: in the Triton kernel; int4: dequantized per routed
+    expert by the torch path)."""
+    int4 = any(getattr(w, "method", None) == "int4" for w in (w_gate_up, w_down))
+    if use_triton(x) and not int4:  # int4 experts: the torch path on any device (dequantized per routed expert)
+        return _tk("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul)
+    return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul)

@@ -38,11 +38,19 @@ def load_kv_tile(cache_ptr, bt_row_ptr, scale_ptr, pos, pmask, kv_head, d, dmask
 
 
 @triton.jit
+def softcap(s, cap):
+    """cap * tanh(s / cap) (Gemma 2's attn_logit_softcapping; s and cap both in log2 units, which
+    commutes: c * tanh(x / c) scaled by LOG2E is (c LOG2E) tanh(x LOG2E / (c LOG2E))).
+    tanh(x) = 2 sigmoid(2x) - 1."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                          out_ptr, part_acc_ptr, part_ml_ptr,
                          stride_q_seq, stride_q_head, stride_c_block, stride_c_slot, stride_c_head,
                          stride_bt_seq, stride_o_seq, stride_o_head,
-                         scale_log2, block_size, head_dim, group, window, num_splits,
+                         scale_log2, block_size, head_dim, group, window, num_splits, softcap_log2,
                          PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr, USE_SPLIT: tl.constexpr,
                          UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -78,6 +86,8 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
                          stride_c_block, stride_c_slot, stride_c_head, block_size, cdt, KV_QUANT)
         # s = q . k * scale, in log2 units so that exp2 gives exp
         s = mm(q, tl.trans(k), IEEE) * scale_log2
+        if softcap_log2 > 0:
+            s = softcap(s, softcap_log2)
         s = tl.where(pmask[None, :], s, float("-inf"))
         # online softmax (Milakov & Gimelshein): rescale old state by exp(m_old - m_new)
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -120,6 +130,11 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_s, axis=0)
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def check_softcap(softcap: Optional[float]) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: must be > 0 or None, got {softcap}")
 
 
 def check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale):
@@ -170,8 +185,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                  v_scale: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
-                 partition_size: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 partition_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                 softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of one query per sequence, q (B, Hq, D), over its cached context of seq_lens[b] keys.
+    softcap: scores s -> softcap * tanh(s / softcap) before the softmax (None: none).
 
     Caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); returns/fills (B, Hq, D).
     partition_size: keys per split-K partition (power of two >= 16); default: sized so that
@@ -183,6 +200,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = hq // hkv
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
+    check_softcap(softcap)
     if out is None:
         out = torch.empty_like(q)
     check_shape("out", out, (b, hq, d))
@@ -213,7 +231,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale) * LOG2E, block_size, d, group, int(sliding_window or 0), num_splits,
-        PARTITION=partition, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
+        float(softcap or 0.0) * LOG2E, PARTITION=partition, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
         KV_QUANT=kv_quant, USE_SPLIT=use_split, UPCAST=upcast, IEEE=upcast or q.dtype == torch.float32,
         num_warps=4)
     if use_split:

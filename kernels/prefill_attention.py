@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import LOG2E, check_paged_cache, load_kv_tile, paged_decode
+from .paged_decode import LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode, softcap
 from .triton_common import check_shape, dot_upcast, mm, next_pow2
 
 
@@ -24,7 +24,7 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_
                               k_scale_ptr, v_scale_ptr, out_ptr,
                               stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head,
                               stride_bt_seq, stride_o_tok, stride_o_head,
-                              scale_log2, block_size, head_dim, group, window,
+                              scale_log2, block_size, head_dim, group, window, softcap_log2,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                               KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int64)
@@ -62,6 +62,8 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_
                              stride_c_block, stride_c_slot, stride_c_head, block_size, cdt, KV_QUANT)
             # s = q . k * scale (log2 units); causal: key j <= p_i; window: p_i - j < W
             s = mm(q, tl.trans(k), IEEE) * scale_log2
+            if softcap_log2 > 0:  # Gemma 2: cap * tanh(s / cap), before the mask
+                s = softcap(s, softcap_log2)
             allowed = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
             if window > 0:
                 allowed = allowed & ((q_pos[:, None] - pos[None, :]) < window)
@@ -86,8 +88,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_query_len: int, scale: float, sliding_window: Optional[int] = None,
                       k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                       seq_ids: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                      block_m: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+                      block_m: Optional[int] = None, block_n: Optional[int] = None,
+                      softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, Hq, D) over each sequence's paged context.
+    softcap: scores s -> softcap * tanh(s / softcap) before the mask (None: none).
 
     query_start_loc (B+1,) int32 cu_seqlens; seq_lens (B,) context length after this step (the new
     tokens' K/V already written to the cache); block_tables (B, max_blocks). seq_ids (int32) picks
@@ -101,6 +105,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
+    check_softcap(softcap)
     if out is None:
         out = torch.empty_like(q)
     check_shape("out", out, (t, hq, d))
@@ -121,7 +126,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_scale if kv_quant else q, v_scale if kv_quant else q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale) * LOG2E, block_size, d, hq // hkv, int(sliding_window or 0),
+        float(scale) * LOG2E, block_size, d, hq // hkv, int(sliding_window or 0), float(softcap or 0.0) * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, KV_QUANT=kv_quant, UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32, num_warps=4 if block_d <= 64 else 8)
     return out
@@ -129,7 +134,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                     sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Mixed prefill/decode batch (AttentionMetadata) -> (T, Hq, D), like paged_attention_ref.
 
     Sequences with query_len == 1 go to the split-K decode kernel, the others to the varlen
@@ -156,17 +161,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             max_len = max(meta.seq_lens_cpu[b] for b in decode)
         if len(decode) == q.shape[0]:
             paged_decode(q, k_cache, v_cache, tables, lens, scale, sliding_window, k_scale, v_scale,
-                         max_seq_len=max_len, out=out)
+                         max_seq_len=max_len, out=out, softcap=softcap)
         else:
             rows = rows.long()
             dec_out = paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale,
-                                   sliding_window, k_scale, v_scale, max_seq_len=max_len)
+                                   sliding_window, k_scale, v_scale, max_seq_len=max_len, softcap=softcap)
             out.index_copy_(0, rows, dec_out)
     if prefill:
         seq_ids = torch.tensor(prefill, dtype=torch.int32, device=q.device)
         prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                           max(qlens[b] for b in prefill), scale, sliding_window, k_scale, v_scale,
-                          seq_ids=seq_ids, out=out)
+                          seq_ids=seq_ids, out=out, softcap=softcap)
     return out
 
 

@@ -31,6 +31,46 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", hidden_size=72, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=3, num_key_value_heads=3, vocab_size=1000,
                   max_position_embeddings=256, tie_word_embeddings=True),
+    # ---- the families of backend/models/families/ (tests/test_models_*.py) ----
+    # Qwen3: per-head q/k norms, head_dim 24 (q dim 96 != hidden 64), GQA 4/2, untied.
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=1000,
+                  max_position_embeddings=256, tie_word_embeddings=False),
+    # Gemma 2: sandwich norms, GELU-tanh, small soft-caps (so they bite on random weights),
+    # alternating sliding (window 5 < the prompts) / global layers, query_pre_attn_scalar != head_dim, tied.
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=20, vocab_size=1000,
+                   max_position_embeddings=256, sliding_window=5, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
+    # Gemma 3 (text): 5 local : 1 global (the default pattern over 6 layers), local rope base
+    # 10000 vs global 1e6, q/k norms, window 6, MQA, odd head_dim 18, final soft-cap, untied head.
+    "gemma3": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=72, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=18, vocab_size=1000,
+                   max_position_embeddings=256, sliding_window=6, query_pre_attn_scalar=32,
+                   final_logit_softcapping=4.0, tie_word_embeddings=False),
+    # Phi-3: fused qkv_proj / gate_up_proj, partial rotary 0.75 (12 of 16 channels), LongRoPE
+    # with distinct short and long factors around original_max_position_embeddings 48.
+    "phi3": dict(model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                 max_position_embeddings=192, original_max_position_embeddings=48,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                  "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]},
+                 tie_word_embeddings=False),
+    # OLMo 2: post-norms only, q/k norms over the whole projections, GQA 4/2.
+    "olmo2": dict(model_type="olmo2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                  max_position_embeddings=256, tie_word_embeddings=False),
+    # Granite: the four multipliers, attention (incl. o_proj) and MLP biases.
+    "granite": dict(model_type="granite", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                    max_position_embeddings=256, embedding_multiplier=6.0, residual_multiplier=0.4,
+                    attention_multiplier=0.09, logits_scaling=2.5, attention_bias=True, mlp_bias=True,
+                    tie_word_embeddings=False),
+    # SmolLM3: every 2nd layer without RoPE (no_rope_layers [1, 0, 1, 0]), tied.
+    "smollm3": dict(model_type="smollm3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                    max_position_embeddings=256, no_rope_layer_interval=2, tie_word_embeddings=True),
 }
 
 

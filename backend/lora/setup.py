@@ -16,6 +16,9 @@ def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
         raise ValueError(f"LoRA adapters are not supported on a tensor-parallel engine yet "
                          f"(tensor_parallel_size {engine.config.tensor_parallel_size}); build with "
                          f"--tensor-parallel-size 1 to serve adapters")
+    if getattr(engine.config.model, "num_experts", 0):
+        raise ValueError("LoRA adapters are not supported on mixture-of-experts models yet "
+                         f"({engine.config.model.architecture}: num_experts {engine.config.model.num_experts})")
     model = engine.runner.model
     manager = LoRAManager(engine.config.model, config, engine.device, model.dtype)
     attach(model, manager)

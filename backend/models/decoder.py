@@ -1,118 +1,46 @@
-"""Llama-family decoder (Llama incl. Llama-3 RoPE scaling, Mistral sliding window, Qwen2 qkv bias).
+"""The decoder-only LM of every family: embedding, layers (layer.py), final norm, LM head.
 
 Plain torch and device-agnostic; every op goes through tritium.kernels.ops so that the Triton
 kernels drop in on GPU. Forward runs over a flat batch of new tokens with a paged KV cache.
+The families (families/) differ only in ModelConfig fields: here the embedding multiplier
+(Gemma's sqrt(hidden), Granite's), the rotary tables (global, Gemma 3's local one), and the
+head's logits_scaling (Granite) and final soft-cap (Gemma 2/3).
 Weight names (engine safetensors):
     embed_tokens.weight, norm.weight, lm_head.weight (absent when tied)
-    layers.{i}.input_norm.weight, layers.{i}.post_attn_norm.weight
+    layers.{i}.{input_norm,post_attn_norm,attn_out_norm,mlp_out_norm}.weight (per norm placement)
+    layers.{i}.q_norm.weight, layers.{i}.k_norm.weight (q/k norms)
     layers.{i}.qkv_proj.*  ([q; k; v] rows), layers.{i}.o_proj.*
     layers.{i}.gate_up_proj.*  ([gate; up] rows), layers.{i}.down_proj.*
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from tritium.kernels import ops
-from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from ..config import EngineConfig
-from .kv_rotation import rotate
+from .attention import KVCache
+from .layer import NORM_NAMES, DecoderLayer
+from .moe import MoEDecoderLayer
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
+from .rope import rope_table
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-KVCache = Tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, Hkv, D)
+__all__ = ["DecoderLM", "DecoderLayer", "KVCache", "RopeState", "TORCH_DTYPES"]
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: EngineConfig, idx: int):
-        super().__init__()
-        m = cfg.model
-        dtype = TORCH_DTYPES[cfg.dtype]
-        q = cfg.quantization.layers
-        self.idx = idx
-        self.num_heads, self.num_kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
-        self.eps = m.rms_norm_eps
-        self.window = m.window(idx)
-        self.scale = m.head_dim ** -0.5
-        qkv_out = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        self.register_buffer("input_norm_weight", torch.empty(m.hidden_size, dtype=dtype))
-        self.register_buffer("post_attn_norm_weight", torch.empty(m.hidden_size, dtype=dtype))
-        self.qkv_proj = make_linear(m.hidden_size, qkv_out, m.attention_bias, dtype,
-                                    q.get(f"layers.{idx}.qkv_proj"))
-        self.o_proj = make_linear(m.num_heads * m.head_dim, m.hidden_size, False, dtype,
-                                  q.get(f"layers.{idx}.o_proj"))
-        self.gate_up_proj = make_linear(m.hidden_size, 2 * m.intermediate_size, False, dtype,
-                                        q.get(f"layers.{idx}.gate_up_proj"))
-        self.down_proj = make_linear(m.intermediate_size, m.hidden_size, False, dtype,
-                                     q.get(f"layers.{idx}.down_proj"))
-        # Per-KV-head scales of a quantized KV cache; None for a float cache.
-        self.k_scale: Optional[torch.Tensor] = None
-        self.v_scale: Optional[torch.Tensor] = None
-        # Quantized KV: a per-KV-head vector (Hkv, D) subtracted from K (after RoPE) before it is
-        # stored. q.(k - c) = q.k - q.c shifts all of one query's scores by the same amount, which
-        # softmax ignores, so attention is unchanged while the stored K loses its constant part.
-        self.k_offset: Optional[torch.Tensor] = None
-        # Likewise v_offset (Hkv, D) is subtracted from V before it is stored and added back to
-        # the attention output: sum_j p_j (v_j - c) + c = sum_j p_j v_j, as the p_j sum to 1.
-        self.v_offset: Optional[torch.Tensor] = None
-        # K and V stored in Hadamard-rotated coordinates, the query rotated alike (kv_rotation.py).
-        self.kv_rotation = cfg.kv_cache.rotation == "hadamard"
-        # Tensor parallelism (backend/parallel/comm.py): o_proj and down_proj hold this rank's
-        # input features; their partial outputs are summed over the ranks. None on one rank.
-        self.tp = None
-
-    def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata,
-                cos_sin_cache, rope=None):
-        x, residual = ops.rms_norm(hidden, self.input_norm_weight, self.eps, residual)
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        nq = self.num_heads * self.head_dim
-        k_cache, v_cache = kv_cache
-        if self.plain_kv and ops.can_fuse_rotary_kv_write(qkv, self.head_dim, k_cache, rope):
-            q = ops.rotary_kv_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope, k_cache,
-                                    v_cache, meta.slot_mapping)
-        else:
-            q = self._rotary_kv_write(qkv, t, positions, cos_sin_cache, rope, k_cache, v_cache, meta)
-        attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window,
-                                   self.k_scale, self.v_scale)
-        if self.kv_rotation:
-            attn = rotate(attn)  # H @ H = I: back to V's own coordinates
-        if self.v_offset is not None:
-            # query head h reads KV head h // (num_heads / num_kv_heads) (HF repeat_kv order)
-            rep = self.num_heads // self.num_kv_heads
-            attn = attn + self.v_offset.to(attn.dtype).repeat_interleave(rep, dim=0)
-        hidden = self.o_proj(attn.reshape(t, nq))
-        if self.tp is not None:
-            self.tp.all_reduce(hidden)
-        x, residual = ops.rms_norm(hidden, self.post_attn_norm_weight, self.eps, residual)
-        hidden = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
-        if self.tp is not None:
-            self.tp.all_reduce(hidden)
-        return hidden, residual
-
-    @property
-    def plain_kv(self) -> bool:
-        """K and V stored as computed: no offsets, no rotation, no quantization scales."""
-        return self.k_offset is None and self.v_offset is None and not self.kv_rotation and self.k_scale is None
-
-    def _rotary_kv_write(self, qkv, t, positions, cos_sin_cache, rope, k_cache, v_cache, meta):
-        """RoPE, the quantized cache's offsets and rotation, and the cache write; returns q."""
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary(q, k, positions, cos_sin_cache, rope)
-        k_store = k if self.k_offset is None else k - self.k_offset.to(k.dtype)
-        v_store = v if self.v_offset is None else v - self.v_offset.to(v.dtype)
-        if self.kv_rotation:
-            q, k_store, v_store = rotate(q), rotate(k_store), rotate(v_store)
-        ops.kv_write(k_store, v_store, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return q
+@dataclass
+class RopeState:
+    """A step's rotary state, shared by the layers: per table kind ("global", "local") the
+    (max_pos, rotary_dim) [cos | sin] table and the CPU path's per-step tables (or None)."""
+    caches: Dict[str, torch.Tensor]
+    tables: Dict[str, object]
 
 
 class DecoderLM(nn.Module):
@@ -138,7 +66,8 @@ class DecoderLM(nn.Module):
         # AWQ-scaled tied head: the lookup divides the int8 rows by these (LayerQuant.input_scale).
         self.register_buffer("embed_input_scale", torch.empty(m.hidden_size, dtype=torch.float32)
                              if eq is not None and eq.input_scale else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_layers))
+        layer_cls = MoEDecoderLayer if m.num_experts else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, i, self.dtype) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
@@ -150,12 +79,26 @@ class DecoderLM(nn.Module):
                              if centred else None)
         self.register_buffer("head_mean_logits", torch.empty(m.vocab_size, dtype=torch.float32)
                              if centred else None)
-        r = m.rope
-        inv_freq = rope_inv_freq(m.head_dim, r.theta, r.scaling_type, r.factor, r.low_freq_factor,
-                                 r.high_freq_factor, r.original_max_position_embeddings)
+        # Rotary tables: `cos_sin_cache` for the global rope, `cos_sin_cache_local` for Gemma 3's
+        # sliding layers; a table is built only if some layer uses it.
         max_pos = max(cfg.limits.max_seq_len, 1)
-        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(inv_freq, max_pos), persistent=False)
+        dim = m.rotary_dim or m.head_dim
+        kinds = {m.rope_kind(i) for i in range(m.num_layers)}
+        self.register_buffer("cos_sin_cache", rope_table(m.rope, dim, m.max_position_embeddings, max_pos)
+                             if "global" in kinds else None, persistent=False)
+        self.register_buffer("cos_sin_cache_local", rope_table(m.rope_local, dim, m.max_position_embeddings, max_pos)
+                             if "local" in kinds else None, persistent=False)
         self.tp = None  # see set_tensor_parallel
+
+    def rope_state(self, positions: torch.Tensor) -> RopeState:
+        """The step's rotary state for `positions` (T,), computed once and shared by the layers."""
+        caches = {k: c for k, c in (("global", self.cos_sin_cache), ("local", self.cos_sin_cache_local))
+                  if c is not None}
+        return RopeState(caches, {k: ops.rotary_prepare(positions, c, self.dtype) for k, c in caches.items()})
+
+    def rope_cache_of(self, layer) -> Optional[torch.Tensor]:
+        """The [cos | sin] table `layer` rotates with (None for a NoPE layer)."""
+        return {"global": self.cos_sin_cache, "local": self.cos_sin_cache_local, None: None}[layer.rope_kind]
 
     def set_tensor_parallel(self, tp) -> None:
         """Run as one rank of a tensor-parallel group (backend/parallel/comm.TPGroup): this model
@@ -169,9 +112,10 @@ class DecoderLM(nn.Module):
     # so the engine names stay the familiar dotted ones.
     @staticmethod
     def engine_name_to_attr(name: str) -> str:
-        for suffix in ("input_norm.weight", "post_attn_norm.weight"):
-            if name.endswith(suffix):
-                return name[: -len(suffix)] + suffix.replace(".weight", "_weight")
+        for norm in NORM_NAMES:
+            suffix = f".{norm}.weight"
+            if name.startswith("layers.") and name.endswith(suffix):
+                return name[: -len(suffix)] + f".{norm}_weight"
         if name in ("embed_tokens.weight", "norm.weight"):
             return name.replace(".weight", "_weight")
         if name == "embed_tokens.input_scale":
@@ -182,6 +126,7 @@ class DecoderLM(nn.Module):
         """Assign engine tensors (name -> tensor); errors name the tensor that is wrong."""
         own = dict(self.named_buffers())
         own.pop("cos_sin_cache", None)
+        own.pop("cos_sin_cache_local", None)
         seen = set()
         for name, t in tensors.items():
             attr = self.engine_name_to_attr(name)
@@ -210,23 +155,28 @@ class DecoderLM(nn.Module):
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
         hidden = self.embed(input_ids)
         residual = None
-        rope = ops.rotary_prepare(positions, self.cos_sin_cache, self.dtype)  # once per step
+        rope = self.rope_state(positions)  # once per step
         for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, self.cos_sin_cache, rope)
+            hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""
         if self.tp is None:
-            return self._embed_rows(input_ids)
+            return self._scale_embedding(self._embed_rows(input_ids))
         # Vocab-parallel: look up the ids this rank holds, zero the others, sum over the ranks.
         local = input_ids - self.tp.vocab_start
         mine = (local >= 0) & (local < self.tp.vocab_end - self.tp.vocab_start)
         rows = self._embed_rows(torch.where(mine, local, torch.zeros_like(local)))
         rows = rows * mine.unsqueeze(1).to(rows.dtype)
         self.tp.all_reduce(rows)
-        return rows
+        return self._scale_embedding(rows)
+
+    def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
+        """Times ModelConfig.embedding_multiplier, rounded to the dtype first (as Gemma does)."""
+        mult = self.cfg.model.embedding_multiplier
+        return rows if mult == 1.0 else rows * torch.tensor(mult, dtype=rows.dtype, device=rows.device)
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
@@ -263,4 +213,14 @@ class DecoderLM(nn.Module):
         logits = logits.float()
         logits = logits if self.head_mean_logits is None else logits + self.head_mean_logits
         # Vocab-parallel head: rank 0 gathers every rank's columns (None on the other ranks).
-        return logits if self.tp is None else self.tp.gather_logits(logits)
+        logits = logits if self.tp is None else self.tp.gather_logits(logits)
+        return None if logits is None else self._finish_logits(logits)
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits_scaling, then the final soft-cap cap * tanh(logits / cap) (Gemma 2/3)."""
+        m = self.cfg.model
+        if m.logits_scaling != 1.0:
+            logits = logits / m.logits_scaling
+        if m.final_logit_softcap is not None:
+            logits = torch.tanh(logits / m.final_logit_softcap) * m.final_logit_softcap
+        return logits

@@ -13,6 +13,8 @@ KV heads on the same rank, with the same query-to-KV ratio as the full model:
   hold different numbers of heads (SmolLM2, 9 query / 3 KV heads, at N = 2: 6 + 3 query heads).
 - num_kv_heads < N: each KV head is replicated on N / num_kv_heads ranks, which split its query
   heads; needs N a multiple of num_kv_heads and the group size a multiple of N / num_kv_heads.
+Mixture-of-experts layers split every expert (and a shared expert) by its intermediate features
+the same way; each rank holds a slice of every expert and the replicated router.
 The MLP's intermediate features and the vocabulary are split evenly (in units of the int4 group
 size for the row-parallel down projection, int4 or grouped int8 / fp8). Layout entries are half-open [start, end) ranges.
 """
@@ -68,6 +70,10 @@ class RankLayout:
     kv_heads: Tuple[int, int]
     intermediate: int            # local intermediate features (the build chose which ones)
     vocab: Tuple[int, int]
+    # Mixture of experts: each expert's (and the shared expert's) intermediate features on this
+    # rank: every rank holds every expert, split by columns like a dense MLP (0: no experts).
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @property
     def num_heads(self) -> int:
@@ -90,7 +96,10 @@ def plan_layout(model_cfg, n: int, intermediate_unit: int = 1) -> List[RankLayou
         raise TensorParallelError(f"tensor_parallel_size {n}: intermediate_size {m.intermediate_size} "
                                   f"cannot be split in units of {intermediate_unit} (quantization group size): {e}") from None
     vocab = balanced(m.vocab_size, n)
-    return [RankLayout(q, kv, b - a, v) for (q, kv), (a, b), v in zip(heads, inter, vocab)]
+    moe = balanced(m.moe_intermediate_size, n) if m.num_experts else [(0, 0)] * n
+    shared = balanced(m.shared_expert_intermediate_size, n) if m.shared_expert_intermediate_size else [(0, 0)] * n
+    return [RankLayout(q, kv, b - a, v, e1 - e0, s1 - s0)
+            for (q, kv), (a, b), v, (e0, e1), (s0, s1) in zip(heads, inter, vocab, moe, shared)]
 
 
 def layout_to_dict(layout: Sequence[RankLayout]) -> dict:
@@ -98,7 +107,9 @@ def layout_to_dict(layout: Sequence[RankLayout]) -> dict:
             "scheme": "megatron: qkv/gate_up column-parallel, o/down row-parallel (all-reduce), "
                       "embedding/lm_head vocab-parallel (gather); heads split on KV-group boundaries",
             "ranks": [{"q_heads": list(r.q_heads), "kv_heads": list(r.kv_heads), "intermediate": r.intermediate,
-                       "vocab": list(r.vocab)} for r in layout]}
+                       "vocab": list(r.vocab),
+                       **({"moe_intermediate": r.moe_intermediate, "shared_intermediate": r.shared_intermediate}
+                          if r.moe_intermediate else {})} for r in layout]}
 
 
 def layout_from_config(cfg) -> List[RankLayout]:
@@ -106,7 +117,8 @@ def layout_from_config(cfg) -> List[RankLayout]:
     n = cfg.tensor_parallel_size
     m = cfg.model
     if n == 1:
-        return [RankLayout((0, m.num_heads), (0, m.num_kv_heads), m.intermediate_size, (0, m.vocab_size))]
+        return [RankLayout((0, m.num_heads), (0, m.num_kv_heads), m.intermediate_size, (0, m.vocab_size),
+                           m.moe_intermediate_size, m.shared_expert_intermediate_size)]
     ranks = (cfg.tensor_parallel or {}).get("ranks")
     if not isinstance(ranks, list) or len(ranks) != n:
         raise TensorParallelError(f"engine.json: tensor_parallel.ranks must list {n} ranks "
@@ -114,11 +126,14 @@ def layout_from_config(cfg) -> List[RankLayout]:
     out = []
     for i, r in enumerate(ranks):
         try:
-            lay = RankLayout(tuple(r["q_heads"]), tuple(r["kv_heads"]), int(r["intermediate"]), tuple(r["vocab"]))
+            lay = RankLayout(tuple(r["q_heads"]), tuple(r["kv_heads"]), int(r["intermediate"]), tuple(r["vocab"]),
+                             int(r.get("moe_intermediate", 0)), int(r.get("shared_intermediate", 0)))
         except (KeyError, TypeError, ValueError) as e:
             raise TensorParallelError(f"engine.json: tensor_parallel.ranks[{i}] is malformed ({e})") from None
         if lay.num_heads <= 0 or lay.num_kv_heads <= 0 or lay.num_heads % lay.num_kv_heads \
-                or lay.intermediate <= 0 or lay.vocab[1] <= lay.vocab[0]:
+                or lay.intermediate <= 0 or lay.vocab[1] <= lay.vocab[0] \
+                or (m.num_experts > 0 and lay.moe_intermediate <= 0) \
+                or (m.shared_expert_intermediate_size > 0 and lay.shared_intermediate <= 0):
             raise TensorParallelError(f"engine.json: tensor_parallel.ranks[{i}] = {r} is inconsistent")
         out.append(lay)
     return out
@@ -128,5 +143,7 @@ def local_config(cfg, rank: int):
     """The EngineConfig a rank's DecoderLM is built from: its own head, feature and vocab counts."""
     lay = layout_from_config(cfg)[rank]
     m = dataclasses.replace(cfg.model, num_heads=lay.num_heads, num_kv_heads=lay.num_kv_heads,
-                            intermediate_size=lay.intermediate, vocab_size=lay.vocab[1] - lay.vocab[0])
+                            intermediate_size=lay.intermediate, vocab_size=lay.vocab[1] - lay.vocab[0],
+                            moe_intermediate_size=lay.moe_intermediate,
+                            shared_expert_intermediate_size=lay.shared_intermediate)
     return dataclasses.replace(cfg, model=m)

@@ -2,7 +2,8 @@
 
 They appear on tritonserver's /metrics endpoint, each labelled with model and version:
 histograms of time to first token, inter-token latency and request latency; counters of prompt
-tokens, generated tokens, preemptions and speculative decoding's proposed and accepted tokens
+tokens, generated tokens, preemptions, speculative decoding's proposed and accepted tokens
+and (mixture-of-experts models) tokens routed to each expert
 (acceptance rate = accepted / proposed; tokens per step = generated / engine steps); gauges of KV-cache blocks and requests by state.
 `pb_utils` is passed in so this module imports without a server.
 """
@@ -69,6 +70,9 @@ class TritiumMetrics:
                                     "Speculative decoding: proposed tokens the target accepted", mf.COUNTER)
         self._families.append(f)
         self._spec_seen = {"spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+        self._mf, self._labels = mf, labels
+        self._expert_tokens = None  # mixture of experts: one counter per expert, made on first use
+        self._expert_seen: list = []
         self.lora = LoRAMetrics(pb_utils, labels)  # per adapter: tritium_lora_*_total
         self._preemptions_seen = 0
         self._steps_seen = 0
@@ -129,8 +133,25 @@ class TritiumMetrics:
                 if total > self._spec_seen[key]:
                     counter.increment(total - self._spec_seen[key])
                     self._spec_seen[key] = total
+            self._update_expert_tokens(stats.get("moe_expert_tokens"))
             self.lora.update(stats.get("lora", {}))
             steps = int(stats.get("num_steps", 0))
             if steps > self._steps_seen:
                 self.steps.increment(steps - self._steps_seen)
                 self._steps_seen = steps
+
+    def _update_expert_tokens(self, counts) -> None:
+        """tritium_moe_expert_tokens_total{expert=e}: tokens routed to expert e (summed over the
+        sparse layers); the per-expert spread is the router's load balance."""
+        if not counts:
+            return
+        if self._expert_tokens is None:
+            fam = self._mf(name="tritium_moe_expert_tokens_total", kind=self._mf.COUNTER,
+                           description="Mixture of experts: tokens routed to each expert, summed over layers")
+            self._families.append(fam)
+            self._expert_tokens = [fam.Metric(labels=dict(self._labels, expert=str(e))) for e in range(len(counts))]
+            self._expert_seen = [0] * len(counts)
+        for e, total in enumerate(counts):
+            if total > self._expert_seen[e]:
+                self._expert_tokens[e].increment(total - self._expert_seen[e])
+                self._expert_seen[e] = total

@@ -1,0 +1,71 @@
+"""The MoE part of the Hugging Face -> engine tensor mapping (convert.py calls it per sparse layer).
+
+Per-expert HF matrices are stacked into the fused op's layout (backend/models/moe.py): gate and up
+rows of expert e into experts.gate_up_weight[e] = [gate; up] (2I, hidden), down into
+experts.down_weight[e] (hidden, I); the router (HF `gate`) and a shared expert keep their shapes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+
+from tritium.backend.config import ModelConfig
+
+
+def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], torch.Tensor]
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield layer i's MoE engine tensors; g(hf_name, shape) reads and shape-checks one tensor."""
+    h, inter, e_n = m.hidden_size, m.moe_intermediate_size, m.num_experts
+    p = f"model.layers.{i}.{fam.moe_block}."
+    gate, up, down = fam.expert_names
+    yield f"layers.{i}.router.weight", g(p + "gate.weight", (e_n, h))
+    yield f"layers.{i}.experts.gate_up_weight", torch.stack([torch.cat([
+        g(f"{p}experts.{e}.{gate}.weight", (inter, h)), g(f"{p}experts.{e}.{up}.weight", (inter, h))], 0)
+        for e in range(e_n)])
+    yield f"layers.{i}.experts.down_weight", torch.stack([
+        g(f"{p}experts.{e}.{down}.weight", (h, inter)) for e in range(e_n)])
+    si = m.shared_expert_intermediate_size
+    if si:
+        yield f"layers.{i}.shared_expert.gate_up_proj.weight", torch.cat([
+            g(p + "shared_expert.gate_proj.weight", (si, h)), g(p + "shared_expert.up_proj.weight", (si, h))], 0)
+        yield f"layers.{i}.shared_expert.down_proj.weight", g(p + "shared_expert.down_proj.weight", (h, si))
+        if m.shared_expert_gate:
+            yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
+
+
+# Round-to-nearest per expert (builder/quant_moe.py); the calibrated methods are not wired for experts.
+MOE_QUANTIZATION = ("none", "int8", "int4-rtn")
+
+
+def check_moe_build(m: ModelConfig, opts, imported) -> None:
+    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag)."""
+    if not m.num_experts:
+        return
+    if opts.tensor_parallel_size > 1 and opts.quantization != "none":
+        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size} with --quantization {opts.quantization}: "
+                         f"the quantized experts of mixture-of-experts models ({m.architecture}) are not split across ranks yet; allowed: "
+                         f"--quantization none with tensor parallelism, or --tensor-parallel-size 1")
+    if opts.quantization not in MOE_QUANTIZATION or imported is not None:
+        what = f"--quantization {opts.quantization}" if imported is None else "a pre-quantized source"
+        raise ValueError(f"{what}: not supported for mixture-of-experts models ({m.architecture}) yet; "
+                         f"allowed: --quantization {' / '.join(MOE_QUANTIZATION)}")
+
+
+def shard_moe_tensor(name: str, t: torch.Tensor, layout, r: int) -> Optional[torch.Tensor]:
+    """Rank r's part of an MoE engine tensor (builder/tp_shard.py), None if `name` is not one.
+    Experts and the shared expert are split by columns like a dense MLP: [gate; up] rows and down
+    columns of the rank's intermediate features; the router and the shared expert's gate are
+    replicated (every rank routes the same, identical hidden states)."""
+    if ".experts." not in name and ".shared_expert." not in name:
+        return None
+    shared = ".shared_expert." in name
+    start = sum(lay.shared_intermediate if shared else lay.moe_intermediate for lay in layout[:r])
+    width = layout[r].shared_intermediate if shared else layout[r].moe_intermediate
+    cols = torch.arange(start, start + width)
+    if name.endswith(("experts.gate_up_weight", "shared_expert.gate_up_proj.weight")):
+        inter = t.shape[-2] // 2
+        return t.index_select(t.dim() - 2, torch.cat([cols, inter + cols]))
+    if name.endswith(("experts.down_weight", "shared_expert.down_proj.weight")):
+        return t.index_select(t.dim() - 1, cols)
+    raise ValueError(f"{name}: no tensor-parallel split for this MoE tensor (quantized experts are not split)")

@@ -1,0 +1,107 @@
+"""Fused MoE in Triton: tokens sorted and padded per expert, one grouped-GEMM launch per projection.
+
+The (token, slot) pairs are sorted by expert and each expert's run padded to BLOCK_M rows
+(moe_ref.moe_align), so that every row tile of the launch multiplies by one expert's matrix:
+    launch 1  C1[p] = x[p // k] @ w_gate_up[e]^T              (T*k, 2I)
+    act       H[p]  = act(C1[p])                               (T*k, I)   (ops' activation)
+    launch 2  C2[p] = topk_weights[p] * H[p] @ w_down[e]^T      (T*k, H)
+    sum       out[t] = sum_j C2[t * k + j]
+Tiles of the unused tail (block_expert == -1) return at once; padding rows carry the sentinel id
+T*k and neither load nor store. The layout follows vLLM's fused_moe (sorted ids, per-block
+expert ids); the code is this project's own.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_ref import ActMul, QuantExperts, moe_align
+from .silu_mul import silu_mul_ref
+from .triton_common import TORCH_FLOATS, check_dtype, dot_upcast, mm
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+                     stride_am, stride_be, stride_bn, stride_cm, stride_se,
+                     A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, INT8: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    ids = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = ids < num_pairs
+    a_rows = ids // A_ROW_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                    mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+        if INT8:  # W8A16: codes to the activation dtype, the per-channel scale in the epilogue
+            if UPCAST:
+                b = b.to(tl.float32)
+            else:
+                b = b.to(a.dtype)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += mm(a, b, IEEE)
+    if INT8:
+        sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc * sc[None, :]
+    if MUL_WEIGHT:
+        w = tl.load(w_ptr + ids, mask=valid, other=0.0)
+        acc = acc * w[:, None].to(tl.float32)
+    tl.store(c_ptr + ids[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row_div, mul_weight):
+    """w: float (E, N, K) or QuantExperts int8 (codes (E, N, K), scales (E, N))."""
+    scales = None
+    if isinstance(w, QuantExperts):
+        w, scales = w.qweight, w.scales.float().contiguous()
+    n, k = w.shape[1], w.shape[2]
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](a, w, out, weights, weights if scales is None else scales, sorted_ids, block_expert,
+                           num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                           0 if scales is None else scales.stride(0),
+                           A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, UPCAST=dot_upcast(a.dtype),
+                           INT8=scales is not None,
+                           IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
+    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 QuantExperts
+    (int4 experts take the torch path in ops.fused_moe)."""
+    check_dtype("x", x, TORCH_FLOATS)
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if isinstance(w, QuantExperts):
+            if w.method != "int8":
+                raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; allowed: int8")
+        else:
+            check_dtype(name, w, TORCH_FLOATS)
+    x = x.contiguous()
+    w_gate_up = w_gate_up if isinstance(w_gate_up, QuantExperts) else w_gate_up.contiguous()
+    w_down = w_down if isinstance(w_down, QuantExperts) else w_down.contiguous()
+    t, k = topk_ids.shape
+    num_experts, two_i, h = w_gate_up.shape
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, BLOCK_M)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    c1 = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w_gate_up, c1, weights, sorted_ids, block_expert, t * k, k, False)
+    hid = act_mul(c1).contiguous()
+    h = w_down.shape[1]
+    c2 = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    _grouped_gemm(hid, w_down, c2, weights, sorted_ids, block_expert, t * k, 1, True)
+    return c2.view(t, k, h).sum(1).to(x.dtype)
