@@ -15,16 +15,21 @@ import traceback
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from .engine import LLMEngine
+from .errors import TritiumError
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(TritiumError, RuntimeError):
     """The loop thread hit an internal error; pending requests are failed with it."""
 
+    code = "unavailable"
 
-class EngineOverloadedError(RuntimeError):
+
+class EngineOverloadedError(TritiumError, RuntimeError):
     """The waiting queue is full (max_queue_size): the request was not added; retry later."""
+
+    code = "overloaded"
 
 
 class AsyncLLMEngine:
@@ -97,7 +102,7 @@ class AsyncLLMEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
         if self._stopped:
-            raise RuntimeError("engine is shut down")
+            raise EngineDeadError("engine is shut down")
         waiting = len(self.engine.scheduler.waiting)
         if self.max_queue_size is not None and waiting >= self.max_queue_size:
             self.num_rejected += 1
@@ -108,7 +113,12 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         """False once the loop thread died (every request since fails with the cause) or stopped,
         or a tensor-parallel worker failed (the next step fails with the cause)."""
-        return self._error is None and not self._stopped and getattr(self.engine.runner, "healthy", True)
+        return self._error is None and not self._stopped and self.engine.failure is None
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine cannot serve (the loop's error, or a tensor-parallel worker's), or None."""
+        return repr(self._error) if self._error is not None else self.engine.failure
 
     def _stream(self, request_id: str, q: "queue.Queue") -> Iterator[RequestOutput]:
         finished = False
@@ -152,9 +162,7 @@ class AsyncLLMEngine:
     def _fail_all(self, err: BaseException) -> None:
         with self._cv:
             streams, self._streams = self._streams, {}
-            for rid in list(self.engine.requests):
-                self.engine.abort(rid)
-            self.engine._aborted.clear()
+            self.engine.abort_all()
         callbacks = []
         for sink in streams.values():
             if isinstance(sink, queue.Queue):

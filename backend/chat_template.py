@@ -19,16 +19,26 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+from .errors import RequestError
+
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TEMPLATE_CHARS = 1 << 20
 
 
-class NoChatTemplateError(ValueError):
+class NoChatTemplateError(RequestError):
     """The engine carries no chat template, so chat messages cannot become a prompt."""
 
+    code = "no_chat_template"
 
-class ChatTemplateError(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message, field="messages")
+
+
+class ChatTemplateError(RequestError):
     """The template failed to render these messages (its own raise_exception, or a bad template)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, field="messages")
 
 
 def _token_text(v) -> str:
@@ -87,15 +97,15 @@ def _strftime_now(fmt):
 def normalize_messages(messages: Any, where: str = "messages") -> List[Dict[str, Any]]:
     """Check OpenAI-style chat messages; text-part lists become one string. ValueError names the field."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where} must be a non-empty list of {{role, content}} objects")
+        raise RequestError(f"{where} must be a non-empty list of {{role, content}} objects", field="messages")
     out = []
     for i, m in enumerate(messages):
         at = f"{where}[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"{at} must be an object with role and content")
+            raise RequestError(f"{at} must be an object with role and content", field="messages")
         role = m.get("role")
         if role not in ROLES:
-            raise ValueError(f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise RequestError(f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}", field="messages")
         content = m.get("content")
         if content is None:
             content = ""
@@ -103,12 +113,12 @@ def normalize_messages(messages: Any, where: str = "messages") -> List[Dict[str,
             parts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": STRING}} "
-                                     f"(only text parts are supported)")
+                    raise RequestError(f"{at}.content[{j}] must be {{\"type\": \"text\", \"text\": STRING}} "
+                                       f"(only text parts are supported)", field="messages")
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise ValueError(f"{at}.content must be a string or a list of text parts")
+            raise RequestError(f"{at}.content must be a string or a list of text parts", field="messages")
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .parallel.layout import TensorParallelError, layout_from_config
+from .parallel_layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
 # 2: the model-family fields of ModelConfig / RopeConfig (all defaulted, so version-1 files of
@@ -32,7 +32,7 @@ SUPPORTED_NORM_PLACEMENTS = ("pre", "sandwich", "post")
 SUPPORTED_QK_NORMS = ("none", "head", "full")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-# "auto": per-layer choices under a quality budget (builder/quant_auto.py); the runtime reads
+# "auto": per-layer choices under a quality budget (builder/quant/quant_auto.py); the runtime reads
 # each linear's own entry in QuantConfig.layers, as for every method.
 SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-gptq", "auto")
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
@@ -155,7 +155,7 @@ class LayerQuant:
     input_scale: bool = False
     # The LM head (embed_tokens when tied, else lm_head) only: a centred head. Its GEMM runs on
     # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
-    # input's logits from the float weights) is added to its output (int4-awq; builder/quant_head.py).
+    # input's logits from the float weights) is added to its output (int4-awq; builder/quant/quant_head.py).
     centred: bool = False
     # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) float32 is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
@@ -217,7 +217,7 @@ class EngineConfig:
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     limits: Limits = field(default_factory=Limits)
     tensor_parallel_size: int = 1
-    # Which heads / features / vocabulary rows each rank holds (backend/parallel/layout.py);
+    # Which heads / features / vocabulary rows each rank holds (backend/parallel_layout.py);
     # empty when tensor_parallel_size is 1. Rank r's weights are rank{r}.safetensors.
     tensor_parallel: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)  # provenance: source, sha256, tool version, time

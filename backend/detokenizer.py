@@ -41,8 +41,10 @@ class IncrementalDetokenizer:
     """Turns a growing list of generated token ids into text deltas for one sequence."""
 
     def __init__(self, tokenizer, stop: Seq[str] = (), skip_special_tokens: bool = True):
+        """stop: non-empty stop strings (SamplingParams normalizes them: the one place)."""
+        assert all(stop), "empty stop strings are dropped by SamplingParams"
         self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = list(stop)
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         # Leftmost match; at one position the earlier stop string in the list wins.
         self._stop_re = re.compile("|".join(re.escape(s) for s in self.stop)) if self.stop else None

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from .config import EngineConfig, EngineFormatError
 from .models.decoder import DecoderLM
-from .parallel.layout import local_config
+from .parallel_layout import local_config
 
 
 def default_device() -> torch.device:
@@ -32,7 +32,7 @@ def load_tokenizer(engine_dir: str):
 def load_engine(engine_dir: str, device: Optional[str] = None, rank: int = 0
                 ) -> Tuple[EngineConfig, DecoderLM, object]:
     """Returns (cfg, model in eval mode on `device`, tokenizer or None). A tensor-parallel engine
-    loads rank `rank`'s shard into a DecoderLM of that rank's size (parallel.layout.local_config);
+    loads rank `rank`'s shard into a DecoderLM of that rank's size (parallel_layout.local_config);
     cfg is always the whole model's."""
     cfg = EngineConfig.load(engine_dir)
     if not 0 <= rank < cfg.tensor_parallel_size:

@@ -71,7 +71,7 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device,
                  vocab_size: Optional[int] = None):
-        # cfg: this rank's config (parallel.layout.local_config); vocab_size: the full model's.
+        # cfg: this rank's config (parallel_layout.local_config); vocab_size: the full model's.
         self.cfg = cfg
         self.vocab_size = vocab_size or cfg.model.vocab_size
         self.model = model

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
+from .errors import RequestError
+
 
 def max_token_chars(tokenizer) -> int:
     """An upper bound on the characters one token decodes to (the longest vocabulary entry;
@@ -18,12 +20,12 @@ def max_token_chars(tokenizer) -> int:
 
 
 def encode_prompt(tokenizer, text: str, max_seq_len: int, token_chars: int) -> List[int]:
-    """tokenizer.encode(text).ids, or ValueError (naming the limit) for a prompt that cannot fit."""
+    """tokenizer.encode(text).ids, or RequestError (too_long) (naming the limit) for a prompt that cannot fit."""
     head_chars = (max_seq_len + 2) * token_chars
     if len(text) > head_chars:
         num_head = len(tokenizer.encode(text[:head_chars]).ids)
         if num_head > max_seq_len:
-            raise ValueError(f"prompt has at least {num_head - 1} tokens (its first {head_chars} characters "
+            raise RequestError(f"prompt has at least {num_head - 1} tokens (its first {head_chars} characters "
                              f"alone make {num_head}); the engine's max_seq_len is {max_seq_len}, so prompts "
-                             f"must have at most {max_seq_len - 1} tokens")
+                               f"must have at most {max_seq_len - 1} tokens", field="prompt", code="too_long")
     return tokenizer.encode(text).ids

@@ -150,7 +150,7 @@ class Sampler:
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         x = processed_logits(logits, seqs)
-        greedy = [p.temperature == 0.0 for p in params]
+        greedy = [p.is_greedy for p in params]
         # max(dim).indices: the first maximal index, like argmax, but ~3x faster on CPU (measured
         # 1.0 vs 3.0 ms for 40 x 49152 float32 rows, one thread).
         tokens = x.max(dim=-1).indices

@@ -1,19 +1,26 @@
-"""SamplingParams: how one request is decoded. Validated once, at admission, with clear errors.
+"""SamplingParams: how one request is decoded, and the one declaration of every request field.
+
+Each attribute is declared once with request_field() (backend/request_fields.py): kind, default,
+range, and its name on every surface (Triton tensor, vllm_backend `sampling_parameters` key,
+OpenAI body name, `tritium generate` flag). Building a SamplingParams checks every field, so a
+built one is valid; the limits that depend on the engine (context length, vocabulary) are
+checked once more at admission by check_context(). To add a field, add one attribute here.
 
 Order in which the sampler applies them (see backend/sampler.py):
     bad words / min_tokens bans -> repetition penalty -> presence & frequency penalties
-    -> temperature -> top-k -> top-p -> min-p -> sample (greedy when temperature == 0).
+    -> temperature -> top-k -> top-p -> min-p -> sample (greedy when is_greedy).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
+from .errors import RequestError
 from .guided.params import GuidedDecodingParams
+from .request_fields import MAX_INT32, fields_of, request_field
 
-# Largest number of top logprobs a request may ask for per token.
-MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16       # the completions APIs' default (OpenAI, vLLM, tensorrtllm_backend)
+MAX_LOGPROBS = 20             # top logprobs per token
 MAX_N = 64
 # Stop strings and bad words: a request may not make every step of the batch slower, nor pin
 # much memory (each stop string keeps a set of its prefixes, each bad word an index entry).
@@ -24,140 +31,123 @@ MAX_NUM_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300          # entries of logit_bias (OpenAI's own limit)
 
 
-def _check_number(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False, integer=False):
-    """Raise ValueError naming `name` unless lo (<|<=) value (<|<=) hi; NaN is always rejected."""
-    kind = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
-    if isinstance(value, float) and math.isnan(value):
-        raise ValueError(f"{name} must be {kind}, got NaN")
-    lo_s = "(" if lo_open else "["
-    hi_s = ")" if hi_open else "]"
-    rng = f"{lo_s}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{hi_s}"
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ValueError(f"{name} must be in {rng}, got {value!r}")
-    if hi is not None and (value >= hi if hi_open else value > hi):
-        raise ValueError(f"{name} must be in {rng}, got {value!r}")
-
-
-def _check_words(name: str, words, max_num: int) -> None:
-    """A list of at most max_num non-empty strings of at most MAX_WORD_CHARS characters each."""
-    if len(words) > max_num:
-        raise ValueError(f"{name} has {len(words)} entries; at most {max_num} are allowed")
-    for w in words:
-        if not isinstance(w, str) or not w:
-            raise ValueError(f"{name} must be a list of non-empty strings, got {w!r}")
-        if len(w) > MAX_WORD_CHARS:
-            raise ValueError(f"{name} entries must have at most {MAX_WORD_CHARS} characters, got one of {len(w)}")
-
-
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters (the engine API's contract).
-
-    temperature 0 means greedy. top_k None disables top-k; the wire formats' "off" values, 0
-    (TensorRT-LLM) and -1 (vLLM), are read as None. `stop` strings end the output
-    and are not emitted; `stop_token_ids` (and the model's EOS unless ignore_eos) end it too.
-    `bad_words` are strings never generated. `logprobs` N returns the sampled token's logprob
-    plus the top N (N = 0: sampled only). `n` independent samples share the prompt's KV blocks.
-    `logit_bias` {token id: bias in [-100, 100]} is added to those logits before sampling.
-    `guided` constrains the output to a JSON schema / regex / grammar / choice (backend/guided/);
-    its mask comes first, so logprobs report the constrained distribution.
-    """
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: Optional[int] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: Union[List[str], str] = field(default_factory=list)
-    stop_token_ids: List[int] = field(default_factory=list)
-    bad_words: List[str] = field(default_factory=list)
-    logprobs: Optional[int] = None
-    n: int = 1
-    logit_bias: Optional[Dict[int, float]] = None
+    """Per-request decoding parameters (the engine API's contract); see each field's doc."""
+    max_tokens: Optional[int] = request_field(
+        DEFAULT_MAX_TOKENS, "int", lo=1, hi=MAX_INT32, nullable=True, tensor="max_tokens", json_key="max_tokens",
+        openai="max_tokens", cli="--max-tokens",
+        doc="tokens to generate; null: up to the end of the context (the chat API's default)")
+    temperature: float = request_field(
+        1.0, "float", lo=0.0, hi=2.0, tensor="temperature", json_key="temperature", openai="temperature",
+        cli="--temperature", cli_default=0.0,
+        doc="0 = greedy; 2 is the OpenAI API's top; `tritium generate` defaults to greedy (reproducible)")
+    top_k: Optional[int] = request_field(
+        None, "int", lo=1, hi=MAX_INT32, off=(0, -1), tensor="top_k", json_key="top_k", openai="top_k", cli="--top-k",
+        doc="keep the k most likely tokens; 0, -1 (the wire formats' off values) or null: off")
+    top_p: float = request_field(
+        1.0, "float", lo=0.0, lo_open=True, hi=1.0, tensor="top_p", json_key="top_p", openai="top_p",
+        cli="--top-p", doc="nucleus sampling: the smallest set of tokens with this much probability")
+    min_p: float = request_field(
+        0.0, "float", lo=0.0, hi=1.0, tensor="min_p", json_key="min_p", openai="min_p", cli="--min-p",
+        doc="drop tokens less likely than min_p x the most likely one")
+    repetition_penalty: float = request_field(
+        1.0, "float", lo=0.0, lo_open=True, tensor="repetition_penalty", json_key="repetition_penalty",
+        openai="repetition_penalty", cli="--repetition-penalty", doc="CTRL's repetition penalty; 1 = off")
+    presence_penalty: float = request_field(
+        0.0, "float", lo=-2.0, hi=2.0, tensor="presence_penalty", json_key="presence_penalty",
+        openai="presence_penalty", cli="--presence-penalty", doc="subtracted once from seen tokens' logits")
+    frequency_penalty: float = request_field(
+        0.0, "float", lo=-2.0, hi=2.0, tensor="frequency_penalty", json_key="frequency_penalty",
+        openai="frequency_penalty", cli="--frequency-penalty", doc="subtracted per occurrence of a token")
+    seed: Optional[int] = request_field(
+        None, "int", lo=0, hi=2 ** 63 - 1, tensor="seed", tensor_type="TYPE_UINT64", json_key="seed",
+        openai="seed", cli="--seed", doc="per-request sampling seed (the same tokens whatever shares the batch)")
+    min_tokens: int = request_field(
+        0, "int", lo=0, hi=MAX_INT32, tensor="min_tokens", json_key="min_tokens", openai="min_tokens",
+        cli="--min-tokens",
+        doc="EOS and stops are banned before this many tokens (at most max_tokens)")
+    ignore_eos: bool = request_field(
+        False, "bool", json_key="ignore_eos", openai="ignore_eos", cli="--ignore-eos",
+        doc="keep generating past the model's EOS")
+    stop: List[str] = request_field(
+        [], "words", max_items=MAX_NUM_STOP, max_chars=MAX_WORD_CHARS, tensor="stop_words", json_key="stop",
+        openai="stop", cli="--stop", doc="stop strings (not emitted); a single string is a list of one")
+    stop_token_ids: List[int] = request_field(
+        [], "ids", max_items=MAX_NUM_STOP_TOKEN_IDS, json_key="stop_token_ids", openai="stop_token_ids",
+        cli="--stop-token-id", doc="token ids that end the output (the Triton input end_id adds one)")
+    bad_words: List[str] = request_field(
+        [], "words", max_items=MAX_NUM_BAD_WORDS, max_chars=MAX_WORD_CHARS, tensor="bad_words",
+        json_key="bad_words", openai="bad_words", cli="--bad-word", doc="strings never generated")
+    logprobs: Optional[int] = request_field(
+        None, "int", lo=0, hi=MAX_LOGPROBS, json_key="logprobs", cli="--logprobs",
+        doc="the sampled token's logprob plus the top N per token (0: sampled only); the OpenAI "
+            "endpoints spell it their own way (completions logprobs, chat logprobs + top_logprobs)")
+    n: int = request_field(
+        1, "int", lo=1, hi=MAX_N, tensor="num_return_sequences", json_key="n", openai="n", cli="--n",
+        doc="independent samples; they share the prompt's KV blocks")
+    logit_bias: Optional[Dict[int, float]] = request_field(
+        None, "bias", lo=-100.0, hi=100.0, max_items=MAX_LOGIT_BIAS, json_key="logit_bias",
+        openai="logit_bias", cli="--logit-bias", doc="{token id: bias} added to those logits before sampling")
+    # LoRA (backend/lora/, docs/lora.md): which adapter the request runs with. The engine resolves
+    # the name / id against its adapters at admission (an unknown one is a bad_parameter naming it).
+    lora_name: Optional[str] = request_field(
+        None, "str", max_chars=256, json_key="lora_name", cli="--lora-name",
+        doc="the LoRA adapter to generate with (vllm_backend's key): one the model serves; null: the base model")
+    lora_task_id: Optional[int] = request_field(
+        None, "int", lo=0, hi=2 ** 63 - 1, tensor="lora_task_id", tensor_type="TYPE_UINT64",
+        doc="tensorrtllm_backend's LoRA adapter id: cached with lora_weights + lora_config on first use, then alone")
+    # Structured outputs (backend/guided/): a JSON schema / regex / grammar / choice guide, built by
+    # guided/surfaces.py from each surface's spellings (guided_decoding_* tensors, structured_outputs /
+    # guided_* JSON keys, OpenAI response_format); its mask comes first, so logprobs report the
+    # constrained distribution. Not a plain request field: one field, several wire forms.
     guided: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self):
-        if type(self.top_k) is int and self.top_k in (0, -1):
-            self.top_k = None
-
-    def validate(self, max_seq_len: int, vocab_size: int, prompt_len: int) -> None:
-        """Check every field; raise ValueError naming the first bad one and its allowed range."""
-        if prompt_len <= 0:
-            raise ValueError("prompt must not be empty (got 0 tokens)")
-        if prompt_len >= max_seq_len:
-            raise ValueError(f"prompt has {prompt_len} tokens; the engine's max_seq_len is {max_seq_len}, "
-                             f"so prompts must have at most {max_seq_len - 1} tokens")
-        _check_number("max_tokens", self.max_tokens, lo=1, integer=True)
-        if prompt_len + self.max_tokens > max_seq_len:
-            raise ValueError(f"max_tokens must be in [1, {max_seq_len - prompt_len}] for this "
-                             f"{prompt_len}-token prompt (max_seq_len {max_seq_len}), got {self.max_tokens}")
-        _check_number("temperature", self.temperature, lo=0.0)
-        if math.isinf(self.temperature):
-            raise ValueError("temperature must be finite and >= 0, got inf")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1, or 0, -1 or null for off, got {self.top_k!r}")
-        _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        if math.isinf(self.repetition_penalty):
-            raise ValueError("repetition_penalty must be finite and > 0")
-        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        if self.seed is not None:
-            _check_number("seed", self.seed, lo=0, hi=2 ** 63 - 1, integer=True)
-        _check_number("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens, integer=True)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        _check_words("stop (stop_words)", self.stop_list, MAX_NUM_STOP)
-        if isinstance(self.bad_words, str):
-            raise ValueError("bad_words must be a list of strings, not a single string")
-        _check_words("bad_words", self.bad_words, MAX_NUM_BAD_WORDS)
-        if len(self.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
-                             f"{MAX_NUM_STOP_TOKEN_IDS} are allowed")
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids entries must be token ids in [0, {vocab_size}), got {t!r}")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS, integer=True)
-        _check_number("n", self.n, lo=1, hi=MAX_N, integer=True)
-        if self.logit_bias is not None:
-            self._check_logit_bias(vocab_size)
+        for f in FIELDS:
+            setattr(self, f.name, f.check(getattr(self, f.name)))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens}",
+                               field="min_tokens")
         if self.guided is not None:
             if not isinstance(self.guided, GuidedDecodingParams):
-                raise ValueError(f"guided must be a GuidedDecodingParams, got {type(self.guided).__name__}")
-            self.guided.validate()
-            if self.ignore_eos:
-                raise ValueError(f"ignore_eos cannot be combined with {self.guided.source}: the grammar "
-                                 "decides where the output ends (EOS only where it may end)")
-
-    def _check_logit_bias(self, vocab_size: int) -> None:
-        """{token id: bias}; ids may arrive as strings (JSON object keys); normalized in place."""
-        if not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be an object {{token id: bias}}, got {self.logit_bias!r}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
-        clean = {}
-        for k, v in self.logit_bias.items():
+                raise RequestError(f"guided must be a GuidedDecodingParams, got {type(self.guided).__name__}",
+                                   field="guided")
             try:
-                tok = int(k)
-            except (TypeError, ValueError):
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
-            if isinstance(k, bool) or not 0 <= tok < vocab_size:
-                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {k!r}")
-            _check_number(f"logit_bias[{k}]", v, lo=-100.0, hi=100.0)
-            clean[tok] = float(v)
-        self.logit_bias = clean
+                self.guided.validate()
+            except ValueError as e:
+                raise RequestError(str(e), field="guided") from None
+            if self.ignore_eos:
+                raise RequestError(f"ignore_eos cannot be combined with {self.guided.source}: the grammar "
+                                   "decides where the output ends (EOS only where it may end)", field="ignore_eos")
 
     @property
-    def stop_list(self) -> List[str]:
-        """`stop` as a list (a single string is accepted for convenience)."""
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def is_greedy(self) -> bool:
+        """The one definition of greedy decoding: temperature 0 (the argmax, no randomness)."""
+        return self.temperature == 0.0
+
+    def check_context(self, max_seq_len: int, vocab_size: int, prompt_len: int) -> None:
+        """The limits that depend on the engine: the prompt and max_tokens fit max_seq_len, token
+        ids are in the vocabulary. Raises RequestError (too_long or bad_parameter) naming the field."""
+        if prompt_len <= 0:
+            raise RequestError("prompt must not be empty (got 0 tokens)", field="prompt")
+        if prompt_len >= max_seq_len:
+            raise RequestError(f"prompt has {prompt_len} tokens; the engine's max_seq_len is {max_seq_len}, "
+                               f"so prompts must have at most {max_seq_len - 1} tokens",
+                               field="prompt", code="too_long")
+        if self.max_tokens is not None and prompt_len + self.max_tokens > max_seq_len:
+            raise RequestError(f"max_tokens must be in [1, {max_seq_len - prompt_len}] for this {prompt_len}-token "
+                               f"prompt (max_seq_len {max_seq_len}), got {self.max_tokens}",
+                               field="max_tokens", code="too_long")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise RequestError(f"stop_token_ids entries must be token ids in [0, {vocab_size}), got {t}",
+                                   field="stop_token_ids")
+        for t in self.logit_bias or {}:
+            if t >= vocab_size:
+                raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t}",
+                                   field="logit_bias")
+
+
+FIELDS = fields_of(SamplingParams)
+FIELD = {f.name: f for f in FIELDS}

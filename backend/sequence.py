@@ -70,6 +70,43 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def append_token(self, tok: int, entry: Optional[dict], now: float, max_seq_len: int) -> Optional[str]:
+        """Append a sampled token (and its logprob entry); returns the finish reason it causes:
+        "stop" (EOS, a stop id, a stop string once min_tokens are out), "length", or None."""
+        req, p = self.request, self.request.params
+        self.token_ids.append(tok)
+        self.unreported_token_ids.append(tok)
+        m = req.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        m.num_output_tokens += 1
+        if entry is not None:
+            self.logprobs.append(entry)
+            self.cum_logprob += entry["logprob"]
+        if tok in req.eos_token_ids or tok in req.stop_token_ids:
+            self.stop_reason = tok  # reported in token_ids, but contributes no text
+            return "stop"
+        if self.detok is not None:
+            stop = self.detok.add_tokens([tok], check_stop=self.num_output_tokens >= p.min_tokens)
+            if stop is not None:
+                self.stop_reason = stop
+                return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_seq_len:
+            return "length"
+        return None
+
+    def completion(self) -> "CompletionOutput":
+        """This sample as of now: all text and ids, and what is new since the last call."""
+        fin = self.is_finished
+        delta, text = (self.detok.delta(finished=fin), self.detok.emitted_text) if self.detok is not None else ("", "")
+        out = CompletionOutput(
+            index=self.index, text=text, text_delta=delta, token_ids=self.output_token_ids,
+            new_token_ids=self.unreported_token_ids, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cum_logprob=self.cum_logprob if self.logprobs is not None else None)
+        self.unreported_token_ids = []
+        return out
+
     @property
     def sort_key(self):
         """Scheduling order: lower priority value first, then earlier arrival, then sample index."""
@@ -137,6 +174,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> "RequestOutput":
+        """The RequestOutput of this request as of now (each sample's new tokens since the last one)."""
+        return RequestOutput(self.request_id, self.prompt_token_ids, self.is_finished,
+                             [seq.completion() for seq in self.seqs], self.metrics.to_dict())
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
 
 from .convert import CheckpointError, hf_to_engine_tensors
 from .convert_moe import check_moe_build
-from tritium.backend.parallel.layout import plan_layout
+from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
 from .report import component_bytes, write_json
@@ -54,7 +54,7 @@ class BuildOptions:
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
-    max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant_auto.py)
+    max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant/quant_auto.py)
     auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
     auto_candidates: Optional[str] = None      # --quantization auto: e.g. "int4,int8,none"
     progress: bool = True
@@ -105,13 +105,13 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     opts.validate()
     out = check_output_dir(opts.output, opts.source)  # before any work: never overwrite a stranger's folder
     t0 = time.time()
-    # Quantization contract (builder/quant_pipeline.py): validate_quant_args(opts) raises ValueError
+    # Quantization contract (builder/quant/quant_pipeline.py): validate_quant_args(opts) raises ValueError
     # before any work; quantize_engine_weights(cfg, tensors, opts) -> (tensors, QuantConfig,
     # KVCacheConfig, report dict). `opts` is this BuildOptions.
-    from .quant_auto import validate_auto_args
+    from .quant.quant_auto import validate_auto_args
     validate_auto_args(opts)  # refuses the auto flags without --quantization auto, too
     if opts.quantization != "none" or opts.kv_cache_dtype != "auto":
-        from .quant_pipeline import validate_quant_args
+        from .quant.quant_pipeline import validate_quant_args
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
     imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
@@ -144,8 +144,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
             tensors[name] = t.contiguous()
         float_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if imported is None and (opts.quantization != "none" or opts.kv_cache_dtype != "auto"):
-        from .quant_auto import quantize_auto
-        from .quant_pipeline import quantize_engine_weights
+        from .quant.quant_auto import quantize_auto
+        from .quant.quant_pipeline import quantize_engine_weights
         quantize = quantize_auto if opts.quantization == "auto" else quantize_engine_weights
         tensors, qcfg, kvcfg, quant_report = quantize(cfg, tensors, opts)
         cfg = dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg)

@@ -13,7 +13,7 @@ AWQ's scale search took 85 s on 2 threads with the default policy, 41-46 s on 1 
 So these loops run on one thread when the weight has few rows (they are latency-bound there; a
 second thread bought nothing even on a quiet host); an LM head's 49,152 rows make each op big
 enough to keep every thread. The `tritium` command also sets OMP_WAIT_POLICY=passive
-(client/cli.py), which removes the spinning for every other pass.
+(client/cli/main.py), which removes the spinning for every other pass.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
             yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
 
 
-# Round-to-nearest per expert (builder/quant_moe.py); the calibrated methods are not wired for experts.
+# Round-to-nearest per expert (builder/quant/quant_moe.py); the calibrated methods are not wired for experts.
 MOE_QUANTIZATION = ("none", "int8", "int4-rtn")
 
 

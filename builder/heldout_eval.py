@@ -3,7 +3,7 @@ held-out domain (calibration_mix.HELD_OUT_DOMAINS), text the calibration never s
 from __future__ import annotations
 
 from .calibration_mix import HELD_OUT_DOMAINS, HELD_OUT_FILES, domain_text, file_sha256
-from .quant_eval import encode_text, evaluate
+from .quant.quant_eval import encode_text, evaluate
 
 FIGURES = ("perplexity", "reference_perplexity", "perplexity_increase", "mean_kl", "top1_agreement",
            "tokens", "windows")

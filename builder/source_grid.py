@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional, Tuple
 
-from .quantize_int4 import SUPPORTED_GROUP_SIZES, choose_group_size
+from .quant.quantize_int4 import SUPPORTED_GROUP_SIZES, choose_group_size
 
 # Engine linear -> the Hugging Face tensors fused into it (the fusion of
 # convert.hf_to_engine_tensors; GGUFCheckpoint maps HF names to GGUF names).

@@ -1,6 +1,6 @@
 """Split a built engine's tensors into per-rank tensor-parallel shards (`--tensor-parallel-size N`).
 
-The split (backend/parallel/layout.py) is Megatron-LM's: column-parallel layers (qkv, gate_up)
+The split (backend/parallel_layout.py) is Megatron-LM's: column-parallel layers (qkv, gate_up)
 keep some output rows, row-parallel layers (o, down) keep some input columns, the embedding
 and LM head keep a range of vocabulary rows. Quantized tensors move with what they describe:
 - int8 / fp8 per-output-channel `scales` (N,) follow the rows they scale; a row-parallel layer
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tritium.backend.config import EngineConfig
-from tritium.backend.parallel.layout import TensorParallelError, layout_to_dict, plan_layout
+from tritium.backend.parallel_layout import TensorParallelError, layout_to_dict, plan_layout
 from tritium.kernels.quant_layouts import pack_int4, unpack_int4
 
 from .convert_moe import shard_moe_tensor

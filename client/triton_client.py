@@ -24,6 +24,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
+from tritium.backend.errors import from_wire
 from tritium.backend.triton_backend.contract import INPUTS
 
 _SPEC = {s.name: s for s in INPUTS}
@@ -34,7 +35,17 @@ _WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TY
 
 
 class TritiumClientError(RuntimeError):
-    """The server answered with an error (its message names the bad field)."""
+    """The server answered with an error: `code` (backend/errors.py CODES), `field` (the request
+    field it names, or None) and the message."""
+
+    def __init__(self, wire_message: str):
+        err = from_wire(wire_message)
+        super().__init__(err.message)
+        self.code, self.field, self.message = err.code, err.field, err.message
+
+
+class TritonUnreachableError(ConnectionError):
+    """tritonserver did not answer (its message says where it was looked for)."""
 
 
 @dataclass
@@ -227,18 +238,19 @@ class TritiumClient:
             client.close()
 
     def _grpc_error(self, error) -> Exception:
-        """ConnectionError when the server cannot be reached, else TritiumClientError (its message)."""
+        """TritonUnreachableError when the server cannot be reached, else TritiumClientError."""
         from tritonclient.utils import InferenceServerException
         if not isinstance(error, InferenceServerException):
             return TritiumClientError(str(error))
         if "UNAVAILABLE" in str(error.status() or "") and "protocol is restricted" not in error.message():
-            return ConnectionError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
+            return TritonUnreachableError(f"cannot reach tritonserver at {self.url} (grpc): {error.message()}")
         return TritiumClientError(error.message())
 
     # ---- HTTP --------------------------------------------------------------------------------
     def _http(self, req: dict, stream: bool) -> Iterator[Chunk]:
         # /generate takes exactly one response; several samples come as several responses.
-        sse = stream or int(req.get("num_return_sequences", 1) or 1) > 1
+        n = req.get("num_return_sequences") or json.loads(req.get("sampling_parameters") or "{}").get("n") or 1
+        sse = stream or int(n) > 1
         endpoint = "generate_stream" if sse else "generate"
         body = json.dumps(req).encode("utf-8")
         try:

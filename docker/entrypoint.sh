@@ -1,9 +1,9 @@
 #!/bin/sh
 # tritonserver with its HTTP and metrics ports behind the Tritium HTTP guard
-# (client/http_guard.py): tritonserver 2.51 (NGC 24.10) dies on some single HTTP requests
+# (client/serve/http_guard.py): tritonserver 2.51 (NGC 24.10) dies on some single HTTP requests
 # (a 5 MB+ form-urlencoded body, JSON nested ~200,000 deep); the guard refuses them first.
 # gRPC (8001) is served by tritonserver directly. Beside them, the OpenAI-compatible API
-# (client/openai_server.py) on OPENAI_PORT (9000; -1 = off), forwarding to tritonserver's gRPC.
+# (client/openai/openai_server.py) on OPENAI_PORT (9000; -1 = off), forwarding to tritonserver's gRPC.
 # Extra arguments go to tritonserver.
 #
 # Secure by default, as `tritium serve` (docs/security.md). The container listens on 0.0.0.0, so:
@@ -63,7 +63,7 @@ if [ -n "$TLS_CERT" ]; then
 fi
 
 # idle OpenMP threads sleep instead of spinning: on shared cores spinning stalls every parallel
-# region (client/cli.py, builder/build_threads.py)
+# region (client/cli/main.py, builder/build_threads.py)
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 tritonserver --model-repository="${MODEL_REPOSITORY:-/models}" --model-control-mode=explicit --load-model='*' \
     --http-address=127.0.0.1 --http-port="$TRITON_HTTP_PORT" \
@@ -73,7 +73,7 @@ TRITON=$!
 # shellcheck disable=SC2086  # GUARD_TLS / OPENAI_TLS: paths without spaces, split on purpose
 TRITIUM_GUARD_ADMIN_KEY=$ADMIN_KEY TRITIUM_GUARD_ADMIN_CONFIGURED=$ADMIN_CONFIGURED \
 TRITIUM_GUARD_API_KEY=${TRITIUM_API_KEY:-} \
-    python3 -m tritium.client.http_guard --route "$BIND:$HTTP_PORT=127.0.0.1:$TRITON_HTTP_PORT" \
+    python3 -m tritium.client.serve.http_guard --route "$BIND:$HTTP_PORT=127.0.0.1:$TRITON_HTTP_PORT" \
     --open-route "$BIND:$METRICS_PORT=127.0.0.1:$TRITON_METRICS_PORT" $GUARD_TLS &
 GUARD=$!
 OPENAI=$GUARD

@@ -27,6 +27,19 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def native_bf16():
+    """Batch-invariant bfloat16 numerics come from the native AVX512-BF16 kernels
+    (kernels/cpu_native.py). On a CPU without avx512_bf16 the runtime falls back to torch, whose
+    GEMMs and attention are not batch-invariant: such tests are skipped there with this reason
+    (reported by `pytest -ra`), never silently. On a CPU that has the ISA the kernels must build."""
+    from tritium.kernels import cpu_native
+    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16: batch-invariant bf16 kernels exist only for "
+                    "AVX512-BF16 so far (AVX2 / generic paths: docs/determinism.md)")
+    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(family, **overrides) -> checkpoint folder (cached per args)."""
@@ -72,8 +85,8 @@ def smollm2_layer0_qkv(smollm2_gguf):
 
     from tritium.builder.calibration import default_calibration_text, default_eval_text
     from tritium.builder.gguf_loader import GGUFCheckpoint
-    from tritium.builder.gptq import HessianAccumulator
-    from tritium.builder.quant_pipeline import load_source_tokenizer
+    from tritium.builder.quant.gptq import HessianAccumulator
+    from tritium.builder.quant.quant_pipeline import load_source_tokenizer
     from tritium.kernels.rms_norm import rms_norm_ref
     ck = GGUFCheckpoint(smollm2_gguf)
     tok = load_source_tokenizer(smollm2_gguf)
@@ -113,7 +126,7 @@ def smollm2_tokenizer_checkpoint(tiny_checkpoint, smollm2_gguf, tmp_path_factory
     tokens: what structured-output tests want."""
     import shutil
 
-    from tritium.builder.quant_pipeline import load_source_tokenizer
+    from tritium.builder.quant.quant_pipeline import load_source_tokenizer
     cache = {}
 
     def make(seed: int = 0):

@@ -72,7 +72,7 @@ IGNORED_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version",
 
 def converter_dir() -> str:
     """vendor/llama.cpp of the llama-cpp-python sdist (pip download once into the Tritium cache)."""
-    from tritium.client.llamacpp import llama_cpp_source
+    from tritium.client.bench.llamacpp import llama_cpp_source
     return llama_cpp_source()
 
 

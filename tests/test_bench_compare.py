@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from tritium.client.cli import main
-from tritium.client.compare_cli import parse_pairs
-from tritium.client.compare_report import format_table, summary
-from tritium.client.llamacpp import ensure_llama_cpp
-from tritium.client.proc_cpu import group_cpu_seconds
+from tritium.client.cli.main import main
+from tritium.client.cli.compare_cli import parse_pairs
+from tritium.client.bench.compare_report import format_table, summary
+from tritium.client.bench.llamacpp import ensure_llama_cpp
+from tritium.client.serve.proc_cpu import group_cpu_seconds
 
 
 def _run(label, tok_s, ttft=100.0):

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from sse_endpoint import SSEEndpoint
-from tritium.client.bench_drivers import RequestResult
-from tritium.client.bench_openai import OpenAIDriver, completions_url
-from tritium.client.bench_report import distribution, itl_samples_s, summarize, tpot_s
-from tritium.client.bench_runner import RunResult, run_requests
-from tritium.client.bench_workload import (WorkloadSpec, make_requests, parse_concurrency, poisson_arrivals,
-                                           prose_words, single_stream_requests)
-from tritium.client.cli import main
+from tritium.client.bench.bench_drivers import RequestResult
+from tritium.client.bench.bench_openai import OpenAIDriver, completions_url
+from tritium.client.bench.bench_report import distribution, itl_samples_s, summarize, tpot_s
+from tritium.client.bench.bench_runner import RunResult, run_requests
+from tritium.client.bench.bench_workload import (WorkloadSpec, make_requests, parse_concurrency, poisson_arrivals,
+                                                 prose_words, single_stream_requests)
+from tritium.client.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "tiny"
@@ -95,7 +95,7 @@ def test_latency_figures_match_numpy():
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
     """(engine_dir, tritonserver) for a tiny engine built and served the way a user does it."""
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     root = tmp_path_factory.mktemp("bench")
     engine, repo = str(root / "engine"), str(root / "repo")
     assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",

@@ -111,7 +111,7 @@ def test_corrupt_engine_config_and_missing_engine(tiny_engine, tmp_path):
 def test_generate_bad_request_fields(tiny_engine):
     eng = tiny_engine("llama")
     rc, err = run_cli("generate", "--engine", eng, "--prompt-ids", "1,2", "--top-p", "2")
-    assert_one_line_error(rc, err, "top_p", "(0.0, 1.0]", "2.0")
+    assert_one_line_error(rc, err, "top_p", "(0, 1]", "2.0")
     rc, err = run_cli("generate", "--engine", eng, "--prompt-ids", "1,2", "--max-tokens", "100000")
     assert_one_line_error(rc, err, "max_tokens", "100000")
     rc, err = run_cli("generate", "--engine", eng, "--prompt-ids", "1,x")

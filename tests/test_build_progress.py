@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 DIMS = dict(hidden_size=96, intermediate_size=96)
 
@@ -65,14 +65,14 @@ def test_the_tritium_command_makes_openmp_threads_sleep_when_idle():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=dict(env, OMP_WAIT_POLICY="ACTIVE"))
     assert r.stdout.split()[0] == "ACTIVE", r.stderr  # an explicit choice is kept
-    from tritium.client.server import server_env
+    from tritium.client.serve.server import server_env
     assert os.environ.get("OMP_WAIT_POLICY", "PASSIVE") == server_env()["OMP_WAIT_POLICY"]
 
 
 def test_gptq_column_loops_restore_the_thread_count():
     from tritium.builder.build_threads import SMALL_LOOP_ROWS, column_loop_threads, torch_threads
-    from tritium.builder.gptq import gptq_quantize
-    from tritium.builder.gptq_rows import gptq_int8_quantize
+    from tritium.builder.quant.gptq import gptq_quantize
+    from tritium.builder.quant.gptq_rows import gptq_int8_quantize
     before = torch.get_num_threads()
     with torch_threads(1):
         assert torch.get_num_threads() == 1

@@ -149,7 +149,7 @@ def test_build_report_scores_held_out_domains(tiny_engine):
 
 
 def test_eval_domain(tiny_engine, capsys, tmp_path):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     fdir = tiny_engine("llama")
     assert main(["eval", "--engine", fdir, "--domain", "devil", "--num-tokens", "120", "--json"]) == 0
     by_domain = json.loads(capsys.readouterr().out)

@@ -13,7 +13,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import SpeculativeConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "native_bf16")
 
 
 QUESTIONS = ["What is the capital of France?",
@@ -85,10 +85,10 @@ def test_preempted_and_recomputed(engine_dir, alone):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation(engine_dir, alone, method):
-    eng = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     draft = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64) if method == "draft" else None
-    eng.enable_speculation(SpeculativeConfig(method, num_speculative_tokens=4,
-                                             draft_engine_dir="(loaded)" if draft else None,
-                                             step_overhead_tokens=float("inf")), draft_engine=draft)
+    eng = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64, enable_prefix_caching=False,
+                    speculative=SpeculativeConfig(method, num_speculative_tokens=4,
+                                                  draft_engine_dir="(loaded)" if draft else None,
+                                                  step_overhead_tokens=float("inf")), draft_engine=draft)
     assert tokens(eng.generate(PROMPTS, PARAMS)) == alone
     assert eng.stats()["spec_accepted_tokens"] > 0

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("mode", ["batched", "preempt", "chunks", "prefix"])
-def test_bf16_tiny_models_batched_equals_alone(tiny_engine, family, mode):
+def test_bf16_tiny_models_batched_equals_alone(tiny_engine, family, mode, native_bf16):
     kw = {"batched": dict(num_kv_blocks=64, enable_prefix_caching=False),
           "preempt": dict(num_kv_blocks=16, enable_prefix_caching=False),
           "chunks": dict(num_kv_blocks=64, max_num_batched_tokens=5, enable_prefix_caching=False),
@@ -75,7 +75,7 @@ def test_quantized_float32_tp2_equals_tp1(tiny_checkpoint, tmp_path, quant):
         assert ((a - b).norm() / b.norm()).item() < 1e-4
 
 
-def test_deterministic_option_packs_every_dense_weight_for_the_native_gemm(tiny_engine):
+def test_deterministic_option_packs_every_dense_weight_for_the_native_gemm(tiny_engine, native_bf16):
     path = tiny_engine("llama", "bfloat16")
     with LLMEngine(path, device="cpu", num_kv_blocks=64, deterministic=True) as eng:
         assert eng.config.deterministic

@@ -27,7 +27,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf, tmp_path_factory):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = str(tmp_path_factory.mktemp("tour"))
     engine, repo = os.path.join(root, "smollm2-bf16"), os.path.join(root, "repo")
     assert main(["build", smollm2_gguf, "-o", engine, "--dtype", "bfloat16", "--quiet", "--repo", repo,
@@ -57,7 +57,7 @@ def served(smollm2_gguf, tmp_path_factory):
 
 
 def _generate_url(served) -> str:
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["generate", "--url", served["grpc"], "--model", "smollm2", "--max-tokens", "48", "--json",
@@ -85,7 +85,7 @@ def _openai(served) -> str:
     return answer.choices[0].message.content
 
 
-def test_every_route_answers_paris_twice(served):
+def test_every_route_answers_paris_twice(native_bf16, served):
     from tritium.client.triton_client import TritiumClient
     chat = {}
     for route in (_generate_url, _curl, _openai):  # the README's order

@@ -165,9 +165,9 @@ def test_engine_greedy_kernel_e2e(family, tiny_engine, monkeypatch):
 
 def test_ops_registry_kernel_sides_agree(monkeypatch):
     """Every op of the registry gives the same answer on its triton and reference sides."""
-    from tritium.builder.quantize_fp8 import quantize_fp8, quantize_fp8_grouped
-    from tritium.builder.quantize_int4 import quantize_int4
-    from tritium.builder.quantize_int8 import quantize_int8, quantize_int8_source_grid
+    from tritium.builder.quant.quantize_fp8 import quantize_fp8, quantize_fp8_grouped
+    from tritium.builder.quant.quantize_int4 import quantize_int4
+    from tritium.builder.quant.quantize_int8 import quantize_int8, quantize_int8_source_grid
     from tritium.kernels import ops
     from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
     rng, seed = new_rng()

@@ -96,8 +96,8 @@ def test_cpu_path_visits_only_routed_experts(monkeypatch):
 
 def _quantized(w: torch.Tensor, method: str, group: int = 8) -> QuantExperts:
     """Each expert through the builder's own RTN quantizers, stacked."""
-    from tritium.builder.quantize_int4 import quantize_int4
-    from tritium.builder.quantize_int8 import quantize_int8
+    from tritium.builder.quant.quantize_int4 import quantize_int4
+    from tritium.builder.quant.quantize_int8 import quantize_int8
     parts = [quantize_int8(w[e]) if method == "int8" else quantize_int4(w[e], group) for e in range(w.shape[0])]
     stack = [torch.stack([p[j] for p in parts]) for j in range(len(parts[0]))]
     return QuantExperts(method, *stack, group_size=None if method == "int8" else group)
@@ -107,7 +107,7 @@ def _quantized(w: torch.Tensor, method: str, group: int = 8) -> QuantExperts:
 def test_quantized_experts_match_reference(case):
     """int8 (Triton kernel, interpreted, and CPU path) and int4 (CPU path) experts against the
     reference on the dequantized weights; the reference's dequantization against the builder's."""
-    from tritium.builder.quantize_int8 import dequantize_int8
+    from tritium.builder.quant.quantize_int8 import dequantize_int8
     x, w13, w2, w, ids, act, dtype, msg = _case(case)
     w13, w2 = torch.nan_to_num(w13.float()), torch.nan_to_num(w2.float())
     method = ("int8", "int4")[case % 2]

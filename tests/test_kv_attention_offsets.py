@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tritium.builder.calibration import _accumulate_attention
-from tritium.builder.kv_scales import attention_weighted_offsets
+from tritium.builder.quant.kv_scales import attention_weighted_offsets
 from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
 
 

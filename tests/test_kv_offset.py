@@ -7,7 +7,7 @@ import torch
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
 from simple_generate import alloc_kv_caches
-from tritium.builder.kv_scales import kv_head_offsets, kv_head_scales
+from tritium.builder.quant.kv_scales import kv_head_offsets, kv_head_scales
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.attention_ref import paged_attention_ref
 
@@ -88,7 +88,7 @@ def test_offsets_none_stores_zero_offsets_and_mean_does_not(tiny_engine):
 
     from safetensors.torch import load_file
 
-    from tritium.builder.quant_pipeline import quantize_engine_weights
+    from tritium.builder.quant.quant_pipeline import quantize_engine_weights
     fdir = tiny_engine("llama")
     cfg, _, tokenizer = load_engine(fdir, "cpu")
     tensors = load_file(os.path.join(fdir, "rank0.safetensors"))

@@ -8,8 +8,8 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.config import EngineConfig, EngineFormatError
 from tritium.backend.loader import load_engine
 from tritium.backend.models.kv_rotation import hadamard, rotate, rotation_supported
-from tritium.builder import quant_pipeline as qp
-from tritium.builder.kv_scales import kv_head_scales
+from tritium.builder.quant import quant_pipeline as qp
+from tritium.builder.quant.kv_scales import kv_head_scales
 from tritium.kernels.kv_write import quantize_kv_ref
 from tritium.kernels.attention_ref import paged_attention_ref
 

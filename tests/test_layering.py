@@ -125,3 +125,71 @@ def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def backend_subpackages(graph: Dict[str, Set[str]]) -> Set[str]:
+    """tritium.backend.X for every sub-folder X of backend/ (parallel, speculative, models, ...)."""
+    return {".".join(m.split(".")[:3]) for m in graph
+            if m.startswith("tritium.backend.") and len(m.split(".")) > 3}
+
+
+def collapsed(graph: Dict[str, Set[str]], package: str) -> Dict[str, Set[str]]:
+    """The graph with every module of `package` merged into one node named `package`."""
+    def node(m):
+        return package if m == package or m.startswith(package + ".") else m
+    out: Dict[str, Set[str]] = {}
+    for m, targets in graph.items():
+        out.setdefault(node(m), set()).update(node(t) for t in targets if node(t) != node(m))
+    return out
+
+
+def test_no_import_runs_back_up_inside_backend():
+    """A sub-folder of backend/ (parallel/, speculative/, models/, triton_backend/) sits either
+    above the modules it uses or below those that use it, never both: nothing it imports imports
+    it back (config.py importing parallel/layout.py while parallel/runner.py imports the loader,
+    which imports config.py, was such a loop)."""
+    graph = import_graph()
+    bad = []
+    for package in sorted(backend_subpackages(graph)):
+        for comp in cycles(collapsed(graph, package)):
+            if package in comp:
+                bad.append(f"{package}: " + " <-> ".join(comp))
+    assert not bad, "imports running back up into a backend sub-folder:\n" + "\n".join(bad)
+
+
+def test_collapsing_finds_a_loop_through_a_package():
+    graph = {"p.low": set(), "p.pkg.a": {"p.low"}, "p.mid": {"p.pkg.b"}, "p.pkg.b": set(), "p.top": {"p.pkg.a"}}
+    assert cycles(collapsed(graph, "p.pkg")) == []
+    graph["p.low"] = {"p.mid"}  # pkg.a -> low -> mid -> pkg.b: back up into the package
+    assert cycles(collapsed(graph, "p.pkg")) == [["p.low", "p.mid", "p.pkg"]]
+
+
+# client/ by job: cli/ (every command) may import everything; nothing imports cli/. serve/ (the
+# server process, launch checks, HTTP guard) and openai/ (the OpenAI API) do not import each
+# other; the low modules (triton_client.py, security.py, sockets.py) import no folder.
+CLIENT_LOW = {"tritium.client.triton_client", "tritium.client.security", "tritium.client.sockets"}
+CLIENT_FOLDERS = ("cli", "serve", "openai", "bench", "tools")
+CLIENT_FORBIDDEN = {"serve": {"cli", "openai", "bench", "tools"}, "openai": {"cli", "serve", "bench", "tools"},
+                    "bench": {"cli", "tools"}, "tools": {"cli", "bench"}, "low": set(CLIENT_FOLDERS)}
+
+
+def client_part(module: str):
+    """'low', a client folder's name, or None (not in client/, or the package itself)."""
+    if module in CLIENT_LOW:
+        return "low"
+    parts = module.split(".")
+    if parts[:2] == ["tritium", "client"] and len(parts) >= 3 and parts[2] in CLIENT_FOLDERS:
+        return parts[2]
+    return None
+
+
+def test_client_folders_import_only_what_they_may():
+    graph = import_graph()
+    for folder in CLIENT_FOLDERS:
+        assert any(client_part(m) == folder for m in graph), f"client/{folder}/ is missing"
+    loose = [m for m in graph if m.startswith("tritium.client.") and client_part(m) is None
+             and m != "tritium.client"]
+    assert not loose, f"client modules outside the folders by job: {loose}"
+    bad = [f"{m} imports {t}" for m, targets in graph.items() for t in sorted(targets)
+           if client_part(t) in CLIENT_FORBIDDEN.get(client_part(m), ())]
+    assert not bad, "client layering violations:\n" + "\n".join(bad)

@@ -63,10 +63,19 @@ def engine(tiny_engine, adapters):
 ])
 def test_bad_adapter_fails_only_that_request(engine, adapters, name, reason):
     free = engine.block_manager.num_free_blocks
-    with pytest.raises(ValueError, match=reason):
+    with pytest.raises(ValueError, match=reason) as err:
         engine.add_request(f"bad-{name}", prompt_token_ids=IDS, params=GREEDY, lora_name=name)
+    if name == "nope":  # the error contract: a bad_parameter naming the request field
+        assert (err.value.code, err.value.field) == ("bad_parameter", "lora_name")
     assert not engine.requests and engine.block_manager.num_free_blocks == free
     out = engine.generate(prompt_token_ids=[IDS], params=GREEDY, lora_names="good")[0]  # still serving
+    assert out.outputs[0].token_ids == hf_greedy(adapters["_oracle"], IDS, 8)
+
+
+def test_adapter_named_by_the_request_field(engine, adapters):
+    """SamplingParams.lora_name (the schema field every surface fills) picks the adapter too."""
+    import dataclasses
+    out = engine.generate(prompt_token_ids=[IDS], params=dataclasses.replace(GREEDY, lora_name="good"))[0]
     assert out.outputs[0].token_ids == hf_greedy(adapters["_oracle"], IDS, 8)
 
 
@@ -155,21 +164,27 @@ def test_contract_parsing_of_lora_fields():
     import numpy as np
 
     from tritium.backend.triton_backend.request import parse_row
-    from tritium.client.generate_checks import check_generate_fields
-    from tritium.client.http_checks import GuardError
+    from tritium.client.serve.generate_checks import check_generate_fields
+    from tritium.client.serve.http_checks import GuardError
     text = np.array([[b"hi"]], dtype=object)
     p = parse_row({"text_input": text, "sampling_parameters": np.array([[b'{"lora_name": "sql", "top_k": 3}']],
                                                                        dtype=object)}, 0, 1)
-    assert p.lora_name == "sql" and "lora_name" not in p.params and p.params["top_k"] == 3
+    assert p.lora_name == p.sampling.lora_name == "sql" and p.sampling.top_k == 3  # a request field
     w, c = np.zeros((1, 2, 10), np.float16), np.zeros((1, 2, 3), np.int32)
     p = parse_row({"text_input": text, "lora_task_id": np.array([[7]], np.uint64), "lora_weights": w,
                    "lora_config": c}, 0, 1)
     assert p.lora_task_id == 7 and p.lora_tensors[0].shape == (2, 10)
-    for arrays, msg in (({"lora_weights": w, "lora_config": c}, "need lora_task_id"),
-                        ({"lora_task_id": np.array([[7]], np.uint64), "lora_weights": w}, "come together"),
-                        ({"lora_task_id": np.array([[7]], np.uint64),
-                          "sampling_parameters": np.array([[b'{"lora_name": "a"}']], dtype=object)}, "one of")):
-        with pytest.raises(ValueError, match=msg):
+    from tritium.backend.errors import RequestError
+    for arrays, msg, field in (
+            ({"lora_weights": w, "lora_config": c}, "need lora_task_id", "lora_task_id"),
+            ({"lora_task_id": np.array([[7]], np.uint64), "lora_weights": w}, "come together", "lora_config"),
+            ({"lora_task_id": np.array([[7]], np.uint64),
+              "sampling_parameters": np.array([[b'{"lora_name": "a"}']], dtype=object)}, "one of", "lora_name"),
+            ({"sampling_parameters": np.array([[b'{"lora_name": 5}']], dtype=object)},
+             "lora_name must be a string, got 5", "lora_name"),
+            ({"lora_task_id": np.array([[-1]], np.int64)}, r"lora_task_id must be in \[0, ", "lora_task_id")):
+        with pytest.raises(RequestError, match=msg) as err:
             parse_row(dict(arrays, text_input=text), 0, 1)
+        assert err.value.code == "bad_parameter" and err.value.field == field, (msg, err.value.field)
     with pytest.raises(GuardError, match="lora_config is a 2-D tensor"):
         check_generate_fields({"text_input": "x", "lora_config": [[1, 0, 4]]})

@@ -27,7 +27,7 @@ def built(tiny_checkpoint, tmp_path_factory):
     """(engine, repo, root, adapter folders) from `tritium build --repo --lora ...`."""
     from transformers import AutoModelForCausalLM
 
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("lora-serving")
     paths = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
@@ -43,7 +43,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(built):
-    from tritium.client.server import TritonServer, prepare_backend_dir
+    from tritium.client.serve.server import TritonServer, prepare_backend_dir
     engine, repo, root, _ = built
     models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble"]
     # A backend folder of its own: the shared cache's tritium/model.py is rewritten by whichever
@@ -120,7 +120,7 @@ def test_trtllm_lora_task_id_tensors(server, oracle, built):
 
 @pytest.mark.parametrize("sp, reason", [
     ('{"lora_name": "nope"}', "unknown LoRA adapter 'nope'; this model serves: chat, code, sql"),
-    ('{"lora_name": 5}', "sampling_parameters.lora_name must be an adapter name"),
+    ('{"lora_name": 5}', "lora_name must be a string, got 5"),
 ])
 def test_bad_adapter_fails_only_that_request(server, oracle, sp, reason):
     from tritium.client.triton_client import TritiumClientError
@@ -133,7 +133,7 @@ def test_bad_adapter_fails_only_that_request(server, oracle, sp, reason):
 def test_openai_api_serves_each_adapter_as_a_model(server, oracle):
     import openai
 
-    from tritium.client.openai_server import OpenAIServer
+    from tritium.client.openai.openai_server import OpenAIServer
     api = OpenAIServer(server.grpc_url, port=0, security=server.security).start()
     try:
         client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)

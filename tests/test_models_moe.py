@@ -180,7 +180,7 @@ def test_qwen3_moe_serves_through_tritonserver(tiny_engine, tmp_path):
     in-process engine's, and /metrics carries tokens per expert (every expert labelled)."""
     from serving_utils import metric, scrape, wait_for
     from tritium.builder.repository import write_repository
-    from tritium.client.server import TritonServer, prepare_backend_dir
+    from tritium.client.serve.server import TritonServer, prepare_backend_dir
     from tritium.client.triton_client import TritiumClient
     path = tiny_engine("qwen3_moe")
     repo = str(tmp_path / "repo")

@@ -14,7 +14,7 @@ import pytest
 
 from tritium.backend.loader import load_engine
 from tritium.builder.calibration_mix import domain_text
-from tritium.builder.quant_eval import encode_text, evaluate
+from tritium.builder.quant.quant_eval import encode_text, evaluate
 
 # docs/quantization.md: the largest perplexity increase on held-out prose each format may cost
 BUDGET_PCT = {"int4-gptq": 3.0, "fp8": 1.0}
@@ -62,7 +62,7 @@ def test_quantized_engines_serve_through_tritonserver(quant_engines, tmp_path_fa
     from tritium.backend.engine import LLMEngine
     from tritium.backend.sampling_params import SamplingParams
     from tritium.builder.repository import write_repository
-    from tritium.client.server import TritonServer, prepare_backend_dir
+    from tritium.client.serve.server import TritonServer, prepare_backend_dir
     from tritium.client.triton_client import TritiumClient
     models = {f"{fam}-{q.split('-')[-1]}": quant_engines[fam, q] for fam in SHAPES for q in BUDGET_PCT}
     root = tmp_path_factory.mktemp("serving-families")

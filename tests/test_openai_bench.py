@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tritium.client.openai_bench import aiperf_command, markdown, summarize
+from tritium.client.bench.openai_bench import aiperf_command, markdown, summarize
 
 
 def _stat(avg, p50, p99):
@@ -39,7 +39,7 @@ def test_aiperf_command_is_streaming_chat_with_fixed_lengths():
 
 
 def test_missing_aiperf_and_tokenizer_are_one_line_errors(tmp_path, capsys):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     assert main(["bench-openai", "--url", "http://127.0.0.1:1", "--model", "m", "--tokenizer", str(tmp_path)]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
     (tmp_path / "tokenizer.json").write_text("{}")

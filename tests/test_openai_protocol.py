@@ -9,8 +9,10 @@ import pytest
 
 from tritium.backend.chat_template import (ChatTemplate, ChatTemplateError, NoChatTemplateError,
                                            read_template_source)
-from tritium.client.openai_protocol import (OpenAIError, error_from_triton, parse_chat_request,
-                                            parse_completion_request)
+from tritium.backend.async_engine import EngineDeadError, EngineOverloadedError
+from tritium.backend.errors import RequestError, from_wire, to_wire
+from tritium.client.openai.openai_protocol import (OpenAIError, error_from_code, parse_chat_request,
+                                                   parse_completion_request)
 
 SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
         "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM<|im_end|>\n' }}{% endif %}"
@@ -140,17 +142,33 @@ def test_chat_defaults_to_the_rest_of_the_context_and_top_logprobs():
     assert req.logprobs is None and "return_log_probs" not in req.requests[0]
 
 
-@pytest.mark.parametrize("msg,status,param", [
-    ("max_tokens must be in [1, 10] for this 5-token prompt (max_seq_len 16), got 99", 400, "max_tokens"),
-    ("prompt has 40 tokens; the engine's max_seq_len is 16, so prompts must have at most 15 tokens", 400, "messages"),
-    ("sampling_parameters.logit_bias keys must be token ids in [0, 1000), got '5000'", 400, "logit_bias"),
-    ("stop (stop_words) has 40 entries; at most 32 are allowed", 400, "stop"),
-    ("tritium: request failed: EngineOverloadedError: 1 requests are waiting (max_queue_size 1)", 503, None),
-    ("model 'plain': engine /e has no chat template (no chat_template ...)", 400, "messages"),
+@pytest.mark.parametrize("exc,status,param,code", [
+    (RequestError("max_tokens must be in [1, 10] ...", field="max_tokens", code="too_long"), 400,
+     "max_completion_tokens", "context_length_exceeded"),
+    (RequestError("prompt has 40 tokens ...", field="prompt", code="too_long"), 400, "messages",
+     "context_length_exceeded"),
+    (RequestError("logit_bias keys must be token ids in [0, 1000), got 5000", field="logit_bias"), 400,
+     "logit_bias", "invalid_parameter"),
+    (RequestError("stop has 40 entries; at most 32 are allowed", field="stop"), 400, "stop", "invalid_parameter"),
+    (RequestError("n must be in [1, 64], got 0", field="n"), 400, "n", "invalid_parameter"),
+    (EngineOverloadedError("overloaded: 1 requests are waiting (max_queue_size 1)"), 503, None, "overloaded"),
+    (EngineDeadError("engine loop died"), 503, None, "engine_unavailable"),
+    (NoChatTemplateError("model 'plain': engine /e has no chat template"), 400, "messages", "no_chat_template"),
+    (ZeroDivisionError("x"), 500, None, "internal_error"),
 ])
-def test_backend_errors_map_to_openai_errors(msg, status, param):
-    e = error_from_triton(msg, "chat")
-    assert e.status == status and e.param == param and e.body()["error"]["message"]
+def test_backend_errors_map_to_openai_errors_by_code(exc, status, param, code):
+    """The backend's error crosses Triton as JSON (to_wire); the OpenAI layer maps its code and field."""
+    wire = to_wire(exc, "batch row 0: ")
+    assert json.loads(wire)["field"] == getattr(exc, "field", None)
+    # tritonserver may put its own words in front; the JSON object still decodes
+    e = error_from_code(from_wire("in ensemble 'x', " + wire), "chat", "max_completion_tokens")
+    assert e.status == status and e.param == param and e.code == code and e.body()["error"]["message"]
+    assert e.message.startswith("batch row 0: ")
+
+
+def test_errors_not_from_the_backend_are_internal():
+    err = from_wire("[request id: <id_unknown>] unexpected inference input 'x' for model 'm'")
+    assert err.code == "internal" and err.field is None and "unexpected inference input" in err.message
 
 
 def test_triton_messages_input_is_parsed_and_checked():
@@ -166,7 +184,7 @@ def test_triton_messages_input_is_parsed_and_checked():
     p = parse_row({"text_input": np.array([[b"x"]], dtype=np.object_),
                    "sampling_parameters": np.array([[b'{"max_tokens": null, "logit_bias": {"3": 1.5}}']],
                                                    dtype=np.object_)}, 0, 1)
-    assert p.params["max_tokens"] is None and p.params["logit_bias"] == {"3": 1.5}
+    assert p.params["max_tokens"] is None and p.sampling.max_tokens is None and p.sampling.logit_bias == {3: 1.5}
 
 
 def test_logit_bias_shifts_exactly_those_logits():
@@ -200,21 +218,21 @@ def test_logit_bias_shifts_exactly_those_logits():
 
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.9]])
     sp = SamplingParams(temperature=0.0, logit_bias={"3": 0.2, "1": -1.0}, logprobs=0)
-    sp.validate(max_seq_len=64, vocab_size=4, prompt_len=1)
+    sp.check_context(max_seq_len=64, vocab_size=4, prompt_len=1)
     assert sp.logit_bias == {3: 0.2, 1: -1.0}
     tokens, entries = Sampler()(logits.clone(), [Seq(sp)])
     assert tokens == [3]
     # logprobs stay the model's raw log-softmax (before the bias)
     assert entries[0]["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 3]))
     with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 4\)"):
-        SamplingParams(logit_bias={"9": 1.0}).validate(max_seq_len=64, vocab_size=4, prompt_len=1)
-    with pytest.raises(ValueError, match=r"logit_bias\[1\] must be in"):
-        SamplingParams(logit_bias={1: 200}).validate(max_seq_len=64, vocab_size=4, prompt_len=1)
+        SamplingParams(logit_bias={"9": 1.0}).check_context(max_seq_len=64, vocab_size=4, prompt_len=1)
+    with pytest.raises(ValueError, match=r"logit_bias values must be numbers in \[-100, 100\], got 200"):
+        SamplingParams(logit_bias={1: 200})
 
 
 def test_answer_shapes_for_two_prompts_with_echo_and_usage():
     """Chunks as Triton sends them (per prompt, per sample) -> the API's choice numbering, echo and usage."""
-    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.openai.openai_responses import AnswerBuilder
     from tritium.client.triton_client import Chunk
     req = parse_completion_request({"model": "m", "prompt": ["Hi", "Yo"], "n": 2, "echo": True, "stream": True,
                                     "stream_options": {"include_usage": True}})
@@ -237,7 +255,7 @@ def test_answer_shapes_for_two_prompts_with_echo_and_usage():
 
 
 def test_chat_stream_starts_with_the_role_and_ends_with_finish_reason():
-    from tritium.client.openai_responses import AnswerBuilder
+    from tritium.client.openai.openai_responses import AnswerBuilder
     from tritium.client.triton_client import Chunk
     b = AnswerBuilder(parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                           "stream": True}))

@@ -85,7 +85,7 @@ def test_build_records_the_layout_and_one_file_per_rank(tiny_engine):
 
 
 def test_build_refuses_a_split_the_heads_cannot_take(tiny_checkpoint, tmp_path):
-    from tritium.backend.parallel.layout import TensorParallelError
+    from tritium.backend.parallel_layout import TensorParallelError
     from tritium.builder.build import BuildOptions, build_engine
     with pytest.raises(TensorParallelError, match="tensor_parallel_size 4 > num_kv_heads 3"):
         build_engine(BuildOptions(source=tiny_checkpoint("llama"), output=str(tmp_path / "e"), progress=False,
@@ -208,7 +208,7 @@ def test_idle_worker_death_is_noticed_without_a_request(tiny_engine, monkeypatch
         while aeng.is_healthy and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not aeng.is_healthy
-        assert "worker rank 1 exited" in aeng.engine.runner._error
+        assert "worker rank 1 exited" in aeng.failure
     finally:
         aeng.shutdown()
     assert not wait_no_workers(path)

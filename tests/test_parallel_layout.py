@@ -12,7 +12,7 @@ import torch
 
 from tritium.backend.config import EngineConfig, LayerQuant, ModelConfig, QuantConfig
 from tritium.backend.parallel import step_message as msg
-from tritium.backend.parallel.layout import TensorParallelError, head_ranges, local_config, plan_layout
+from tritium.backend.parallel_layout import TensorParallelError, head_ranges, local_config, plan_layout
 from tritium.backend.step_arrays import StepArrays
 from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, pack_int4
 from tritium.builder.tp_shard import shard_engine_tensors

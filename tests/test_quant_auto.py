@@ -17,8 +17,8 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.loader import load_engine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.builder.quant_auto_alloc import Option, allocation_ladder, lower_hull, total_bytes, total_sensitivity
-from tritium.client.cli import main as cli_main
+from tritium.builder.quant.quant_auto_alloc import Option, allocation_ladder, lower_hull, total_bytes, total_sensitivity
+from tritium.client.cli.main import main as cli_main
 
 from test_quant_pipeline import PROMPT, _dequantized_model, _kl, _logits
 from tp_utils import record_logits, tp_timeout  # noqa: F401 (fixture)
@@ -99,7 +99,7 @@ def _build_with_plan(ckpt, plan, out) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from tritium.builder.quant_pipeline import quantize_engine_weights
+    from tritium.builder.quant.quant_pipeline import quantize_engine_weights
     fdir = str(out) + "-float"
     if not os.path.isdir(fdir):
         build_engine(BuildOptions(source=ckpt, output=fdir, dtype="float32", progress=False))
@@ -190,7 +190,8 @@ def model_sampled_eval_text(tiny_checkpoint, monkeypatch):
     arbitrary text a random model's perplexity moves either way."""
     from transformers import AutoModelForCausalLM
 
-    from tritium.builder import heldout_eval, quant_auto_budget
+    from tritium.builder import heldout_eval
+    from tritium.builder.quant import quant_auto_budget
     ckpt = tiny_checkpoint("llama", **DIMS)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     torch.manual_seed(0)

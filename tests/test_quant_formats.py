@@ -7,10 +7,10 @@ import torch
 
 from tritium.backend.config import LayerQuant
 from tritium.backend.models.linear import make_linear
-from tritium.builder.quantize_fp8 import dequantize_fp8, quantize_fp8
-from tritium.builder.quantize_int4 import choose_group_size, quantize_int4
+from tritium.builder.quant.quantize_fp8 import dequantize_fp8, quantize_fp8
+from tritium.builder.quant.quantize_int4 import choose_group_size, quantize_int4
 from tritium.kernels.quant_layouts import dequantize_int4, pack_int4, unpack_int4
-from tritium.builder.quantize_int8 import dequantize_int8, quantize_int8
+from tritium.builder.quant.quantize_int8 import dequantize_int8, quantize_int8
 
 
 def test_int4_pack_layout_matches_definition():

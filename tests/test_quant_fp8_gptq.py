@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritium.builder.gptq import HessianAccumulator
-from tritium.builder.gptq_fp8 import SCALE_STEPS, fp8_mse_scales, gptq_fp8_quantize
-from tritium.builder.quantize_fp8 import dequantize_fp8, fp8_scales, quantize_fp8, round_fp8
+from tritium.builder.quant.gptq import HessianAccumulator
+from tritium.builder.quant.gptq_fp8 import SCALE_STEPS, fp8_mse_scales, gptq_fp8_quantize
+from tritium.builder.quant.quantize_fp8 import dequantize_fp8, fp8_scales, quantize_fp8, round_fp8
 
 
 def _output_error(w, deq, x):

@@ -4,11 +4,11 @@ lookup and logits against the float model."""
 import pytest
 import torch
 
-from tritium.builder.awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
-from tritium.builder.gptq import HessianAccumulator
-from tritium.builder.gptq_rows import gptq_int8_quantize, gptq_rows
-from tritium.builder.quant_head import quantize_embeddings
-from tritium.builder.quantize_int8 import dequantize_int8, int8_row_scales, quantize_int8
+from tritium.builder.quant.awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
+from tritium.builder.quant.gptq import HessianAccumulator
+from tritium.builder.quant.gptq_rows import gptq_int8_quantize, gptq_rows
+from tritium.builder.quant.quant_head import quantize_embeddings
+from tritium.builder.quant.quantize_int8 import dequantize_int8, int8_row_scales, quantize_int8
 from tritium.backend.config import LayerQuant
 
 

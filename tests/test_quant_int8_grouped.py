@@ -20,11 +20,11 @@ from tritium.backend.config import LayerQuant
 from tritium.backend.loader import load_engine
 from tritium.backend.models.linear import make_linear
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.builder.gptq import HessianAccumulator
-from tritium.builder.gptq_fp8 import gptq_fp8_grouped
-from tritium.builder.quantize_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_grouped
-from tritium.builder.quantize_int8 import (dequantize_int8, quantize_int8, quantize_int8_grouped,
-                                           quantize_int8_source_grid)
+from tritium.builder.quant.gptq import HessianAccumulator
+from tritium.builder.quant.gptq_fp8 import gptq_fp8_grouped
+from tritium.builder.quant.quantize_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_grouped
+from tritium.builder.quant.quantize_int8 import (dequantize_int8, quantize_int8, quantize_int8_grouped,
+                                                 quantize_int8_source_grid)
 from tritium.kernels import cpu_native
 from tritium.kernels.gemm_ref import w8a16_gemm_ref
 from tritium.kernels.int8pack_guard import int8pack_mm_safe, probe_width

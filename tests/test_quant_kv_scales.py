@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tritium.builder.calibration import kv_sample_hook
-from tritium.builder.kv_scales import FP8_HEADROOM, INT8_CLIP_RATIOS, kv_head_scales
+from tritium.builder.quant.kv_scales import FP8_HEADROOM, INT8_CLIP_RATIOS, kv_head_scales
 from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 

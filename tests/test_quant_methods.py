@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritium.builder.awq import (awq_clip_int4, awq_search, awq_search_scale, fake_quantize_int4,
-                                 group_weight_mean, hessian_loss, pooled_head_stat)
-from tritium.builder.quantize_int4 import int4_codes, int4_params
-from tritium.builder.gptq import HessianAccumulator, gptq_quantize
-from tritium.builder.quantize_int4 import quantize_int4
+from tritium.builder.quant.awq import (awq_clip_int4, awq_search, awq_search_scale, fake_quantize_int4,
+                                       group_weight_mean, hessian_loss, pooled_head_stat)
+from tritium.builder.quant.quantize_int4 import int4_codes, int4_params
+from tritium.builder.quant.gptq import HessianAccumulator, gptq_quantize
+from tritium.builder.quant.quantize_int4 import quantize_int4
 from tritium.kernels.quant_layouts import dequantize_int4
 
 

@@ -1,5 +1,5 @@
-"""The non-toolkit parts of the llm-compressor parity script (client/quant_parity.py and the
-toolkit-side helpers of client/quant_parity_toolkit.py that need no llmcompressor)."""
+"""The non-toolkit parts of the llm-compressor parity script (client/tools/quant_parity.py and the
+toolkit-side helpers of client/tools/quant_parity_toolkit.py that need no llmcompressor)."""
 import os
 import re
 import types
@@ -7,10 +7,10 @@ import types
 import pytest
 
 from tritium.builder import calibration as calib
-from tritium.builder.quant_pipeline import QuantOptions, _calibration_runner
-from tritium.builder.quantize_int4 import choose_group_size
-from tritium.client import quant_parity as qp
-from tritium.client import quant_parity_toolkit as tk
+from tritium.builder.quant.quant_pipeline import QuantOptions, _calibration_runner
+from tritium.builder.quant.quantize_int4 import choose_group_size
+from tritium.client.tools import quant_parity as qp
+from tritium.client.tools import quant_parity_toolkit as tk
 
 from tiny_models import train_tokenizer
 

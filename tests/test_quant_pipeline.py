@@ -13,9 +13,9 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.config import EngineConfig, LayerQuant, QuantConfig
 from tritium.backend.loader import load_engine
 from tritium.backend.models.decoder import DecoderLM
-from tritium.builder.quantize_fp8 import dequantize_fp8
+from tritium.builder.quant.quantize_fp8 import dequantize_fp8
 from tritium.kernels.quant_layouts import dequantize_int4
-from tritium.builder.quantize_int8 import dequantize_int8
+from tritium.builder.quant.quantize_int8 import dequantize_int8
 
 # Dims that int4 groups divide: hidden, q dim (heads x head_dim) and intermediate all 96 -> group 32.
 DIMS = dict(hidden_size=96, intermediate_size=96)
@@ -45,7 +45,7 @@ def _logits(model, ids):
     cfg = model.cfg
     bs = cfg.limits.block_size
     nb = (t + bs - 1) // bs
-    from tritium.builder.quant_eval import kv_cache_dtype
+    from tritium.builder.quant.quant_eval import kv_cache_dtype
     kv = [(torch.zeros(nb, bs, cfg.model.num_kv_heads, cfg.model.head_dim, dtype=kv_cache_dtype(model)),
            torch.zeros(nb, bs, cfg.model.num_kv_heads, cfg.model.head_dim, dtype=kv_cache_dtype(model)))
           for _ in range(cfg.model.num_layers)]
@@ -171,7 +171,7 @@ def test_quantized_kv_cache(tiny_engine, kv):
 def test_kv_scales_recorded_in_build(tiny_engine):
     """Per-head KV scales are in the weights; the build report names how they were chosen
     (their values against the definitions: tests/test_quant_kv_scales.py)."""
-    from tritium.builder.kv_scales import KV_SCALE_METHODS
+    from tritium.builder.quant.kv_scales import KV_SCALE_METHODS
     qdir = tiny_engine("llama", kv_cache_dtype="int8", calibration_samples=8)
     t = load_file(os.path.join(qdir, "rank0.safetensors"))
     assert (t["layers.0.k_scale"] * 127).min() > 0
@@ -182,7 +182,7 @@ def test_kv_scales_recorded_in_build(tiny_engine):
 
 
 def test_eval_cli_json(tiny_engine, capsys, tmp_path):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     qdir = tiny_engine("llama", quantization="int8", calibration_samples=8)
     fdir = tiny_engine("llama")
     text = tmp_path / "t.txt"
@@ -203,7 +203,7 @@ def test_eval_cli_json(tiny_engine, capsys, tmp_path):
 
 
 def test_bad_quant_args(tmp_path, monkeypatch):
-    from tritium.builder import quant_pipeline as qp
+    from tritium.builder.quant import quant_pipeline as qp
     with pytest.raises(ValueError, match="--quantization 'int3'"):
         qp.validate_quant_args(quantization="int3")
     with pytest.raises(ValueError, match="--group-size 100 fits no layer"):
@@ -222,7 +222,7 @@ def test_bad_quant_args(tmp_path, monkeypatch):
 
 
 def test_bad_group_size_fails_build_before_work(tiny_checkpoint, tmp_path):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     out = tmp_path / "e"
     rc = main(["build", tiny_checkpoint("llama", **DIMS), "-o", str(out), "--quantization", "int4-rtn",
                "--group-size", "100", "--quiet"])

@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from test_gguf_types import write_gguf
 
 from tritium.backend.loader import load_engine
-from tritium.builder.awq import awq_search_scale
+from tritium.builder.quant.awq import awq_search_scale
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.builder.gptq import HessianAccumulator, gptq_quantize
-from tritium.builder.quantize_int4 import int4_params_mse, quantize_int4
+from tritium.builder.quant.gptq import HessianAccumulator, gptq_quantize
+from tritium.builder.quant.quantize_int4 import int4_params_mse, quantize_int4
 from tritium.kernels.quant_layouts import dequantize_int4
-from tritium.builder.quantize_int8 import dequantize_int8
+from tritium.builder.quant.quantize_int8 import dequantize_int8
 
 
 @pytest.fixture(scope="module")

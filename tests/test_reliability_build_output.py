@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tritium.builder import output_dir
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 
 @pytest.fixture()

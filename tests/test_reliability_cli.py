@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tritium.backend.triton_backend.contract import resolve_path
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 
 def _one_line(capsys, *needles):

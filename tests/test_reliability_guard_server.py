@@ -31,7 +31,7 @@ def repo(tiny_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo):
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     srv = TritonServer(repo, log_file=os.path.join(os.path.dirname(repo), "server.log"), load_models=[NAME])
     srv.start(timeout=240)
     yield srv
@@ -153,7 +153,7 @@ def test_stream_and_keep_alive_through_the_guard(server):
 
 
 def test_taken_port_fails_before_launch(repo):
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -167,8 +167,8 @@ def test_taken_port_fails_before_launch(repo):
 
 def test_unguarded_server_really_crashes_and_shm_is_cleaned(repo, tmp_path):
     """The same bytes kill tritonserver without the guard; its shared-memory files are removed."""
-    from tritium.client.launch_checks import SHM_DIR
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.launch_checks import SHM_DIR
+    from tritium.client.serve.server import TritonServer
     srv = TritonServer(repo, log_file=str(tmp_path / "bare.log"), load_models=[NAME], http_guard=False)
     srv.start(timeout=240)
     try:

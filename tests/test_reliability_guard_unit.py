@@ -1,4 +1,4 @@
-"""The HTTP guard's request checks (client/http_checks.py) and its request-head parser, no sockets."""
+"""The HTTP guard's request checks (client/serve/http_checks.py) and its request-head parser, no sockets."""
 from __future__ import annotations
 
 import gzip
@@ -7,9 +7,9 @@ import zlib
 
 import pytest
 
-from tritium.client.http_checks import (GuardError, GuardLimits, check_body_size, check_json_depth, decode_body,
-                                        forward_content_type, json_depth, json_part, parse_content_length)
-from tritium.client.http_checks import parse_head
+from tritium.client.serve.http_checks import (GuardError, GuardLimits, check_body_size, check_json_depth, decode_body,
+                                              forward_content_type, json_depth, json_part, parse_content_length)
+from tritium.client.serve.http_checks import parse_head
 
 LIMITS = GuardLimits()
 
@@ -113,7 +113,7 @@ def _guard(route: str):
     import subprocess
     import sys
     env = dict(os.environ, TRITIUM_GUARD_ADMIN_KEY="x" * 32)  # a keyed --route needs the admin key
-    return subprocess.Popen([sys.executable, "-m", "tritium.client.http_guard", "--route", route],
+    return subprocess.Popen([sys.executable, "-m", "tritium.client.serve.http_guard", "--route", route],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -121,7 +121,7 @@ def test_standalone_guard_answers_for_a_missing_upstream_and_refuses_a_taken_por
     import http.client
     import socket
     import time
-    from tritium.client.server import free_port
+    from tritium.client.serve.server import free_port
     port = free_port()
     proc = _guard(f"127.0.0.1:{port}=127.0.0.1:1")  # nothing listens on port 1
     try:

@@ -52,13 +52,13 @@ def test_tiny_temperature_in_the_engine_equals_greedy(tiny_engine, temperature):
 ])
 def test_word_lists_are_capped_with_the_limit_named(field, kw, limit):
     with pytest.raises(ValueError) as e:
-        SamplingParams(**kw).validate(2048, 100, 3)
+        SamplingParams(**kw).check_context(2048, 100, 3)
     assert field in str(e.value) and str(limit) in str(e.value)
 
 
 def test_word_lists_at_the_limit_pass():
     SamplingParams(bad_words=["w" * MAX_WORD_CHARS] * MAX_NUM_BAD_WORDS,
-                   stop=["s" * MAX_WORD_CHARS] * MAX_NUM_STOP).validate(2048, 100, 3)
+                   stop=["s" * MAX_WORD_CHARS] * MAX_NUM_STOP).check_context(2048, 100, 3)
 
 
 def _naive_bans(words, token_ids):

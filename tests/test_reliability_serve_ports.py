@@ -12,8 +12,9 @@ import urllib.request
 
 import pytest
 
-from tritium.client.cli import main
-from tritium.client.launch_checks import check_ports_free, default_log_file
+from tritium.client.cli.main import main
+from tritium.client.serve.launch_checks import default_log_file
+from tritium.client.sockets import check_ports_free
 
 LOG_TEXT = "I1125 08:00:00.000 server.cc:1] the first server's log\n" * 200
 

@@ -1,4 +1,4 @@
-"""A scaled-down run of the stress tool (client/stress.py) against the real server: a few hundred
+"""A scaled-down run of the stress tool (client/tools/stress.py) against the real server: a few hundred
 fuzzed requests over gRPC and HTTP, cancelled streams, a 10x burst. Nothing may crash, hang or
 leak a KV block, and the server must still answer exactly like the in-process engine afterwards."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ MAX_BATCH = 8
 @pytest.fixture(scope="module")
 def server(tiny_engine, tmp_path_factory):
     from tritium.builder.repository import write_repository
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     root = tmp_path_factory.mktemp("stress")
     write_repository(str(root / "repo"), NAME, tiny_engine("llama", max_batch_size=MAX_BATCH))
     srv = TritonServer(str(root / "repo"), log_file=str(root / "server.log"), load_models=[NAME])
@@ -27,7 +27,7 @@ def server(tiny_engine, tmp_path_factory):
 def test_fuzz_cancel_burst(server, tiny_engine):
     from tritium.backend.engine import LLMEngine
     from tritium.backend.sampling_params import SamplingParams
-    from tritium.client.stress import Target, failures, run
+    from tritium.client.tools.stress import Target, failures, run
     from tritium.client.triton_client import TritiumClient
     args = argparse.Namespace(fuzz=300, cancels=40, burst_factor=10, max_batch=MAX_BATCH, soak_seconds=0,
                               rss_every=5.0, concurrency=8, timeout=120.0, seed=17)

@@ -5,7 +5,7 @@ import pytest
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 
 # Tiny models: intra-op threads only add barrier waits (see conftest.one_thread).

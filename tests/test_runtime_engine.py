@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tritium.backend.engine import LLMEngine
+from tritium.backend.errors import RequestError
 from tritium.backend.sampling_params import SamplingParams
 from simple_generate import generate_simple
 
@@ -198,18 +199,18 @@ def test_abort_frees_blocks_and_reports(tiny_engine):
 
 
 BAD = [
-    (dict(prompt_token_ids=list(range(3, 300))), SamplingParams(), "prompt"),   # > max_seq_len 256
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(max_tokens=10_000), "max_tokens"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(max_tokens=0), "max_tokens"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(top_p=0.0), "top_p"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(top_p=1.5), "top_p"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(temperature=-0.1), "temperature"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(temperature=float("nan")), "temperature"),
-    (dict(prompt=""), SamplingParams(), "prompt"),
-    (dict(prompt_token_ids=[]), SamplingParams(), "prompt"),
-    (dict(prompt_token_ids=[5, 100_000]), SamplingParams(), "prompt_token_ids"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(n=0), "n"),
-    (dict(prompt_token_ids=[5, 6]), SamplingParams(logprobs=-1), "logprobs"),
+    (dict(prompt_token_ids=list(range(3, 300))), dict(), "prompt"),   # > max_seq_len 256
+    (dict(prompt_token_ids=[5, 6]), dict(max_tokens=10_000), "max_tokens"),
+    (dict(prompt_token_ids=[5, 6]), dict(max_tokens=0), "max_tokens"),
+    (dict(prompt_token_ids=[5, 6]), dict(top_p=0.0), "top_p"),
+    (dict(prompt_token_ids=[5, 6]), dict(top_p=1.5), "top_p"),
+    (dict(prompt_token_ids=[5, 6]), dict(temperature=-0.1), "temperature"),
+    (dict(prompt_token_ids=[5, 6]), dict(temperature=float("nan")), "temperature"),
+    (dict(prompt=""), dict(), "prompt"),
+    (dict(prompt_token_ids=[]), dict(), "prompt"),
+    (dict(prompt_token_ids=[5, 100_000]), dict(), "prompt_token_ids"),
+    (dict(prompt_token_ids=[5, 6]), dict(n=0), "n"),
+    (dict(prompt_token_ids=[5, 6]), dict(logprobs=-1), "logprobs"),
 ]
 
 
@@ -221,8 +222,9 @@ def test_bad_input_raises_and_leaves_the_batch_alone(tiny_engine):
     engine.step()
     before = engine.stats()
     for i, (kw, params, field) in enumerate(BAD):
-        with pytest.raises(ValueError, match=field):
-            engine.add_request(f"bad{i}", params=params, **kw)
+        with pytest.raises(RequestError, match=field) as e:  # built (range errors) or admitted (context)
+            engine.add_request(f"bad{i}", params=SamplingParams(**params), **kw)
+        assert e.value.field == ("prompt" if field.startswith("prompt") else field)
     after = engine.stats()
     assert {k: after[k] for k in ("kv_blocks_used", "num_running", "num_waiting")} == \
            {k: before[k] for k in ("kv_blocks_used", "num_running", "num_waiting")}
@@ -254,7 +256,7 @@ def test_quantized_kv_cache_batched_equals_alone(tiny_engine, kv_dtype, torch_dt
 def test_thread_policy_picks_threads_by_step_size(tiny_engine):
     """Small steps (a few decodes) run on small_step_threads, big ones on num_threads; the policy
     changes no token."""
-    from tritium.backend.engine import SMALL_STEP_TOKENS, ThreadPolicy
+    from tritium.backend.thread_policy import SMALL_STEP_TOKENS, ThreadPolicy
     with pytest.raises(ValueError, match="small_step_threads"):
         ThreadPolicy(2, 0)
     before = torch.get_num_threads()

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def container(tiny_engine, tmp_path_factory):
     from tritium.builder.repository import write_repository
-    from tritium.client.server import free_port, install_tritium_backend, prepare_backend_dir, wheel_paths
+    from tritium.client.serve.server import free_port, install_tritium_backend, prepare_backend_dir, wheel_paths
     root = tmp_path_factory.mktemp("entrypoint")
     repo = str(root / "repo")
     write_repository(repo, NAME, tiny_engine("llama"))

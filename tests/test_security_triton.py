@@ -38,7 +38,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_engine, root):
     from tritium.builder.repository import write_repository
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     repo, engine = str(root / "repo"), str(root / "engine")
     shutil.copytree(tiny_engine("llama", max_batch_size=8), engine)
     with open(os.path.join(engine, "chat_template.jinja"), "w") as f:  # so that chat requests get parsed
@@ -52,7 +52,7 @@ def server(tiny_engine, root):
 
 @pytest.fixture(scope="module")
 def openai_url(server):
-    from tritium.client.openai_server import OpenAIServer
+    from tritium.client.openai.openai_server import OpenAIServer
     api = OpenAIServer(server.grpc_url, port=0, security=server.security).start()
     yield f"http://127.0.0.1:{api.port}"
     api.stop()
@@ -340,7 +340,7 @@ def test_hostile_fuzz_triton_grpc(server):
 
 
 def test_openai_body_over_the_limit_is_413(openai_url):
-    from tritium.client.openai_server import DEFAULT_MAX_BODY_BYTES
+    from tritium.client.openai.openai_server import DEFAULT_MAX_BODY_BYTES
     body = b'{"model": "tiny", "prompt": "' + b"a" * (DEFAULT_MAX_BODY_BYTES + 10) + b'"}'
     status, out, _ = request(openai_url, "POST", "/v1/completions", body)
     TALLY.add("openai", status)

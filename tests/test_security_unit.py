@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from tritium.client.guard_auth import GuardKeys, api_of, check_access
-from tritium.client.http_checks import GuardError, check_json_syntax, upstream_status
+from tritium.client.serve.guard_auth import GuardKeys, api_of, check_access
+from tritium.client.serve.http_checks import GuardError, check_json_syntax, upstream_status
 from tritium.client.security import (ADMIN_APIS, KEYED_APIS, Security, bearer_token, check_exposure, check_key,
                                      is_loopback, keys_match)
 
@@ -142,7 +142,7 @@ def _asgi(app, path, headers=()):
 
 
 def test_openai_key_middleware():
-    from tritium.client.openai_auth import RequireApiKey
+    from tritium.client.openai.openai_auth import RequireApiKey
     reached = []
 
     async def app(scope, receive, send):
@@ -163,7 +163,7 @@ def test_openai_key_middleware():
 
 @pytest.mark.parametrize("cmd", [["serve", "--repo", "/nonexistent"], ["openai", "--triton-url", "127.0.0.1:1"]])
 def test_open_non_loopback_bind_exits_2(cmd, capsys, monkeypatch):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     monkeypatch.delenv("TRITIUM_API_KEY", raising=False)
     assert main([*cmd, "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -193,7 +193,7 @@ def test_docker_entrypoint_refuses_to_start_open(tmp_path):
 
 
 def test_generate_body_types_follow_the_tensor_contract():
-    from tritium.client.generate_checks import check_generate_fields, is_generate
+    from tritium.client.serve.generate_checks import check_generate_fields, is_generate
     assert is_generate("/v2/models/m/generate") and is_generate("/v2/models/m/versions/2/generate_stream?x=1")
     assert not is_generate("/v2/models/m/infer") and not is_generate("/v2/models/m/generate/x")
     check_generate_fields({"text_input": "hi", "max_tokens": [3], "stop_words": ["a", "b"], "stop_words_x": 5,

@@ -80,7 +80,7 @@ def test_serve_repo_generate_and_sigint(tiny_engine, tmp_path, capsys):
     from tritium.backend.engine import LLMEngine
     from tritium.backend.sampling_params import SamplingParams
     from tritium.builder.repository import write_repository
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     engine = tiny_engine("llama")
     repo = str(tmp_path / "repo")
     write_repository(repo, "tiny", engine)
@@ -104,7 +104,7 @@ def test_readme_main_command_serves_smollm2(smollm2_gguf, tmp_path, capsys):
     `tritium generate --url` equals in-process greedy generation on the same engine."""
     from tritium.backend.engine import LLMEngine
     from tritium.backend.sampling_params import SamplingParams
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     env = dict(os.environ, TRITIUM_CACHE=str(tmp_path / "cache"), TRITIUM_SMOLLM2_GGUF=smollm2_gguf)
     proc, grpc_url, _ = _serve(["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
                                 "--openai-port", "0"], env)

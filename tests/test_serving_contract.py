@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.triton_backend.contract import INPUTS, OUTPUTS, token_logprobs
 from tritium.backend.triton_backend.request import batch_size_of, parse_row, parse_sampling_parameters
 
@@ -53,7 +54,8 @@ def test_input_ids_with_lengths_and_words():
     a = {"input_ids": np.array([[5, 6, 7, 0]], dtype=np.int32), "input_lengths": np.array([[3]], dtype=np.int32),
          "stop_words": np.array([[b"END", b""]], dtype=np.object_), "return_log_probs": np.array([[True]])}
     p = parse_row(a, 0, 1, vocab_size=1000)
-    assert p.prompt_token_ids == [5, 6, 7] and p.params["stop"] == ["END"] and p.params["logprobs"] == 0
+    # empty strings are padding in tensorrtllm_backend clients: SamplingParams drops them (the one rule)
+    assert p.prompt_token_ids == [5, 6, 7] and p.sampling.stop == ["END"] and p.params["logprobs"] == 0
     assert p.return_log_probs
 
 
@@ -91,7 +93,9 @@ def test_bad_inputs_name_the_field(kw, field):
 def test_sampling_parameters_vllm_strings():
     d = parse_sampling_parameters(json.dumps({"temperature": "0.25", "top_k": "4", "stop": "###",
                                               "ignore_eos": "true", "n": 2}))
-    assert d == {"temperature": 0.25, "top_k": 4, "stop": ["###"], "ignore_eos": True, "n": 2}
+    assert d == {"temperature": 0.25, "top_k": 4, "stop": "###", "ignore_eos": True, "n": 2}
+    sp = SamplingParams(**d)  # the one place a stop string becomes a list
+    assert sp.stop == ["###"] and sp.top_k == 4 and sp.ignore_eos is True
     # tensors override the JSON
     p = parse(text_input="x", sampling_parameters='{"temperature": 0.9, "max_tokens": 3}', temperature=0.0)
     assert p.params["temperature"] == 0.0 and p.params["max_tokens"] == 3

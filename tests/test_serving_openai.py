@@ -37,7 +37,7 @@ ADMIN_KEY = "admin-key-of-the-openai-tests"
 def built(tiny_checkpoint, tmp_path_factory):
     """(engine with template, engine without, repo) from the real `tritium build` command."""
     from tritium.builder.repository import llm_config
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("openai")
     ckpt = str(root / "ckpt")
     shutil.copytree(tiny_checkpoint("llama", max_position_embeddings=MAX_POS), ckpt)
@@ -109,7 +109,7 @@ def engine_generate(built):
     """`tritium generate --engine E --json ...` in this process -> its JSON results (the oracle)."""
     import contextlib
     import io
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     cache = {}
 
     def run(*args):
@@ -354,7 +354,7 @@ def test_logit_bias_bans_and_forces_tokens(client, built, engine_generate):
 
 
 def test_generate_url_chat_equals_generate_engine_chat(served, engine_generate, capsys):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     ref = engine_generate("--chat", "--max-tokens", "12", QUESTION)[0]
     capsys.readouterr()
     assert main(["generate", "--url", served.grpc, "--model", "tiny", "--chat", "--max-tokens", "12", "--json",

@@ -36,7 +36,7 @@ def engines(tiny_engine, smollm2_engine):
 @pytest.fixture(scope="module")
 def server(engines, tmp_path_factory, tp_timeout):
     from tritium.builder.repository import write_repository
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     root = tmp_path_factory.mktemp("serving-tp")
     repo = str(root / "repo")
     for name, path in engines.items():

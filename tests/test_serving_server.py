@@ -32,7 +32,7 @@ PROMPTS = ["Hello world, this is a test", "naïve café — 日本語のテキ�
 @pytest.fixture(scope="module")
 def built(tiny_checkpoint, tmp_path_factory):
     """(engine_dir, repo_dir) from the real `tritium build` command."""
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("serving")
     engine, repo = str(root / "engine"), str(root / "repo")
     rc = main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--max-batch-size", "32",
@@ -62,7 +62,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(built):
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     engine, repo, root = built
     models = [NAME, f"{NAME}_preprocessing", f"{NAME}_postprocessing", f"{NAME}_ensemble", f"{NAME}_bls", SMALL_KV,
               IMPORTED]
@@ -268,7 +268,7 @@ def test_load_failures_give_one_line_reason(server, built):
     """Runs late: afterwards /v2/health/ready stays false (strict readiness)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
-    from tritium.client.server import load_failures
+    from tritium.client.serve.server import load_failures
     cl = grpcclient.InferenceServerClient(server.grpc_url)
     cases = (("bad_path", "does not exist"), ("bad_config", "engine.json: not valid JSON"))
     try:
@@ -360,7 +360,7 @@ def test_preemption_under_kv_pressure_is_counted_and_leaks_nothing(server, oracl
 
 
 def test_generate_cli_url(server, oracle, capsys):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     _, ref_text, _ = oracle(PROMPTS[1], 10)
     for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
         assert main(["generate", "--url", url, "--protocol", protocol, "--model", NAME, "--stream",
@@ -376,7 +376,7 @@ def test_generate_cli_url(server, oracle, capsys):
 
 def test_generate_cli_url_input_file(server, oracle, tmp_path, capsys):
     """--input-file: all lines go out together; results come back in input order."""
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     lines = [{"prompt": p, "max_tokens": 5 + i} for i, p in enumerate(PROMPTS)]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\n")
     capsys.readouterr()

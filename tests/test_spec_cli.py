@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tritium.client.cli import main
+from tritium.client.cli.main import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,8 +32,9 @@ def test_generate_speculative_equals_plain_and_reports_counters(tiny_engine, cap
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--draft-engine", "x"], "--draft-engine and --num-speculative-tokens need --speculative"),
-    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens must be an integer in [1, 16]"),
+    (["--draft-engine", "x"], "--draft-engine / --num-speculative-tokens (parameters draft_engine_dir / "
+                              "num_speculative_tokens) need --speculative"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer in [1, 16]"),
     (["--speculative", "draft"], "needs draft_engine_dir"),
 ])
 def test_generate_bad_speculative_flags(tiny_engine, capsys, argv, message):

@@ -31,7 +31,7 @@ SMOL_PROMPTS = [
 @pytest.fixture(scope="module")
 def built(tiny_checkpoint, smollm2_engine, tmp_path_factory):
     from tritium.builder.repository import write_repository
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("spec-serving")
     repo, draft = str(root / "repo"), str(root / "draft")
     assert main(["build", tiny_checkpoint("llama"), "-o", draft, "--dtype", "bfloat16", "--quiet"]) == 0
@@ -50,7 +50,7 @@ def built(tiny_checkpoint, smollm2_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(built):
-    from tritium.client.server import TritonServer
+    from tritium.client.serve.server import TritonServer
     _, repo, root = built
     srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=list(MODELS) + ["smol_ngram"])
     srv.start(timeout=240)

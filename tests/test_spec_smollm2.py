@@ -29,13 +29,14 @@ def plain(smollm2_engine):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_equals_plain_for_k_1_to_8(smollm2_engine, plain, method):
-    target = LLMEngine(smollm2_engine("float32"), device="cpu", num_kv_blocks=64)
+    loaded = LLMEngine(smollm2_engine("float32"), device="cpu", num_kv_blocks=1)
     draft = LLMEngine(smollm2_engine("bfloat16"), device="cpu", num_kv_blocks=8) if method == "draft" else None
     accepted = 0
     for k in range(1, 9):
-        target.enable_speculation(SpeculativeConfig(method, num_speculative_tokens=k, draft_engine_dir="(loaded)"
-                                                    if draft else None, step_overhead_tokens=float("inf")),
-                                  draft_engine=draft)
+        spec = SpeculativeConfig(method, num_speculative_tokens=k, draft_engine_dir="(loaded)" if draft else None,
+                                 step_overhead_tokens=float("inf"))
+        target = LLMEngine.from_model(loaded.config, loaded.runner.model, loaded.tokenizer, num_kv_blocks=64,
+                                      speculative=spec, draft_engine=draft)
         outs = target.generate(PROMPTS, PARAMS)
         assert [o.outputs[0].token_ids for o in outs] == plain, (method, k)
         st = target.stats()

@@ -61,7 +61,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def built(smollm2_tokenizer_checkpoint, tmp_path_factory):
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("structured")
     ckpt = str(root / "ckpt")
     shutil.copytree(smollm2_tokenizer_checkpoint(), ckpt)
@@ -288,7 +288,7 @@ def test_tritium_generate_flags_in_process_and_remote(built, served, tmp_path):
     import contextlib
     import io
 
-    from tritium.client.cli import main
+    from tritium.client.cli.main import main
 
     def run(*args):
         buf = io.StringIO()

@@ -11,8 +11,8 @@ from tritium.backend.chat_template import normalize_messages
 from tritium.backend.guided.params import GuidedDecodingParams, json_schema
 from tritium.backend.guided.surfaces import from_response_format, from_tensors, from_vllm, to_tensors
 from tritium.backend.triton_backend.request import parse_row, parse_sampling_parameters
-from tritium.client.openai_tools import (FORMATS, ToolError, call_deltas, call_guide, detect_format, held_from,
-                                         parse_calls, parse_tools)
+from tritium.client.openai.openai_tools import (FORMATS, ToolError, call_deltas, call_guide, detect_format, held_from,
+                                                parse_calls, parse_tools)
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},

@@ -7,7 +7,7 @@
       JSON text, as Triton's OpenAI frontend sends it), and guided_json / guided_regex /
       guided_choice / guided_grammar / guided_json_object
   OpenAI response_format: {"type": "text" | "json_object" | "json_schema", "json_schema":
-      {"name", "schema", "strict"}} (client/openai_tools.py adds tools and tool_choice)
+      {"name", "schema", "strict"}} (client/openai/openai_tools.py adds tools and tool_choice)
 A request carries at most one guide; two are an error naming both fields. Options that only tune
 vLLM's own backends (backend, whitespace_pattern, disable_*) are accepted and have no effect:
 output is always compact and always constrained.

@@ -25,6 +25,7 @@ import torch
 from tritium.kernels.lora_ref import LoRASegments, lora_add_grouped
 from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, check_name, fused_rank_capacity, module_names, \
     optional_int, part_shapes, FUSED_PARTS
+from ..errors import RequestError
 from .peft_folder import load_peft_adapter
 from .trtllm_format import adapter_from_trtllm
 
@@ -110,11 +111,11 @@ class LoRAManager:
     def resolve(self, name: str) -> LoRAAdapter:
         """The adapter a request names (loaded on demand); ValueError naming it and the reason."""
         if not isinstance(name, str):
-            raise ValueError(f"lora_name must be a string, got {name!r}")
+            raise RequestError(f"lora_name must be a string, got {name!r}", field="lora_name")
         with self._lock:
             if name not in self.paths:
                 served = ", ".join(self.names()) or "(none)"
-                raise ValueError(f"unknown LoRA adapter {name!r}; this model serves: {served}")
+                raise RequestError(f"unknown LoRA adapter {name!r}; this model serves: {served}", field="lora_name")
             hit = self._host.get(name)
             if hit is not None:
                 self._host.move_to_end(name)
@@ -131,12 +132,12 @@ class LoRAManager:
         try:
             adapter = adapter_from_trtllm(key, weights, config, self.model_cfg, self.max_lora_rank)
         except ValueError as e:
-            raise ValueError(f"lora_task_id {task_id}: {e}") from None
+            raise RequestError(f"lora_task_id {task_id}: {e}", field="lora_weights") from None
         with self._lock:
             old = self._host.get(key)
             if old is not None and old.digest != adapter.digest:
-                raise ValueError(f"lora_task_id {task_id} is cached with different weights; send new weights "
-                                 f"under a new lora_task_id")
+                raise RequestError(f"lora_task_id {task_id} is cached with different weights; send new weights "
+                                   f"under a new lora_task_id", field="lora_task_id")
             self._put(key, adapter if old is None else old)
             return self._host[key]
 
@@ -144,8 +145,9 @@ class LoRAManager:
         with self._lock:
             hit = self._host.get(f"task:{task_id}")
             if hit is None:
-                raise ValueError(f"lora_task_id {task_id} is not in the LoRA cache (never sent, or evicted: "
-                                 f"max_cpu_loras {self.max_cpu_loras}); send lora_weights and lora_config with it")
+                raise RequestError(f"lora_task_id {task_id} is not in the LoRA cache (never sent, or evicted: "
+                                   f"max_cpu_loras {self.max_cpu_loras}); send lora_weights and lora_config with it",
+                                   field="lora_task_id")
             self._host.move_to_end(f"task:{task_id}")
             return hit
 

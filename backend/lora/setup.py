@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import RequestError
 from .layer import attach
 from .manager import LoRAConfig, LoRAManager
 
@@ -33,12 +34,12 @@ def resolve_request_lora(manager: Optional[LoRAManager], lora_name: Optional[str
         return None
     if manager is None:
         asked = f"lora_name {lora_name!r}" if lora_name is not None else f"lora_task_id {lora_task_id}"
-        raise ValueError(f"{asked}: this engine serves no LoRA adapters (start it with lora adapters, "
-                         f"or enable_lora)")
+        raise RequestError(f"{asked}: this engine serves no LoRA adapters (start it with lora adapters, "
+                           f"or enable_lora)", field="lora_name" if lora_name is not None else "lora_task_id")
     if lora_name is not None and lora_task_id is not None:
-        raise ValueError("give one of lora_name and lora_task_id, not both")
+        raise RequestError("give one of lora_name and lora_task_id, not both", field="lora_name")
     if lora_name is not None:
         return manager.resolve(lora_name)
     if isinstance(lora_task_id, bool) or not isinstance(lora_task_id, int) or lora_task_id < 0:
-        raise ValueError(f"lora_task_id must be an integer >= 0, got {lora_task_id!r}")
+        raise RequestError(f"lora_task_id must be an integer >= 0, got {lora_task_id!r}", field="lora_task_id")
     return manager.resolve_task(lora_task_id)

@@ -102,7 +102,7 @@ class DecoderLM(nn.Module):
 
     def set_tensor_parallel(self, tp) -> None:
         """Run as one rank of a tensor-parallel group (backend/parallel/comm.TPGroup): this model
-        holds the rank's shard (built from parallel.layout.local_config), the embedding and LM head
+        holds the rank's shard (built from parallel_layout.local_config), the embedding and LM head
         hold the vocabulary rows [tp.vocab_start, tp.vocab_end)."""
         self.tp = tp
         for layer in self.layers:

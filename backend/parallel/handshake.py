@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..model_runner import num_blocks_for_budget
-from .layout import local_config
+from ..parallel_layout import local_config
 
 
 def agree_num_blocks(tp, cfg, rank: int, device, num_kv_blocks=None, kv_cache_memory_bytes=None) -> int:

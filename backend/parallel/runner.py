@@ -34,7 +34,7 @@ from ..model_runner import ModelRunner
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, free_port, init_group, timeout_s as default_timeout_s
 from .handshake import agree_num_blocks
-from .layout import layout_from_config
+from ..parallel_layout import layout_from_config
 from .worker import READY_LINE
 
 HEARTBEAT_S = 5.0
@@ -189,6 +189,11 @@ class ParallelRunner(ModelRunner):
     @property
     def healthy(self) -> bool:
         return self._error is None and not self._closed
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why tensor parallelism failed (a worker's rank and exit code), or None."""
+        return self._error
 
     def _fail(self, why: str) -> TensorParallelWorkerError:
         if self._error is None:

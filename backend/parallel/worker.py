@@ -22,7 +22,7 @@ from ..loader import load_engine
 from ..model_runner import ModelRunner
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, init_group, timeout_s
-from .layout import layout_from_config
+from ..parallel_layout import layout_from_config
 from .handshake import agree_num_blocks
 
 PARENT_POLL_S = 0.5

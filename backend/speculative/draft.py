@@ -135,7 +135,7 @@ class DraftProposer:
             views = [SeqView(seq, drafts[seq.seq_id]) for seq, _ in rows]
             x = processed_logits(logits, views)
             tokens = x.max(dim=-1).indices.tolist()
-            sampling = [i for i, (seq, _) in enumerate(rows) if seq.request.params.temperature != 0.0]
+            sampling = [i for i, (seq, _) in enumerate(rows) if not seq.request.params.is_greedy]
             if sampling:
                 probs = probabilities(x[sampling], [rows[i][0].request.params for i in sampling])
                 for j, i in enumerate(sampling):

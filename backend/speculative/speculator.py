@@ -23,14 +23,40 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ..block_manager import cdiv
 from ..guided.state import trim_proposals
+from ..loader import load_engine
 from .config import SpeculativeConfig
+from .draft import DraftProposer
 from .ngram import ngram_propose
 from .verify import AcceptRule, speculative_sampling
 
 PROBE_PERIOD = 32
 EMA = 0.05           # weight of the newest step in the running averages
 ALPHA_PRIOR = 0.5    # acceptance rate assumed before any measurement
+
+
+def make_speculator(config: SpeculativeConfig, target_config, target_tokenizer, device, num_target_tokens: int,
+                    max_num_seqs: int, draft_engine=None) -> "Speculator":
+    """A Speculator for a target engine. Method "draft" loads config.draft_engine_dir, or takes
+    draft_engine's loaded model (an LLMEngine), as the proposer; it must share the target's
+    vocabulary. num_target_tokens: the tokens the target's KV pool holds (the draft's pool gets
+    room for as many, plus k per sequence, unless config.draft_num_kv_blocks says otherwise)."""
+    config.validate()
+    if config.method != "draft":
+        return Speculator(config)
+    if draft_engine is None:
+        dcfg, dmodel, dtok = load_engine(config.draft_engine_dir, str(device))
+    else:
+        dcfg, dmodel, dtok = draft_engine.config, draft_engine.runner.model, draft_engine.tokenizer
+    if dcfg.tensor_parallel_size > 1:
+        raise ValueError("the draft engine must be a single-rank engine (tensor_parallel_size 1), "
+                         f"got tensor_parallel_size {dcfg.tensor_parallel_size}")
+    num_blocks = config.draft_num_kv_blocks
+    if num_blocks is None:
+        bs = dcfg.limits.block_size
+        num_blocks = cdiv(num_target_tokens, bs) + max_num_seqs * cdiv(config.num_speculative_tokens, bs)
+    return Speculator(config, DraftProposer(dcfg, dmodel, dtok, target_config, target_tokenizer, device, num_blocks))
 
 
 class Speculator:
@@ -57,12 +83,12 @@ class Speculator:
         return batch * (1.0 - a + rho) < (a - rho) * r
 
     # ------------------------------------------------------------------ 1. propose
-    def propose(self, engine) -> None:
-        self._propose(engine)
-        trim_proposals(engine.scheduler.running)  # structured outputs: cut at the first token the grammar rejects
+    def propose(self, running, max_seq_len: int) -> None:
+        """Set spec_token_ids (and spec_draft_probs) of the running sequences that speculate this step."""
+        self._propose(running, max_seq_len)
+        trim_proposals(running)  # structured outputs: cut at the first token the grammar rejects
 
-    def _propose(self, engine) -> None:
-        running = engine.scheduler.running
+    def _propose(self, running, max_seq_len: int) -> None:
         for seq in running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
         # Decoding sequences: one token left to compute and past the prompt (the step that
@@ -81,7 +107,7 @@ class Speculator:
             # sequence prefills the whole prompt in the draft), it resumes when the batch shrinks.
             if self._steps_off < PROBE_PERIOD or self.draft is not None:
                 self.num_steps_off += 1
-                cands = [s for s in cands if s.generator is not None and s.request.params.temperature != 0.0]
+                cands = [s for s in cands if s.generator is not None and not s.request.params.is_greedy]
                 if not cands:
                     return
             else:
@@ -91,7 +117,7 @@ class Speculator:
         for s in cands:
             p = s.request.params
             # Never past max_tokens (the emitted token comes on top) nor the engine's max_seq_len.
-            ks.append(max(0, min(k_max, p.max_tokens - s.num_output_tokens - 1, engine.max_seq_len - s.num_tokens)))
+            ks.append(max(0, min(k_max, p.max_tokens - s.num_output_tokens - 1, max_seq_len - s.num_tokens)))
         if self.draft is not None:
             t0 = time.perf_counter()
             steps = self.draft.propose(cands, ks)

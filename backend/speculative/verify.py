@@ -90,7 +90,7 @@ def verify(logits: torch.Tensor, seq, proposal: List[int], draft_probs: Optional
     params = seq.request.params
     mask_proposal_rows(logits, seq, proposal)  # structured outputs: row j under the grammar after s_1..s_j
     x = processed_rows(logits, seq, proposal)
-    if params.temperature == 0.0:
+    if params.is_greedy:
         target = x.max(dim=-1).indices.tolist()
         a = 0
         while a < len(proposal) and proposal[a] == target[a]:

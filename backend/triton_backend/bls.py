@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 
+from tritium.backend.errors import to_wire
 from tritium.backend.triton_backend.contract import OUTPUTS
 
 OUTPUT_NAMES = [s.name for s in OUTPUTS]
@@ -55,5 +56,5 @@ class BLSModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
             sender.send(flags=final)
         except Exception as e:  # a failing relay answers this request only
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"{self.llm_model}: {e}")),
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(e, f"{self.llm_model}: "))),
                         flags=final)

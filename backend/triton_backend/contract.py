@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from tritium.backend.guided.surfaces import TENSOR_INPUTS as _GUIDED_INPUTS
+from tritium.backend.sampling_params import FIELDS
 
 
 @dataclass(frozen=True)
@@ -30,54 +31,55 @@ class TensorSpec:
     doc: str = ""
 
 
+def _field_input(f) -> TensorSpec:
+    """The Triton input of a request field (backend/sampling_params.py declares it)."""
+    default = "" if f.default is None or f.default == [] else f", default {f.default}"
+    rng = f" in {f.range_text()}" if f.kind in ("int", "float") else ""
+    return TensorSpec(f.tensor, f.wire_type, f.tensor_dims, doc=f"{f.name}{rng}{default}: {f.doc}")
+
+
 # Inputs of the LLM model (NAME). Scalars are dims [1] per batch row, as in tensorrtllm_backend.
-INPUTS = (
+# The sampling inputs come from the request-field schema (SamplingParams); the others are the
+# prompt and the response options, which are not sampling parameters.
+PROMPT_INPUTS = (
     TensorSpec("text_input", "TYPE_STRING", (1,), doc="prompt text (UTF-8); or give input_ids"),
     TensorSpec("input_ids", "TYPE_INT32", (-1,), doc="prompt token ids; used when text_input is absent"),
     TensorSpec("input_lengths", "TYPE_INT32", (1,), doc="valid length of input_ids (right padding)"),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,), doc="tokens to generate, >= 1 (default 16)"),
-    TensorSpec("stream", "TYPE_BOOL", (1,), doc="true: one response per new delta (default false)"),
-    TensorSpec("temperature", "TYPE_FP32", (1,), doc=">= 0, 0 = greedy (default 1.0)"),
-    TensorSpec("top_k", "TYPE_INT32", (1,), doc="0 = off"),
-    TensorSpec("top_p", "TYPE_FP32", (1,), doc="in (0, 1]"),
-    TensorSpec("min_p", "TYPE_FP32", (1,), doc="in [0, 1]"),
-    TensorSpec("seed", "TYPE_UINT64", (1,), doc="per-request sampling seed"),
-    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), doc="> 0, 1 = off"),
-    TensorSpec("presence_penalty", "TYPE_FP32", (1,), doc="in [-2, 2]"),
-    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), doc="in [-2, 2]"),
-    TensorSpec("min_tokens", "TYPE_INT32", (1,), doc="EOS/stops banned before this many tokens"),
-    TensorSpec("num_return_sequences", "TYPE_INT32", (1,), doc="independent samples (n)"),
-    TensorSpec("stop_words", "TYPE_STRING", (-1,), doc="stop strings (not emitted)"),
-    TensorSpec("bad_words", "TYPE_STRING", (-1,), doc="strings never generated"),
-    TensorSpec("end_id", "TYPE_INT32", (1,), doc="extra end-of-sequence token id"),
-    TensorSpec("pad_id", "TYPE_INT32", (1,), doc="accepted for compatibility (outputs are not padded)"),
-    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), doc="default true: text_output has no prompt"),
-    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), doc="fill cum_log_probs / output_log_probs"),
-    TensorSpec("sampling_parameters", "TYPE_STRING", (1,), doc="vllm_backend JSON; tensors override it"),
     TensorSpec("messages", "TYPE_STRING", (1,),
                doc='chat messages as JSON [{"role", "content"}], rendered with the engine\'s chat template; '
                    'replaces text_input'),
     TensorSpec("tools", "TYPE_STRING", (1,),
                doc="OpenAI tools as JSON [{\"type\": \"function\", \"function\": {...}}], passed to the chat "
                    "template as `tools` (with messages)"),
+)
+FIELD_INPUTS = tuple(_field_input(f) for f in FIELDS if f.tensor)
+OPTION_INPUTS = (
+    TensorSpec("stream", "TYPE_BOOL", (1,), doc="true: one response per new delta (default false)"),
+    TensorSpec("end_id", "TYPE_INT32", (1,), doc="extra end-of-sequence token id (joins stop_token_ids)"),
+    TensorSpec("pad_id", "TYPE_INT32", (1,), doc="accepted for compatibility (outputs are not padded)"),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), doc="default true: text_output has no prompt"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,),
+               doc="fill cum_log_probs / output_log_probs (logprobs 0 unless sampling_parameters sets it)"),
+    TensorSpec("sampling_parameters", "TYPE_STRING", (1,),
+               doc="vllm_backend JSON of request fields (their json keys); tensors override it"),
     # Structured outputs (backend/guided/surfaces.py declares them).
     *(TensorSpec(name, dtype, (1,), doc=doc) for name, dtype, doc in _GUIDED_INPUTS),
     # Sent by Triton's own OpenAI frontend; num_input_tokens / num_output_tokens always come back.
     TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), doc="accepted; num_input_tokens is always returned"),
     TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), doc="accepted; num_output_tokens is always returned"),
-    # LoRA (docs/lora.md), tensorrtllm_backend's names; vllm_backend's sampling_parameters.lora_name too
-    TensorSpec("lora_task_id", "TYPE_UINT64", (1,),
-               doc="LoRA adapter id: cached with lora_weights + lora_config on first use, then alone"),
+    # LoRA (docs/lora.md): the adapter tensors tensorrtllm_backend sends with lora_task_id (a request field)
     TensorSpec("lora_weights", "TYPE_FP16", (-1, -1),
                doc="per module: A.flatten() ++ (alpha/r * B).flatten() (TensorRT-LLM hf_lora_convert layout)"),
     TensorSpec("lora_config", "TYPE_INT32", (-1, 3), doc="per module: [module_id, layer_idx, adapter_size]"),
 )
+INPUTS = PROMPT_INPUTS + FIELD_INPUTS + OPTION_INPUTS
 
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,), doc="generated text (the delta when streaming)"),
     TensorSpec("output_ids", "TYPE_INT32", (-1,),
                doc="generated token ids (new ones when streaming); prompt ids first if exclude_input_in_output is false"),
-    TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc='"" until done, then "stop", "length", "abort" or "grammar_dead_end"'),
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,),
+               doc='"" until done, then "stop", "length", "abort" or "grammar_dead_end"'),
     TensorSpec("cum_log_probs", "TYPE_FP32", (-1,), doc="sum of output token logprobs so far"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,), doc="logprob of each generated token in output_ids (needs return_log_probs)"),
     TensorSpec("num_input_tokens", "TYPE_INT32", (-1,), doc="prompt length in tokens"),

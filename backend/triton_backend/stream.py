@@ -11,6 +11,7 @@ import threading
 import time
 from typing import List, Optional
 
+from tritium.backend.errors import to_wire
 from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, logprobs_detail, response_arrays, token_logprobs
 
 
@@ -103,7 +104,7 @@ class RowStream:
         if self.over:
             return
         if isinstance(out, BaseException):
-            self.state.close_with_error(f"tritium: request failed: {type(out).__name__}: {out}")
+            self.state.close_with_error(to_wire(out))
             self._finish()
             return
         if self.state.closed:
@@ -113,7 +114,7 @@ class RowStream:
             self._emit_all(out)
         except Exception as e:  # a response that cannot be built fails this request only
             self.engine.abort(self.rid)
-            self.state.close_with_error(f"tritium: request failed: {type(e).__name__}: {e}")
+            self.state.close_with_error(to_wire(e))
             self._finish()
 
     def _emit_all(self, out) -> None:

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from tritium.backend.errors import RequestError, to_wire
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.triton_backend.contract import resolve_path
 
@@ -106,15 +107,15 @@ class PreprocessingModel:
             try:
                 texts = _opt(request, "text_input")
                 if texts is None:
-                    raise ValueError("text_input is required")
+                    raise RequestError("text_input is required", field="prompt")
                 rows = []
                 for v in texts.reshape(texts.shape[0], -1)[:, 0]:
                     try:
                         s = bytes(v).decode("utf-8")
                     except UnicodeDecodeError:
-                        raise ValueError("text_input must be UTF-8 text") from None
+                        raise RequestError("text_input must be UTF-8 text", field="prompt") from None
                     if not s:
-                        raise ValueError("text_input must not be empty")
+                        raise RequestError("text_input must not be empty", field="prompt")
                     rows.append(self._encode(s))
                 width = max(len(r) for r in rows)
                 ids = np.zeros((len(rows), width), dtype=np.int32)
@@ -124,7 +125,7 @@ class PreprocessingModel:
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("input_lengths", lens)]))
             except ValueError as e:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(e))))
         return responses
 
 

@@ -15,7 +15,7 @@ import torch
 from tritium.kernels.quant_layouts import pack_int4
 
 from ..convert import CheckpointError
-from ..quantize_int4 import SUPPORTED_GROUP_SIZES
+from ..quant.quantize_int4 import SUPPORTED_GROUP_SIZES
 
 
 @dataclass

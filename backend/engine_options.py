@@ -1,0 +1,170 @@
+"""Engine options: declared once, read from a command line or from config.pbtxt parameters.
+
+`tritium build --repo` writes some of them into the served model's config.pbtxt, `tritium
+generate --engine` takes some as flags, and the Triton backend reads them back from the model's
+parameters: all three go through this table and `engine_setup`, so a flag, its parameter key,
+its type, range and default are written once.
+
+    opts = options_from_args(args, ("num_kv_blocks", "speculative_method", ...))   # CLI
+    opts = options_from_params(model_config_parameters)                           # config.pbtxt
+    setup = engine_setup(opts, model_dir)   # LLMEngine kwargs + SpeculativeConfig + ThreadPolicy
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Optional
+
+from .speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
+from .thread_policy import ThreadPolicy
+
+DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are refused as overloaded
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    name: str                   # config.pbtxt parameter key, and the options dict's key
+    kind: str                   # "int", "bool", "str" or "path" (relative to the model folder in config.pbtxt)
+    cli: str                    # command-line flag
+    help: str
+    lo: Optional[int] = 1       # "int": smallest value
+    hi: Optional[int] = None
+    choices: Optional[tuple] = None
+
+    def parse(self, value, where: str):
+        """A flag's or a parameter's value -> its Python value; ValueError names `where`."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if self.kind == "int":
+            try:
+                v = int(str(value).strip())
+            except ValueError:
+                raise ValueError(f"{where} must be an integer, got {value!r}") from None
+            if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
+                raise ValueError(f"{where} must be an integer in [{self.lo}, {self.hi if self.hi else 'inf'}], "
+                                 f"got {v}")
+            return v
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            v = str(value).strip().lower()
+            if v not in ("true", "false", "1", "0"):
+                raise ValueError(f"{where} must be true or false, got {value!r}")
+            return v in ("true", "1")
+        v = str(value).strip()
+        if self.choices is not None and v.lower() not in self.choices:
+            raise ValueError(f"{where} must be one of {', '.join(self.choices)}, got {value!r}")
+        return v.lower() if self.choices is not None else v
+
+
+OPTIONS = (
+    EngineOption("num_kv_blocks", "int", "--num-kv-blocks", "KV cache blocks (default: sized from memory)"),
+    EngineOption("max_num_seqs", "int", "--max-num-seqs", "max sequences per step (default: engine max batch)"),
+    EngineOption("max_num_batched_tokens", "int", "--max-num-batched-tokens", "token budget per step (default 2048)"),
+    EngineOption("enable_prefix_caching", "bool", "--enable-prefix-caching",
+                 "reuse cached prompt blocks (default true)"),
+    EngineOption("device", "str", "--device", "cpu or cuda (default: cuda if available)"),
+    EngineOption("deterministic", "bool", "--deterministic",
+                 "batch-invariant numerics (docs/determinism.md; default: the engine's own setting)"),
+    EngineOption("max_queue_size", "int", "--max-queue-size",
+                 f"waiting requests beyond which new ones fail as overloaded "
+                 f"(server default {DEFAULT_MAX_QUEUE_SIZE})"),
+    EngineOption("num_threads", "int", "--num-threads", "torch intra-op threads (default: every core)"),
+    EngineOption("small_step_threads", "int", "--small-step-threads",
+                 "threads for steps of fewer than 4 tokens (default: num_threads - 1; see ThreadPolicy)"),
+    EngineOption("threads_per_rank", "int", "--threads-per-rank",
+                 "threads of each tensor-parallel worker (default: the cores divided by the ranks)"),
+    EngineOption("speculative_method", "str", "--speculative",
+                 "speculative decoding: ngram (prompt lookup) or draft (a draft engine proposes); greedy output is "
+                 "the same as without, sampled output has the same distribution", choices=METHODS),
+    EngineOption("draft_engine_dir", "path", "--draft-engine",
+                 "draft engine for --speculative draft (same tokenizer, e.g. an int4 build of the model)"),
+    EngineOption("num_speculative_tokens", "int", "--num-speculative-tokens",
+                 f"tokens proposed per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})", hi=MAX_SPECULATIVE_TOKENS),
+)
+OPTION = {o.name: o for o in OPTIONS}
+SPECULATIVE = ("speculative_method", "draft_engine_dir", "num_speculative_tokens")
+
+
+def add_option_arguments(p, names: Iterable[str], title: str) -> None:
+    """Flags for the named options (dest: the option name; absent: None)."""
+    g = p.add_argument_group(title)
+    for name in names:
+        o = OPTION[name]
+        kw = {"choices": o.choices} if o.choices else {}
+        metavar = None if o.choices else ("N" if o.kind == "int" else "DIR" if o.kind == "path" else "VALUE")
+        g.add_argument(o.cli, dest=o.name, default=None, metavar=metavar, help=o.help, **kw)
+
+
+def options_from_args(args: argparse.Namespace, names: Iterable[str]) -> Dict[str, object]:
+    """{name: value} of the named options given on the command line (errors name the flag)."""
+    out = {}
+    for name in names:
+        v = OPTION[name].parse(getattr(args, name, None), OPTION[name].cli)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def options_from_params(params: Dict[str, str]) -> Dict[str, object]:
+    """{name: value} of the options a config.pbtxt's parameters set (errors name the parameter)."""
+    out = {}
+    for o in OPTIONS:
+        v = o.parse(params.get(o.name), f"parameter {o.name}")
+        if v is not None:
+            out[o.name] = v
+    return out
+
+
+def to_params(opts: Dict[str, object]) -> Dict[str, str]:
+    """Options -> config.pbtxt parameter strings (what options_from_params reads back)."""
+    return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in opts.items() if v is not None}
+
+
+def speculative_config(opts: Dict[str, object], base_dir: Optional[str] = None) -> Optional[SpeculativeConfig]:
+    """The speculative options -> a checked SpeculativeConfig, or None when speculation is off.
+    A relative draft_engine_dir is taken relative to base_dir (a model folder) when given."""
+    method, draft, k = (opts.get(n) for n in SPECULATIVE)
+    if method is None:
+        if draft is not None or k is not None:
+            raise ValueError(f"{OPTION['draft_engine_dir'].cli} / {OPTION['num_speculative_tokens'].cli} "
+                             f"(parameters draft_engine_dir / num_speculative_tokens) need "
+                             f"{OPTION['speculative_method'].cli} ngram|draft (parameter speculative_method)")
+        return None
+    if draft is not None:
+        draft = os.path.expanduser(draft)
+        if base_dir is not None and not os.path.isabs(draft):
+            draft = os.path.normpath(os.path.join(base_dir, draft))
+    return SpeculativeConfig(method, num_speculative_tokens=DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k,
+                             draft_engine_dir=draft).validate()
+
+
+@dataclass
+class EngineSetup:
+    """What the options mean for an engine: LLMEngine keyword arguments (speculative included),
+    the thread policy, and AsyncLLMEngine's max_queue_size."""
+    engine_kwargs: Dict[str, object] = field(default_factory=dict)
+    thread_policy: Optional[ThreadPolicy] = None
+    max_queue_size: Optional[int] = None
+
+
+def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_size: int = 1,
+                 server: bool = False) -> EngineSetup:
+    """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that leaves a
+    core to the frontend, a bounded queue); otherwise torch's thread count stays as it is."""
+    kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                               "device", "threads_per_rank", "deterministic") if k in opts}
+    spec = speculative_config(opts, base_dir)
+    if spec is not None:
+        kw["speculative"] = spec
+    policy = None
+    cores = os.cpu_count() or 1
+    per_rank = max(1, cores // tp_size)
+    if tp_size > 1:
+        kw.setdefault("threads_per_rank", per_rank)
+    if server or "num_threads" in opts or "small_step_threads" in opts:
+        threads = opts.get("num_threads", per_rank if tp_size > 1 else cores)
+        policy = ThreadPolicy(threads, opts.get("small_step_threads", max(1, threads - 1)))
+    queue = opts.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE if server else None)
+    return EngineSetup(kw, policy, queue)

@@ -1,0 +1,82 @@
+"""The per-linear quantization plan of a build: which format, group size and rounding order each
+linear gets (from --quantization, --group-size, --exclude-modules and the source's own grid)."""
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, Optional
+
+from tritium.backend.config import EngineConfig, LayerQuant
+
+from .quant_layers import LINEARS, linear_in_features
+from ..source_grid import linear_source_blocks, plan_group_size
+
+DEFAULT_GROUP_SIZE = 128
+PER_ROW = -1  # --group-size -1 (int8 / fp8): one scale per output channel (GPTQ's convention)
+
+
+def excluded(name: str, patterns: Optional[str]) -> bool:
+    """--exclude-modules: comma-separated fnmatch globs over names like 'layers.3.down_proj'."""
+    return bool(patterns) and any(fnmatch.fnmatch(name, p.strip()) for p in patterns.split(",") if p.strip())
+
+
+def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
+    """Per-linear LayerQuant for every linear in the model (method 'none' when excluded).
+
+    int4 group sizes: explicit --group-size, else the GGUF source's own block size where the
+    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. int4
+    builds also store the embedding (and an untied lm_head) as per-row int8."""
+    kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
+    plan = {}
+    blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
+    for i in range(cfg.model.num_layers):
+        for lin in LINEARS:
+            name = f"layers.{i}.{lin}"
+            if excluded(name, o.exclude_modules):
+                plan[name] = LayerQuant("none")
+                continue
+            if kind != "int4":
+                plan[name] = plan_8bit(kind, linear_in_features(cfg.model, lin), name, o, blocks.get(name))
+                continue
+            k = linear_in_features(cfg.model, lin)
+            g, reason = plan_group_size(k, o.group_size, o.group_size_explicit, blocks.get(name))
+            if g is None:
+                raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
+                                 f"not a multiple of {o.group_size}, 64 or 32")
+            act_order = bool(o.act_order and o.quantization == "int4-gptq")
+            on_grid = name in blocks and g == blocks[name][1]
+            if act_order and not on_grid and lin == "o_proj" and o.tensor_parallel_size > 1:
+                # o_proj's inputs are split by attention head, and act-order's g_idx groups mix
+                # channels of every head: at tensor parallelism it uses static groups (act-order
+                # column order, contiguous groups) so that each rank holds whole groups.
+                plan[name] = LayerQuant("int4", group_size=g, group_reason=reason, static_groups=True)
+                continue
+            # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
+            # static groups (act-order's column order, parameters fixed per source block, no g_idx).
+            plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
+                                    group_reason=reason,
+                                    static_groups=act_order and on_grid)
+    if kind == "int4":
+        for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
+            plan[name] = LayerQuant("none" if excluded(name, o.exclude_modules) else "int8")
+    return plan
+
+
+def plan_8bit(kind: str, k: int, name: str, o, source) -> LayerQuant:
+    """int8 / fp8: --group-size N: symmetric groups of N (64/32 where N does not divide K);
+    --group-size -1: one scale per output channel; default: a linear stored block-quantized in
+    a GGUF source gets asymmetric groups on the source's blocks (its grid kept exactly), any
+    other one scale per output channel (docs/quantization.md has the measurements behind this)."""
+    if o.group_size_explicit and o.group_size == PER_ROW:
+        return LayerQuant(kind, group_reason="--group-size -1: per output channel")
+    if o.group_size_explicit:
+        g, reason = plan_group_size(k, o.group_size, True, None)
+        if g is None:
+            raise ValueError(f"--group-size {o.group_size} fits no layer: {name} has in_features {k}, "
+                             f"not a multiple of {o.group_size}, 64 or 32")
+        return LayerQuant(kind, group_size=g, group_reason=reason)
+    if source is not None:
+        g, reason = plan_group_size(k, DEFAULT_GROUP_SIZE, False, source)
+        if g == source[1]:
+            return LayerQuant(kind, group_size=g, group_reason=reason + " (asymmetric, source grid)",
+                              asymmetric=True)
+    return LayerQuant(kind)

@@ -1,0 +1,115 @@
+"""Run a list of requests against a driver: N worker threads (the concurrency), optional seeded
+Poisson arrivals, a tqdm progress bar on stderr, and the client's own CPU time.
+
+Each worker opens its session (connection) before the clock starts and then takes the next
+request from a shared counter; with --request-rate a request is not sent before its arrival
+time, and at most `concurrency` requests are in flight. Client CPU: for a remote system the whole
+process's CPU time over the run (every byte of it is client work); in-process, only the worker
+threads' own CPU time (the engine's loop thread is the system under test).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from tritium.client.bench.bench_drivers import RequestResult
+from tritium.client.bench.bench_workload import BenchRequest, poisson_arrivals
+
+
+@dataclass
+class RunResult:
+    """One run: the raw per-request results and the conditions they were measured under."""
+    label: str                      # e.g. "c16" or "single"
+    concurrency: int                # max requests in flight
+    request_rate: Optional[float]   # Poisson arrivals per second, None = all at once
+    results: List[RequestResult]    # in request order
+    duration_s: float               # first send -> last response
+    client_cpu_s: float             # see the module docstring
+
+
+def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, label: str,
+                 request_rate: Optional[float] = None, seed: int = 0, progress: bool = True,
+                 desc: Optional[str] = None) -> RunResult:
+    """Send every request through `driver`; returns the RunResult (errors are counted, not raised)."""
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    arrivals = poisson_arrivals(len(requests), request_rate, seed)
+    num_workers = min(concurrency, len(requests))
+    results: List[Optional[RequestResult]] = [None] * len(requests)
+    lock = threading.Lock()
+    next_index = [0]
+    start = threading.Barrier(num_workers + 1)
+    t0 = [0.0]
+    thread_cpu = [0.0] * num_workers
+    failures: List[BaseException] = []
+    crashes: List[BaseException] = []
+    bar = _progress_bar(len(requests), desc or label, progress)
+
+    def worker(w: int) -> None:
+        try:
+            session = driver.session()
+        except BaseException as e:  # e.g. the server is gone: fail the run with its reason
+            failures.append(e)
+            start.abort()
+            return
+        try:
+            start.wait()
+            cpu0 = time.thread_time()
+            while True:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= len(requests):
+                    break
+                delay = t0[0] + arrivals[i] - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                results[i] = session.run(requests[i], f"bench-{label}-{i}-{id(results):x}")
+                with lock:
+                    bar.update(1)
+            thread_cpu[w] = time.thread_time() - cpu0
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # a bug in a driver: report it, do not hang the run
+            crashes.append(e)
+        finally:
+            session.close()
+
+    threads = [threading.Thread(target=worker, args=(w,), name=f"bench-worker-{w}", daemon=True)
+               for w in range(num_workers)]
+    for t in threads:
+        t.start()
+    try:
+        cpu0 = time.process_time()
+        t0[0] = time.perf_counter()
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass
+    for t in threads:
+        t.join()
+    bar.close()
+    if failures:
+        raise OSError(f"could not open a session with {driver.describe()}: {failures[0]}")
+    if crashes:
+        raise RuntimeError(f"benchmark worker failed: {crashes[0]!r}") from crashes[0]
+    cpu = sum(thread_cpu) if driver.in_process else time.process_time() - cpu0
+    done = [r for r in results if r is not None]
+    end = max((r.t_end for r in done if r.t_end is not None), default=t0[0])
+    return RunResult(label, concurrency, request_rate, done, end - t0[0], cpu)
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

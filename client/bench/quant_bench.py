@@ -1,0 +1,78 @@
+"""Batch-1 decode speed of engines (float vs quantized): a benchmark that prints figures.
+
+    python -m tritium.client.bench.quant_bench ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3] [--batch 1]
+
+Each round runs every engine in turn (interleaved, so load from other processes hits all of
+them alike): a 32-token prefill of each of --batch sequences, then --tokens greedy decode steps
+of one token per sequence through the model's forward with a paged KV cache; only the decode
+steps are timed. Prints the median decode tokens/s (all sequences) per engine and its ratio to
+the first engine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tritium.kernels.attention_metadata import AttentionMetadata
+from tritium.backend.loader import load_engine
+
+from tritium.builder.quant.quant_eval import kv_cache_dtype
+
+
+@torch.inference_mode()
+def decode_tokens_per_second(model, num_tokens: int, prompt_len: int = 32, batch: int = 1) -> float:
+    """Greedy decode of num_tokens per sequence for `batch` sequences after a prompt_len prefill
+    of each; returns decode tokens/s summed over the batch."""
+    m, bs = model.cfg.model, model.cfg.limits.block_size
+    total = prompt_len + num_tokens
+    nb = (total + bs - 1) // bs
+    kv = [(torch.zeros(nb * batch, bs, m.num_kv_heads, m.head_dim, dtype=kv_cache_dtype(model)),
+           torch.zeros(nb * batch, bs, m.num_kv_heads, m.head_dim, dtype=kv_cache_dtype(model)))
+          for _ in range(m.num_layers)]
+    table = [list(range(b * nb, (b + 1) * nb)) for b in range(batch)]
+    ids = torch.cat([torch.arange(100 + b, 100 + b + prompt_len) for b in range(batch)])
+    meta = AttentionMetadata.build([prompt_len] * batch, [prompt_len] * batch, table, bs)
+    hidden = model(ids, torch.arange(prompt_len).repeat(batch), kv, meta)
+    tok = model.compute_logits(hidden[prompt_len - 1::prompt_len]).argmax(-1)
+    t0 = time.perf_counter()
+    for pos in range(prompt_len, total):
+        meta = AttentionMetadata.build([1] * batch, [pos + 1] * batch, table, bs)
+        tok = model.compute_logits(model(tok, torch.full((batch,), pos), kv, meta)).argmax(-1)
+    return num_tokens * batch / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engines", nargs="+")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = [load_engine(e, "cpu")[1] for e in args.engines]
+    for mdl in models:
+        mdl.pack_for_cpu()  # as the engine's ModelRunner does: oneDNN pre-packed bf16 float linears
+    for mdl in models:  # warm-up (packing, allocator)
+        decode_tokens_per_second(mdl, 4)
+    rates = [[] for _ in models]
+    for _ in range(args.rounds):
+        for i, mdl in enumerate(models):
+            rates[i].append(decode_tokens_per_second(mdl, args.tokens, batch=args.batch))
+    base = statistics.median(rates[0])
+    print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
+          f"torch threads {torch.get_num_threads()}")
+    for e, mdl, r in zip(args.engines, models, rates):
+        med = statistics.median(r)
+        cfg = mdl.cfg
+        print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
+              f"kv={cfg.kv_cache.dtype:5s} {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""`tritium compare`: Tritium side by side with llama.cpp's llama-server, matched bits, one run.
+
+For each pair (Tritium bf16 vs llama.cpp BF16, int8 vs Q8_0, int4-rtn vs Q4_0):
+  1. the GGUF (default SmolLM2-135M-Instruct Q4_1) is requantized with `llama-quantize
+     --allow-requantize` (cached) and the Tritium engine built with `tritium build` (cached);
+  2. llama-server (`-np P -c P*2048 -t T -tb T`: P slots of 2048 tokens, Tritium's max_seq_len;
+     one server per --llama-threads value T, default 1 and 2) and `tritium serve`'s tritonserver
+     on that engine start on free ports, and the engine is also loaded in this process
+     (AsyncLLMEngine, --threads torch threads);
+  3. `tritium bench`'s suite runs on every system: warm-up, the workload (32 requests at
+     concurrency 16), then 3 single streams of 128 tokens. Every run goes to each system before
+     the next run starts, the order flipping between runs and between pairs, so host drift
+     favours none; the servers wait idle while another system is measured (their idle CPU is
+     measured and printed);
+  4. the servers stop (always: try/finally), and the next pair starts.
+It prints one table with every system's figures and the ratios: Tritium / the fastest llama-server,
+tritium serve / in-process (server overhead) and each quantized pair / bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+from tritium.client.bench.bench_workload import WorkloadSpec, parse_concurrency
+from tritium.client.bench.compare_report import PAIRS, format_table, summary
+
+MODEL = "smollm2"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compare", help="side-by-side serving benchmark: tritium serve vs llama.cpp llama-server",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-cpp-dir", default=None, help="an existing llama.cpp build (the folder holding "
+                   "build/bin/llama-server; or $TRITIUM_LLAMA_CPP_DIR); default: build it once into the cache")
+    p.add_argument("--gguf", default=None, help="source GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--engines-dir", default=None, help="folder of prebuilt engines named bf16/ int8/ int4/ "
+                   "(default: <cache>/compare/engines, built when missing)")
+    p.add_argument("--pairs", default="bf16,int8,int4", help="which pairs, in order (default bf16,int8,int4)")
+    p.add_argument("--repeats", type=int, default=1, help="suite repetitions per pair (default 1)")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and in-process torch threads "
+                                                          "(default 2)")
+    p.add_argument("--llama-threads", default="1,2",
+                   help="llama-server -t/-tb; a comma list runs one llama-server per value and the ratios use "
+                        "the fastest (default 1,2: -t 2 is faster on a quiet host, -t 1 on a busy one; see docs)")
+    p.add_argument("--llama-server-args", default="", metavar="ARGS",
+                   help='extra llama-server arguments, one string (e.g. "--poll 0")')
+    p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per run (default 32)")
+    p.add_argument("--concurrency", default="16", help="comma list (default 16)")
+    p.add_argument("--prompt-words", type=int, nargs=2, default=[12, 384], metavar=("MIN", "MAX"),
+                   help="prompt words (default 12 384)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output tokens (default 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--single-stream", type=int, default=3, help="one-at-a-time requests (default 3)")
+    p.add_argument("--single-stream-tokens", type=int, default=128, help="their output tokens (default 128)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests per system (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table to stderr)")
+    p.add_argument("--plot", default=None, metavar="DIR", help="PNG plots per pair into DIR/<pair>/")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+def parse_pairs(text: str) -> list:
+    pairs = [x.strip() for x in text.split(",") if x.strip()]
+    if not pairs or any(x not in PAIRS for x in pairs) or len(set(pairs)) != len(pairs):
+        raise ValueError(f"--pairs must be a comma list of distinct {', '.join(PAIRS)}, got {text!r}")
+    return pairs
+
+
+def parse_threads(text: str) -> list:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"--llama-threads must be a comma list of distinct integers >= 1 (e.g. 1,2), got {text!r}")
+    return values
+
+
+def ensure_engine(kind: str, gguf: str, engines_dir: str, log) -> str:
+    """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing."""
+    out = os.path.join(engines_dir, kind)
+    if os.path.isfile(os.path.join(out, "engine.json")):
+        return out
+    from tritium.builder.build import BuildOptions, build_engine
+    log(f"building the {kind} engine into {out} ...")
+    build_engine(BuildOptions(source=gguf, output=out + ".partial", progress=False, **PAIRS[kind][0]))
+    os.replace(out + ".partial", out)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from tritium.client.bench.bench_suite import SuiteOptions
+    from tritium.client.bench.llamacpp import ensure_llama_cpp, requantize
+    from tritium.client.serve.server import cache_dir
+    pairs = parse_pairs(args.pairs)
+    for flag in ("repeats", "threads"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    args.llama_threads = parse_threads(args.llama_threads)
+    opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
+                        parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
+                        args.warmup, progress=not args.no_progress)
+    opts.validate()
+    out = sys.stderr if args.json else sys.stdout
+
+    def log(msg):
+        print(f"tritium compare: {msg}", file=sys.stderr, flush=True)
+    if args.gguf is None:
+        from tritium.builder.default_model import smollm2_gguf_path
+        args.gguf = smollm2_gguf_path()
+    if not os.path.isfile(args.gguf):
+        raise FileNotFoundError(f"--gguf {args.gguf}: file not found")
+    work = os.path.join(cache_dir(), "compare")
+    src = ensure_llama_cpp(args.llama_cpp_dir, log=log)
+    ggufs = {k: requantize(src, args.gguf, PAIRS[k][1], os.path.join(work, "gguf")) for k in pairs}
+    engines = {k: ensure_engine(k, args.gguf, args.engines_dir or os.path.join(work, "engines"), log) for k in pairs}
+    import torch
+    torch.set_num_threads(args.threads)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    results = {}
+    for p_idx, kind in enumerate(pairs):
+        log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
+        results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work)
+    report = summary(results, pairs)
+    report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                   "llama_cpp_dir": src, "gguf": args.gguf, "engines": engines, "threads": args.threads,
+                   "llama_threads": args.llama_threads,
+                   "workload": results[pairs[0]]["reps"][0]["workload"]})
+    print(format_table(report), file=out, flush=True)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
+    """Both servers (and the in-process engine) up for one pair; the suite `--repeats` times."""
+    import dataclasses
+
+    from tritium.builder.repository import write_repository
+    from tritium.client.bench.bench_drivers import InProcessDriver, TritonGrpcDriver
+    from tritium.client.bench.bench_openai import OpenAIDriver
+    from tritium.client.bench.bench_suite import run_suite
+    from tritium.client.bench.llamacpp import LlamaServer
+    from tritium.client.serve.proc_cpu import group_cpu_seconds
+    from tritium.client.serve.server import TritonServer
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    repo = os.path.join(work, "repos", kind)
+    write_repository(repo, MODEL, os.path.abspath(engine))
+    parallel = max(16, max(opts.concurrencies))
+    many = len(args.llama_threads) > 1
+    llamas = {(f"llama-server-t{t}" if many else "llama-server"):
+              LlamaServer(src, gguf, parallel=parallel, threads=t, extra_args=shlex.split(args.llama_server_args),
+                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"))
+              for t in args.llama_threads}
+    triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
+    inproc = None
+    try:
+        for llama in llamas.values():
+            llama.start()
+        triton.start(timeout=600)
+        targets = {name: OpenAIDriver(llama.url) for name, llama in llamas.items()}
+        targets["tritium-serve"] = TritonGrpcDriver(triton.grpc_url, MODEL)
+        if not args.no_in_process:
+            targets["in-process"] = inproc = InProcessDriver(engine)
+        for d in targets.values():
+            d.check()
+        pgids = {name: llama.proc.pid for name, llama in llamas.items()}
+        pgids["tritium-serve"] = triton.proc.pid
+        idle0 = {n: group_cpu_seconds(g) for n, g in pgids.items()}
+        time.sleep(5.0)
+        idle = {n: (group_cpu_seconds(g) - idle0[n]) / 5.0 for n, g in pgids.items()}
+        reps, load = [], [os.getloadavg()[0]]
+        for rep in range(args.repeats):
+            o = dataclasses.replace(opts, tag=f"r{rep}")
+            result, raw = run_suite(targets, o, order_offset=p_idx + rep)
+            if args.plot:
+                from tritium.client.bench.bench_plots import write_plots
+                result["plots"] = write_plots(os.path.join(args.plot, f"{kind}-r{rep}"), raw)
+            reps.append(result)
+        load.append(os.getloadavg()[0])  # the host's 1-minute load before and after: how busy it was
+        return {"reps": reps, "idle_server_cores": idle, "host_load": load,
+                "llama_server_cmd": [" ".join(x.cmd[1:]) for x in llamas.values()]}
+    finally:
+        if inproc is not None:
+            inproc.close()
+        triton.stop()
+        for llama in llamas.values():
+            llama.stop()

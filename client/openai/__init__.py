@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API in front of tritonserver."""

@@ -1,0 +1,1 @@
+"""Tools around the product: the stress tool, quantization parity and calibration studies."""
