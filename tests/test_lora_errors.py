@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -188,3 +189,21 @@ def test_contract_parsing_of_lora_fields():
         assert err.value.code == "bad_parameter" and err.value.field == field, (msg, err.value.field)
     with pytest.raises(GuardError, match="lora_config is a 2-D tensor"):
         check_generate_fields({"text_input": "x", "lora_config": [[1, 0, 4]]})
+
+
+def test_lora_options_come_from_the_engine_options_table(tmp_path):
+    """config.pbtxt parameters -> LoRAConfig through backend/engine_options.py (paths relative to the
+    model folder; bad values name the parameter)."""
+    from tritium.backend.engine_options import engine_setup, options_from_params
+    setup = engine_setup(options_from_params({"lora_adapters": "sql=ad/sql,chat=/abs/chat", "max_loras": "2",
+                                              "max_lora_rank": "8"}), base_dir=str(tmp_path))
+    cfg = setup.engine_kwargs["lora"]
+    assert cfg.adapters == {"sql": str(tmp_path / "ad" / "sql"), "chat": "/abs/chat"}
+    assert (cfg.max_loras, cfg.max_lora_rank) == (2, 8)
+    assert "lora" not in engine_setup(options_from_params({"max_loras": "2"})).engine_kwargs  # no adapters: off
+    assert engine_setup(options_from_params({"enable_lora": "true"})).engine_kwargs["lora"].adapters == {}
+    for params, needle in (({"max_loras": "0"}, "parameter max_loras must be an integer in [1, inf]"),
+                           ({"enable_lora": "yes"}, "parameter enable_lora must be true or false"),
+                           ({"lora_adapters": "a=x,a=y"}, "adapter 'a' is listed twice")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            engine_setup(options_from_params(params))

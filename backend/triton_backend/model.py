@@ -32,7 +32,6 @@ from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine_options import engine_setup, options_from_params
 from tritium.backend.lora.setup import resolve_request_lora
-from tritium.backend.triton_backend.lora_params import lora_config_from_params
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.errors import RequestError, error_info, to_wire
 from tritium.backend.guided import state as guided_state
@@ -75,9 +74,6 @@ class TritonPythonModel:
         try:
             setup = engine_setup(options_from_params(params), model_dir, _tensor_parallel_size(engine_dir),
                                  server=True)
-            lora = lora_config_from_params(params, model_dir)
-            if lora is not None:
-                setup.engine_kwargs["lora"] = lora
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
             self.engine = AsyncLLMEngine(engine_dir, max_queue_size=setup.max_queue_size,
