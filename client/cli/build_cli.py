@@ -80,6 +80,8 @@ def register(sub) -> None:
                         "engine, and its tensor-parallel workers, once; default 1)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
     add_option_arguments(p, SPECULATIVE, "speculative decoding in --repo (docs/speculative.md)")
+    from tritium.builder.lora_repo import add_lora_arguments
+    add_lora_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -118,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "instances", 1) < 1:  # before the build, not after it
         raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
     spec_params = speculative_params(args)  # checked before the (long) build
+    from tritium.builder.lora_repo import check_lora_after_build, lora_params
+    spec_params.update(lora_params(args))  # adapters' folders checked before the build too
     cfg = build_engine(options_from_args(args))
+    check_lora_after_build(args, cfg)  # shapes and modules against the engine, before the repository
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
