@@ -58,19 +58,22 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, request_id: str, prompt: Optional[str] = None, prompt_token_ids: Optional[List[int]] = None,
-                 params: Optional[SamplingParams] = None, priority: int = 0) -> Iterator[RequestOutput]:
-        """Add a request and return its stream. Bad input raises ValueError here, before streaming."""
+                 params: Optional[SamplingParams] = None, priority: int = 0,
+                 **lora) -> Iterator[RequestOutput]:
+        """Add a request and return its stream (lora: lora_name= or lora_task_id=, see
+        LLMEngine.add_request). Bad input raises ValueError here, before streaming."""
         q: "queue.Queue" = queue.Queue()
         with self._cv:
             self._check_admission()
             self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                                    params=params, priority=priority)
+                                    params=params, priority=priority, **lora)
             self._streams[request_id] = q
             self._cv.notify()
         return self._stream(request_id, q)
 
     def submit(self, request_id: str, prompt_token_ids: List[int], params: SamplingParams,
-               on_output: Callable[[Union[RequestOutput, BaseException]], None], priority: int = 0) -> None:
+               on_output: Callable[[Union[RequestOutput, BaseException]], None], priority: int = 0,
+               **lora) -> None:
         """Add a request whose outputs go to on_output(output), called from the delivery thread;
         an engine failure calls on_output(error). Bad input raises ValueError here."""
         with self._cv:
@@ -80,7 +83,7 @@ class AsyncLLMEngine:
                                                          daemon=True)
                 self._delivery_thread.start()
             self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, params=params,
-                                    priority=priority)
+                                    priority=priority, **lora)
             self._streams[request_id] = on_output
             self._cv.notify()
 

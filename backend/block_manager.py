@@ -80,8 +80,12 @@ class BlockManager:
 
     # ---------------------------------------------------------------- prefix hashes
     def update_hashes(self, seq, extra_keys: Optional[bytes] = None) -> None:
-        """Extend seq.block_hashes to cover every full block of seq.token_ids."""
+        """Extend seq.block_hashes to cover every full block of seq.token_ids. A request with a
+        LoRA adapter adds the adapter's digest, so two adapters never share KV."""
         bs = self.block_size
+        if extra_keys is None:
+            lora = getattr(getattr(seq, "request", None), "lora", None)
+            extra_keys = lora.digest if lora is not None else None
         for i in range(len(seq.block_hashes), len(seq.token_ids) // bs):
             parent = seq.block_hashes[i - 1] if i else None
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], extra_keys))

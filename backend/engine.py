@@ -24,6 +24,8 @@ from .errors import RequestError
 from .guided import state as guided
 from .loader import load_engine
 from .kv_budget import cuda_kv_blocks
+from .lora.manager import LoRAConfig
+from .lora.setup import enable_lora, resolve_request_lora
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
 from .placement import bind_thread, check_utilization, model_device
@@ -48,6 +50,7 @@ class LLMEngine:
     speculative / draft_engine: speculative decoding (docs/speculative.md; draft_engine: an
     LLMEngine whose loaded model proposes, instead of loading speculative.draft_engine_dir).
     thread_policy: torch threads per step (None: torch's thread count as it is).
+    lora: serve LoRA adapters per request, mixed in one batch (docs/lora.md).
     """
 
     def __init__(self, engine_dir: Optional[str] = None, num_kv_blocks: Optional[int] = None,
@@ -58,6 +61,7 @@ class LLMEngine:
                  model=None, tokenizer=None, draft_engine: Optional["LLMEngine"] = None,
                  thread_policy: Optional[ThreadPolicy] = None,
                  deterministic: Optional[bool] = None,  # None: the engine's own setting
+                 lora: Optional[LoRAConfig] = None,
                  gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
@@ -112,6 +116,9 @@ class LLMEngine:
             self.speculator: Optional[Speculator] = None if speculative is None else make_speculator(
                 speculative, config, tokenizer, self.device, num_kv_blocks * self.block_size,
                 self.scheduler.max_num_seqs, draft_engine, loaded_draft)
+            self.lora = None  # LoRAManager: enable_lora()
+            if lora is not None:
+                self.enable_lora(lora)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -127,16 +134,27 @@ class LLMEngine:
         """An engine around an already loaded DecoderLM (tests, benchmarks); single rank only."""
         return cls(config=cfg, model=model, tokenizer=tokenizer, **kwargs)
 
+    def enable_lora(self, config: LoRAConfig) -> None:
+        """Serve LoRA adapters per request, mixed in one batch (docs/lora.md)."""
+        self.lora = enable_lora(self, config)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Optional[str] = None,
                     prompt_token_ids: Optional[List[int]] = None, params: Optional[SamplingParams] = None,
-                    priority: int = 0) -> None:
-        """Queue a request. Bad input raises RequestError (a ValueError) naming the field; nothing
+                    priority: int = 0, lora_name: Optional[str] = None, lora_task_id: Optional[int] = None) -> None:
+        """Queue a request (with the LoRA adapter lora_name, or tensorrtllm_backend's cached
+        lora_task_id; by default params' own). Bad input raises RequestError (a ValueError) naming the field; nothing
         else is touched."""
         if request_id in self.requests:
             raise RequestError(f"request_id {request_id!r} is already in use", field="request_id")
         req = self.admission.build(request_id, prompt, prompt_token_ids,
                                    SamplingParams() if params is None else params, priority)
+        if lora_name is None and lora_task_id is None:  # the request fields (sampling_parameters.lora_name, ...)
+            lora_name, lora_task_id = req.params.lora_name, req.params.lora_task_id
+        lora = resolve_request_lora(self.lora, lora_name, lora_task_id)
+        if lora is not None:
+            req.lora = lora
+            self.lora.count(lora, requests=1, prompt_tokens=len(req.prompt_token_ids))
         self.requests[request_id] = guided.attach(self, req)  # constrained: compile starts, a matcher per sample
         self.scheduler.add(req.seqs[0])
 
@@ -241,6 +259,8 @@ class LLMEngine:
         if seq.guide is not None and guided.dead_end(seq, tok, entry, self.scheduler):
             return  # structured outputs: the grammar allowed no token (finish_reason grammar_dead_end)
         self.num_generated_tokens += 1
+        if seq.request.lora is not None:
+            self.lora.count(seq.request.lora, generated_tokens=1)
         reason = seq.append_token(tok, entry, now, self.max_seq_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -262,14 +282,16 @@ class LLMEngine:
         """Engine counters: KV blocks used/free/cached, running/waiting, preemptions, tokens."""
         return engine_stats(self)
 
-    def generate(self, prompts=None, params=None, prompt_token_ids=None) -> List[RequestOutput]:
-        """Run a list of prompts (or id lists) to completion together; final outputs in input order."""
+    def generate(self, prompts=None, params=None, prompt_token_ids=None, lora_names=None) -> List[RequestOutput]:
+        """Run a list of prompts (or id lists) to completion together; final outputs in input order.
+        lora_names: one adapter name (or None) for all, or a list with one per prompt."""
         items = prompts if prompts is not None else prompt_token_ids
         params_list = params if isinstance(params, list) else [params] * len(items)
+        loras = lora_names if isinstance(lora_names, list) else [lora_names] * len(items)
         base = f"gen{time.monotonic_ns()}-"
-        for i, (item, p) in enumerate(zip(items, params_list)):
+        for i, (item, p, lora) in enumerate(zip(items, params_list, loras)):
             kw = {"prompt": item} if prompts is not None else {"prompt_token_ids": item}
-            self.add_request(f"{base}{i}", params=p, **kw)
+            self.add_request(f"{base}{i}", params=p, lora_name=lora, **kw)
         final: Dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional
 
+from .lora.adapter import DEFAULT_MAX_LORA_RANK
+from .lora.manager import DEFAULT_MAX_LORAS, LoRAConfig, parse_adapter_list
 from .speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
 from .thread_policy import ThreadPolicy
 
@@ -93,9 +95,22 @@ OPTIONS = (
                  "draft engine for --speculative draft (same tokenizer, e.g. an int4 build of the model)"),
     EngineOption("num_speculative_tokens", "int", "--num-speculative-tokens",
                  f"tokens proposed per step (default {DEFAULT_NUM_SPECULATIVE_TOKENS})", hi=MAX_SPECULATIVE_TOKENS),
+    # LoRA adapters (docs/lora.md). `tritium build --repo --lora NAME=PATH` writes lora_adapters.
+    EngineOption("lora_adapters", "str", "--lora-adapters",
+                 "NAME=PATH,NAME2=PATH2: PEFT LoRA folders served by name (relative to the model folder in "
+                 "config.pbtxt)"),
+    EngineOption("max_loras", "int", "--max-loras",
+                 f"LoRA adapters in device memory, and at most in one step (default {DEFAULT_MAX_LORAS})"),
+    EngineOption("max_cpu_loras", "int", "--max-cpu-loras",
+                 "LoRA adapters cached in host memory (default: max(max_loras, the adapters listed))"),
+    EngineOption("max_lora_rank", "int", "--max-lora-rank",
+                 f"largest LoRA adapter rank per module (default {DEFAULT_MAX_LORA_RANK})"),
+    EngineOption("enable_lora", "bool", "--enable-lora",
+                 "serve adapters sent with requests (lora_task_id) even without lora_adapters"),
 )
 OPTION = {o.name: o for o in OPTIONS}
 SPECULATIVE = ("speculative_method", "draft_engine_dir", "num_speculative_tokens")
+LORA = ("lora_adapters", "max_loras", "max_cpu_loras", "max_lora_rank", "enable_lora")
 
 
 def add_option_arguments(p, names: Iterable[str], title: str) -> None:
@@ -152,9 +167,26 @@ def speculative_config(opts: Dict[str, object], base_dir: Optional[str] = None) 
                              draft_engine_dir=draft).validate()
 
 
+def _resolve(path: str, base_dir: Optional[str]) -> str:
+    path = os.path.expanduser(path)
+    return path if base_dir is None or os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
+
+
+def lora_config(opts: Dict[str, object], base_dir: Optional[str] = None) -> Optional[LoRAConfig]:
+    """The LoRA options -> a checked LoRAConfig, or None when the engine serves no adapters (no
+    lora_adapters, enable_lora not true). Relative adapter paths are taken relative to base_dir."""
+    where = f"{OPTION['lora_adapters'].cli} (parameter lora_adapters)"
+    adapters = {n: _resolve(p, base_dir) for n, p in parse_adapter_list(opts.get("lora_adapters") or "", where).items()}
+    if not adapters and not opts.get("enable_lora"):
+        return None
+    return LoRAConfig(adapters, max_loras=opts.get("max_loras") or DEFAULT_MAX_LORAS,
+                      max_cpu_loras=opts.get("max_cpu_loras"),
+                      max_lora_rank=opts.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK).validate()
+
+
 @dataclass
 class EngineSetup:
-    """What the options mean for an engine: LLMEngine keyword arguments (speculative included),
+    """What the options mean for an engine: LLMEngine keyword arguments (speculative and lora included),
     the thread policy, and AsyncLLMEngine's max_queue_size."""
     engine_kwargs: Dict[str, object] = field(default_factory=dict)
     thread_policy: Optional[ThreadPolicy] = None
@@ -171,6 +203,9 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     spec = speculative_config(opts, base_dir)
     if spec is not None:
         kw["speculative"] = spec
+    lora = lora_config(opts, base_dir)
+    if lora is not None:
+        kw["lora"] = lora
     policy = None
     cores = os.cpu_count() or 1
     per_rank = max(1, cores // tp_size)

@@ -94,6 +94,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(m.num_layers)]
         self.sampler = Sampler()
+        self.lora = None  # LoRAManager when the engine serves adapters (backend/lora)
 
     # ------------------------------------------------------------------ batch
     def _copy_blocks(self, copies) -> None:
@@ -166,7 +167,14 @@ class ModelRunner:
         """One forward pass. Returns float32 logits (on CPU), one row per sequence that completes
         its tokens this step (in sched.seqs order), 1 + k rows for one verifying k proposed
         tokens; partial prompt chunks get no row."""
-        return self.execute(self.prepare_arrays(sched))
+        arrays = self.prepare_arrays(sched)
+        if self.lora is None:
+            return self.execute(arrays)
+        self.lora.begin_step(sched.seqs, sched.num_new_tokens)  # rows grouped by adapter
+        try:
+            return self.execute(arrays)
+        finally:
+            self.lora.end_step()
 
     @torch.inference_mode()
     def execute(self, arrays: StepArrays) -> Optional[torch.Tensor]:

@@ -89,6 +89,14 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = request_field(
         None, "bias", lo=-100.0, hi=100.0, max_items=MAX_LOGIT_BIAS, json_key="logit_bias",
         openai="logit_bias", cli="--logit-bias", doc="{token id: bias} added to those logits before sampling")
+    # LoRA (backend/lora/, docs/lora.md): which adapter the request runs with. The engine resolves
+    # the name / id against its adapters at admission (an unknown one is a bad_parameter naming it).
+    lora_name: Optional[str] = request_field(
+        None, "str", max_chars=256, json_key="lora_name", cli="--lora-name",
+        doc="the LoRA adapter to generate with (vllm_backend's key): one the model serves; null: the base model")
+    lora_task_id: Optional[int] = request_field(
+        None, "int", lo=0, hi=2 ** 63 - 1, tensor="lora_task_id", tensor_type="TYPE_UINT64",
+        doc="tensorrtllm_backend's LoRA adapter id: cached with lora_weights + lora_config on first use, then alone")
     # Structured outputs (backend/guided/): a JSON schema / regex / grammar / choice guide, built by
     # guided/surfaces.py from each surface's spellings (guided_decoding_* tensors, structured_outputs /
     # guided_* JSON keys, OpenAI response_format); its mask comes first, so logprobs report the

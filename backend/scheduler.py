@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: List[Sequence] = []  # sorted by Sequence.sort_key
         self.running: List[Sequence] = []  # sorted by Sequence.sort_key (oldest / most important first)
         self.num_preemptions = 0
+        self.max_loras = None  # LoRA: most distinct adapters in one step (backend/lora), None when off
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -110,11 +111,17 @@ class Scheduler:
         # 2) Waiting sequences, in order, unless memory was just short (they would only thrash).
         # Running prompts of n > 1 requests hold slots for the samples they will fork.
         num_slots = sum(self._slots_needed(s) for s in self.running)
+        loras = {s.request.lora.digest for s in self.running if s.request.lora is not None}
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             need = self._slots_needed(seq)
             if num_slots + need > self.max_num_seqs:
                 break
+            lora = seq.request.lora
+            if lora is not None and lora.digest not in loras:
+                if self.max_loras is not None and len(loras) >= self.max_loras:
+                    break  # its adapter waits for a device slot (FCFS)
+                loras.add(lora.digest)
             computed = self.bm.get_computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)

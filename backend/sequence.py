@@ -160,6 +160,7 @@ class Request:
         # Banned until min_tokens are out: built once, not every step.
         ends = sorted(self.eos_token_ids | self.stop_token_ids)
         self.min_tokens_bans = torch.tensor(ends, dtype=torch.long) if ends and params.min_tokens else None
+        self.lora = None  # the LoRAAdapter this request runs with (backend/lora), None for the base model
         self.seqs: List[Sequence] = []
         for i in range(params.n):
             gen = None

@@ -57,4 +57,6 @@ def engine_stats(engine) -> dict:
     per_expert = expert_token_counts(getattr(getattr(engine, "runner", None), "model", None))
     if per_expert is not None:
         out["moe_expert_tokens"] = per_expert
+    if getattr(engine, "lora", None) is not None:  # per adapter: requests, prompt / generated tokens
+        out["lora"] = {k: dict(v) for k, v in engine.lora.counters.items()}
     return out

@@ -29,9 +29,9 @@ from tritium.backend.triton_backend.contract import INPUTS
 
 _SPEC = {s.name: s for s in INPUTS}
 _NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_,
-       "TYPE_UINT64": np.uint64}
+       "TYPE_UINT64": np.uint64, "TYPE_FP16": np.float16}
 _WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL",
-         "TYPE_UINT64": "UINT64"}
+         "TYPE_UINT64": "UINT64", "TYPE_FP16": "FP16"}
 
 
 class TritiumClientError(RuntimeError):

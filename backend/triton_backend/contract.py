@@ -67,6 +67,10 @@ OPTION_INPUTS = (
     # Sent by Triton's own OpenAI frontend; num_input_tokens / num_output_tokens always come back.
     TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), doc="accepted; num_input_tokens is always returned"),
     TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), doc="accepted; num_output_tokens is always returned"),
+    # LoRA (docs/lora.md): the adapter tensors tensorrtllm_backend sends with lora_task_id (a request field)
+    TensorSpec("lora_weights", "TYPE_FP16", (-1, -1),
+               doc="per module: A.flatten() ++ (alpha/r * B).flatten() (TensorRT-LLM hf_lora_convert layout)"),
+    TensorSpec("lora_config", "TYPE_INT32", (-1, 3), doc="per module: [module_id, layer_idx, adapter_size]"),
 )
 INPUTS = PROMPT_INPUTS + FIELD_INPUTS + OPTION_INPUTS
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 
+from tritium.backend.triton_backend.lora_metrics import LoRAMetrics
+
 # Latency buckets in seconds: 1 ms .. 60 s, roughly x2.5 apart (CPU decode steps are ~10-100 ms).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -71,6 +73,7 @@ class TritiumMetrics:
         self._mf, self._labels = mf, labels
         self._expert_tokens = None  # mixture of experts: one counter per expert, made on first use
         self._expert_seen: list = []
+        self.lora = LoRAMetrics(pb_utils, labels)  # per adapter: tritium_lora_*_total
         self._preemptions_seen = 0
         self._steps_seen = 0
         self._rejected_seen = 0
@@ -131,6 +134,7 @@ class TritiumMetrics:
                     counter.increment(total - self._spec_seen[key])
                     self._spec_seen[key] = total
             self._update_expert_tokens(stats.get("moe_expert_tokens"))
+            self.lora.update(stats.get("lora", {}))
             steps = int(stats.get("num_steps", 0))
             if steps > self._steps_seen:
                 self.steps.increment(steps - self._steps_seen)

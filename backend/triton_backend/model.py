@@ -31,6 +31,7 @@ from tritium.backend.async_engine import AsyncLLMEngine
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine_options import engine_setup, options_from_params
+from tritium.backend.lora.setup import resolve_request_lora
 from tritium.backend.placement import apply_instance_placement
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.errors import RequestError, error_info, to_wire
@@ -179,12 +180,24 @@ class TritonPythonModel:
                                         self._token_chars)
                 else:
                     ids = p.prompt_token_ids
+                self._check_lora(p)
             except ValueError as e:
                 info = error_info(e)
                 raise RequestError(error_prefix(batch, r) + info["message"], field=info["field"],
                                    code=info["code"]) from None
             rows.append((p, ids, p.sampling))
         return rows
+
+    def _check_lora(self, p) -> None:
+        """Cache an adapter sent with the request, and resolve the row's adapter now (loading it on
+        demand), so that a bad one fails this request with its reason before anything runs."""
+        manager = self.engine.engine.lora
+        if p.lora_tensors is not None:
+            if manager is None:
+                raise RequestError(f"lora_task_id {p.lora_task_id}: this model serves no LoRA adapters "
+                                   f"(set parameter lora_adapters or enable_lora)", field="lora_task_id")
+            manager.register_task(p.lora_task_id, *p.lora_tensors)
+        resolve_request_lora(manager, p.lora_name, p.lora_task_id)
 
     def _admit(self, request):
         arrival = time.monotonic()

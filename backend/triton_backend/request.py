@@ -41,6 +41,9 @@ class ParsedRequest:
     return_log_probs: bool = False
     messages: Optional[List[dict]] = None  # chat messages, for the engine's chat template
     tools: Optional[List[dict]] = None     # OpenAI tools, for the chat template (with messages)
+    lora_name: Optional[str] = None        # sampling.lora_name (vllm_backend's sampling_parameters key)
+    lora_task_id: Optional[int] = None     # sampling.lora_task_id (tensorrtllm_backend's tensor)
+    lora_tensors: Optional[Tuple[np.ndarray, np.ndarray]] = None  # (lora_weights, lora_config) sent with it
 
 
 def batch_size_of(arrays: Dict[str, np.ndarray]) -> int:
@@ -155,11 +158,28 @@ def parse_row(arrays: Dict[str, np.ndarray], row: int, batch: int, vocab_size: O
     messages = _messages(arrays, row, batch)
     tools = _tools(arrays, row, batch, messages)
     prompt, prompt_ids = (None, None) if messages is not None else _prompt(arrays, row, batch, vocab_size)
+    lora_tensors = _lora_tensors(sampling, arrays, row, batch)
     return ParsedRequest(
         prompt=prompt, prompt_token_ids=prompt_ids, params=params, sampling=sampling, messages=messages, tools=tools,
+        lora_name=sampling.lora_name, lora_task_id=sampling.lora_task_id, lora_tensors=lora_tensors,
         stream=bool(flags["stream"]),
         exclude_input_in_output=True if flags["exclude_input_in_output"] is None else flags["exclude_input_in_output"],
         return_log_probs=return_log_probs)
+
+
+def _lora_tensors(sampling: SamplingParams, arrays: Dict[str, np.ndarray], row: int, batch: int):
+    """(lora_weights, lora_config) sent with this row's lora_task_id, or None. The adapter's name
+    and id are request fields (SamplingParams checked them); this checks what comes with them."""
+    w, c = _row(arrays, "lora_weights", row, batch), _row(arrays, "lora_config", row, batch)
+    if (w is None) != (c is None):
+        raise RequestError("lora_weights and lora_config come together (with lora_task_id)",
+                           field="lora_weights" if w is None else "lora_config")
+    if w is not None and sampling.lora_task_id is None:
+        raise RequestError("lora_weights / lora_config need lora_task_id: the id they are cached under",
+                           field="lora_task_id")
+    if sampling.lora_name is not None and sampling.lora_task_id is not None:
+        raise RequestError("give one of sampling_parameters.lora_name and lora_task_id", field="lora_name")
+    return None if w is None else (np.asarray(w), np.asarray(c))
 
 
 def _messages(arrays: Dict[str, np.ndarray], row: int, batch: int) -> Optional[List[dict]]:

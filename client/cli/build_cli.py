@@ -89,6 +89,8 @@ def register(sub) -> None:
                         "share for weights and KV cache (backend parameter gpu_memory_utilization; default 0.85)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
     add_option_arguments(p, SPECULATIVE, "speculative decoding in --repo (docs/speculative.md)")
+    from tritium.builder.lora_repo import add_lora_arguments
+    add_lora_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -143,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
     spec_params = speculative_params(args)  # checked before the (long) build
     placement = placement_args(args)  # likewise
+    from tritium.builder.lora_repo import check_lora_after_build, lora_params
+    spec_params.update(lora_params(args))  # adapters' folders checked before the build too
     cfg = build_engine(options_from_args(args))
+    check_lora_after_build(args, cfg)  # shapes and modules against the engine, before the repository
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"

@@ -31,6 +31,32 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         'field by its sampling_parameters key (max_tokens, temperature, stop, ...)')
     g.add_argument("--stats", action="store_true", help="after the results, print engine stats as one JSON object")
     add_option_arguments(p, ENGINE_FLAGS, "in-process engine options (docs/cli.md)")
+    g = p.add_argument_group("LoRA adapters in-process (docs/lora.md)")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter folder under NAME (repeatable); the prompts use it (with "
+                        "several, pick one with --lora-name)")
+    g.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="largest adapter rank per module the engine takes (default 16)")
+
+
+def lora_options(args):
+    """--lora NAME=PATH (repeatable) / --lora-name / --max-lora-rank -> (LoRAConfig or None, the prompts' adapter)."""
+    from tritium.backend.lora.adapter import DEFAULT_MAX_LORA_RANK, parse_lora_spec
+    from tritium.backend.lora.manager import LoRAConfig
+    adapters = dict(parse_lora_spec(s) for s in getattr(args, "lora", []) or [])
+    name = getattr(args, "lora_name", None)
+    if not adapters:
+        if name is not None or getattr(args, "max_lora_rank", None) is not None:
+            raise ValueError("--lora-name and --max-lora-rank need --lora NAME=PATH (with --engine)")
+        return None, None
+    if name is None:
+        if len(adapters) > 1:
+            raise ValueError(f"several --lora adapters ({', '.join(adapters)}): pick the prompts' one with --lora-name")
+        name = next(iter(adapters))
+    elif name not in adapters:
+        raise ValueError(f"--lora-name {name!r} is not among the --lora adapters ({', '.join(adapters)})")
+    rank = args.max_lora_rank if args.max_lora_rank is not None else DEFAULT_MAX_LORA_RANK
+    return LoRAConfig(adapters, max_lora_rank=rank), name
 
 
 def _params(args, overrides: dict):
@@ -76,10 +102,12 @@ def run_engine(args: argparse.Namespace) -> int:
     if getattr(args, "chat", False):
         items = _apply_chat_template(args, items)
     setup = engine_setup(options_from_args(args, ENGINE_FLAGS))
-    engine = LLMEngine(args.engine, thread_policy=setup.thread_policy, **setup.engine_kwargs)
+    lora, lora_name = lora_options(args)
+    engine = LLMEngine(args.engine, thread_policy=setup.thread_policy, lora=lora, **setup.engine_kwargs)
     for i, (prompt, overrides) in enumerate(items):
         try:
-            engine.add_request(str(i), params=_params(args, overrides), **prompt)
+            sp = _params(args, overrides)  # an --input-file line's lora_name wins over the default adapter
+            engine.add_request(str(i), params=sp, lora_name=None if sp.lora_name else lora_name, **prompt)
         except ValueError as e:  # the message names the request line; the code and field stay
             if not args.input_file:
                 raise

@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and args.prompt_ids:
         raise ValueError("--chat takes a text PROMPT (a user message), not --prompt-ids")
     if getattr(args, "url", None):
+        if getattr(args, "lora", None) or getattr(args, "max_lora_rank", None) is not None:
+            raise ValueError("--lora / --max-lora-rank load adapters in-process (--engine); with --url pick "
+                             "one the server serves with --lora-name")
         from tritium.client.cli.remote_generate import run_remote
         return run_remote(args)
     if not args.engine:

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP API (FastAPI) in front of a Triton server that serves Tritium models.
 
-    GET  /v1/models                 the served LLM models (backend `tritium`)
+    GET  /v1/models                 the served LLM models (backend `tritium`) and their LoRA adapters (with `parent`)
     GET  /v1/models/{model}
     POST /v1/completions            prompt(s) -> text; `stream: true` = server-sent events
     POST /v1/chat/completions       messages -> the engine's chat template (rendered by the backend)
@@ -156,7 +156,10 @@ def create_app(triton_url: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, se
         return {"status": "ok"}
 
     def model_card(name: str, created: float) -> dict:
-        return {"id": name, "object": "model", "created": int(created), "owned_by": "tritium"}
+        card = {"id": name, "object": "model", "created": int(created), "owned_by": "tritium"}
+        if name in bridge.parents:  # a LoRA adapter, served by its parent LLM model
+            card["parent"] = card["root"] = bridge.parents[name]
+        return card
 
     @app.get("/v1/models")
     async def list_models():

@@ -6,11 +6,14 @@ in flight. Cancelling the stream (a client that went away) cancels the Triton re
 backend then aborts it and frees its KV blocks.
 
 Models: the READY models of the server whose backend is `tritium` (the LLM models; their
-_ensemble / _bls wrappers take no chat messages), looked up again when an unknown name is asked.
+_ensemble / _bls wrappers take no chat messages), looked up again when an unknown name is asked,
+and the LoRA adapters each lists in its `lora_adapters` parameter, served as models of their own
+(`parent`: the LLM model; a request for one goes to the parent with sampling_parameters.lora_name).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import AsyncIterator, Dict, List, Optional
@@ -38,6 +41,7 @@ class TritonBridge:
         self._client = None
         self._models: Dict[str, float] = {}   # name -> time first seen (the `created` field)
         self._models_at = 0.0
+        self.parents: Dict[str, str] = {}     # LoRA adapter served as a model -> its LLM model
 
     def _grpc(self):
         # Created inside the running event loop (grpc.aio channels belong to one loop).
@@ -68,7 +72,7 @@ class TritonBridge:
         c = self._grpc()
         try:
             index = await c.get_model_repository_index(headers=self.admin_headers, as_json=True)
-            found = {}
+            found, parents = {}, {}
             for m in index.get("models", []):
                 if m.get("state") != "READY":
                     continue
@@ -76,9 +80,15 @@ class TritonBridge:
                 cfg = await c.get_model_config(name, headers=self.admin_headers, as_json=True)
                 if cfg.get("config", {}).get("backend") == "tritium":
                     found[name] = self._models.get(name, time.time())
+                    for adapter in _lora_names(cfg.get("config", {})):
+                        parents.setdefault(adapter, name)
         except InferenceServerException as e:
             raise await self._unavailable(e) from None
-        self._models, self._models_at = found, time.monotonic()
+        for adapter in [a for a in parents if a in found]:  # a model's own name wins over an adapter's
+            del parents[adapter]
+        for adapter in parents:
+            found[adapter] = self._models.get(adapter, time.time())
+        self._models, self.parents, self._models_at = found, parents, time.monotonic()
         return found
 
     async def tool_format(self, name) -> str:
@@ -117,6 +127,11 @@ class TritonBridge:
         from tritonclient.utils import InferenceServerException
         kw = dict(request_kwargs)
         prompt = kw.pop("prompt", None)
+        if model in self.parents:  # a LoRA adapter: its LLM model, with the adapter's name
+            sp = json.loads(kw.get("sampling_parameters") or "{}")
+            sp["lora_name"] = model
+            kw["sampling_parameters"] = json.dumps(sp)
+            model = self.parents[model]
         inputs = grpc_inputs(build_request(prompt, **kw), aio)
         done = asyncio.Event()
 
@@ -150,6 +165,12 @@ class TritonBridge:
             done.set()
             if not finished:
                 call.cancel()  # the Triton request is cancelled: the backend aborts it, KV blocks freed
+
+
+def _lora_names(config: dict) -> List[str]:
+    """Adapter names in a model config's lora_adapters parameter ("name=path,...")."""
+    text = config.get("parameters", {}).get("lora_adapters", {}).get("string_value", "")
+    return [item.split("=", 1)[0].strip() for item in text.split(",") if "=" in item]
 
 
 async def merged(streams: List[AsyncIterator[Chunk]]) -> AsyncIterator[tuple]:

@@ -50,6 +50,9 @@ def check_generate_fields(body) -> None:
         spec = _SPECS.get(name)
         if spec is None:
             continue
+        if len(spec.dims) > 1:  # lora_weights / lora_config: generate's JSON fields are flat
+            raise GuardError(400, f"{name} is a 2-D tensor; send it with the infer API (gRPC, or HTTP "
+                                  f"/v2/models/NAME/infer), not generate")
         many = spec.dims == (-1,)
         values = v if isinstance(v, list) else [v]
         if (not many and len(values) != 1) or not all(_scalar_ok(spec.data_type, x) for x in values):
