@@ -15,6 +15,7 @@ import traceback
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 from .engine import LLMEngine
+from .placement import bind_thread
 from .errors import TritiumError
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
@@ -173,6 +174,7 @@ class AsyncLLMEngine:
             self._deliveries.put(callbacks)
 
     def _loop(self) -> None:
+        bind_thread(self.engine.device)  # Triton kernels launch on the thread's current device
         while True:
             with self._cv:
                 while not self._stopped and not self.engine.has_unfinished():

@@ -11,6 +11,7 @@ thread_policy.py picks the threads of a step, parallel/ drives tensor-parallel w
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Dict, List, Optional
 
@@ -22,10 +23,12 @@ from .config import EngineConfig, with_deterministic
 from .errors import RequestError
 from .guided import state as guided
 from .loader import load_engine
+from .kv_budget import cuda_kv_blocks
 from .lora.manager import LoRAConfig
 from .lora.setup import enable_lora, resolve_request_lora
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
+from .placement import bind_thread, check_utilization, model_device
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestOutput, Sequence, SequenceStatus
@@ -58,9 +61,12 @@ class LLMEngine:
                  model=None, tokenizer=None, draft_engine: Optional["LLMEngine"] = None,
                  thread_policy: Optional[ThreadPolicy] = None,
                  deterministic: Optional[bool] = None,  # None: the engine's own setting
-                 lora: Optional[LoRAConfig] = None):
+                 lora: Optional[LoRAConfig] = None,
+                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
+        if gpu_memory_utilization is not None:
+            check_utilization(gpu_memory_utilization)  # docs/serving.md#placement
         if (engine_dir is None) == (model is None):
             raise ValueError("give an engine_dir, or a loaded config and model")
         runner = None
@@ -69,17 +75,32 @@ class LLMEngine:
         config = with_deterministic(config, deterministic)
         if engine_dir is not None:
             if config.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
-                runner = ParallelRunner(engine_dir, config, model, next(iter(model.buffers())).device,
-                                        num_kv_blocks, kv_cache_memory_bytes, threads_per_rank)
+                runner = ParallelRunner(engine_dir, config, model, model_device(model),
+                                        num_kv_blocks, kv_cache_memory_bytes, threads_per_rank,
+                                        gpu_memory_utilization=gpu_memory_utilization,
+                                        instances_on_device=instances_on_device)
         elif config.tensor_parallel_size > 1:
             raise ValueError("a loaded model must be single-rank; open a tensor-parallel engine with "
                              "LLMEngine(engine_dir), which starts its workers")
         try:
             self.config: EngineConfig = config
             self.tokenizer = tokenizer
-            self.device = next(iter(model.buffers())).device
+            self.device = model_device(model)
+            bind_thread(self.device)  # Triton kernels launch on the current device
+            loaded_draft = None
             if runner is not None:
                 num_kv_blocks = runner.num_blocks  # agreed by every rank
+            elif num_kv_blocks is None and kv_cache_memory_bytes is None and self.device.type == "cuda":
+                # The budget is shared with the draft engine: load it first (docs/serving.md#placement).
+                if speculative is not None and speculative.method == "draft" and draft_engine is None:
+                    loaded_draft = load_engine(speculative.draft_engine_dir, str(self.device))
+                draft = loaded_draft[:2] if loaded_draft else (
+                    (draft_engine.config, draft_engine.runner.model) if draft_engine is not None else None)
+                num_kv_blocks, draft_blocks = cuda_kv_blocks(
+                    config, model, self.device, gpu_memory_utilization, instances_on_device, draft,
+                    speculative.draft_num_kv_blocks if speculative is not None else None)
+                if draft_blocks is not None and speculative.draft_num_kv_blocks is None:
+                    speculative = dataclasses.replace(speculative, draft_num_kv_blocks=draft_blocks)
             elif num_kv_blocks is None:
                 num_kv_blocks = num_blocks_for_budget(config, self.device, kv_cache_memory_bytes)
             elif isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
@@ -94,7 +115,7 @@ class LLMEngine:
             self.thread_policy = thread_policy
             self.speculator: Optional[Speculator] = None if speculative is None else make_speculator(
                 speculative, config, tokenizer, self.device, num_kv_blocks * self.block_size,
-                self.scheduler.max_num_seqs, draft_engine)
+                self.scheduler.max_num_seqs, draft_engine, loaded_draft)
             self.lora = None  # LoRAManager: enable_lora()
             if lora is not None:
                 self.enable_lora(lora)

@@ -27,7 +27,7 @@ DEFAULT_MAX_QUEUE_SIZE = 1024  # requests waiting for their first step; more are
 @dataclass(frozen=True)
 class EngineOption:
     name: str                   # config.pbtxt parameter key, and the options dict's key
-    kind: str                   # "int", "bool", "str" or "path" (relative to the model folder in config.pbtxt)
+    kind: str                   # "int", "float", "bool", "str" or "path" (relative to the model folder in config.pbtxt)
     cli: str                    # command-line flag
     help: str
     lo: Optional[int] = 1       # "int": smallest value
@@ -46,6 +46,14 @@ class EngineOption:
             if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
                 raise ValueError(f"{where} must be an integer in [{self.lo}, {self.hi if self.hi else 'inf'}], "
                                  f"got {v}")
+            return v
+        if self.kind == "float":
+            try:
+                v = float(str(value).strip())
+            except ValueError:
+                v = None
+            if v is None or not ((self.lo is None or v > self.lo) and (self.hi is None or v <= self.hi)):
+                raise ValueError(f"{where} must be a number in ({self.lo}, {self.hi}], got {value!r}")
             return v
         if self.kind == "bool":
             if isinstance(value, bool):
@@ -67,6 +75,9 @@ OPTIONS = (
     EngineOption("enable_prefix_caching", "bool", "--enable-prefix-caching",
                  "reuse cached prompt blocks (default true)"),
     EngineOption("device", "str", "--device", "cpu or cuda (default: cuda if available)"),
+    EngineOption("gpu_memory_utilization", "float", "--gpu-memory-utilization",
+                 "fraction of each GPU's memory the instances on it share for weights and KV cache "
+                 "(default 0.85; docs/serving.md#placement)", lo=0, hi=1),
     EngineOption("deterministic", "bool", "--deterministic",
                  "batch-invariant numerics (docs/determinism.md; default: the engine's own setting)"),
     EngineOption("max_queue_size", "int", "--max-queue-size",
@@ -108,7 +119,8 @@ def add_option_arguments(p, names: Iterable[str], title: str) -> None:
     for name in names:
         o = OPTION[name]
         kw = {"choices": o.choices} if o.choices else {}
-        metavar = None if o.choices else ("N" if o.kind == "int" else "DIR" if o.kind == "path" else "VALUE")
+        metavar = None if o.choices else ("N" if o.kind == "int" else "F" if o.kind == "float"
+                                          else "DIR" if o.kind == "path" else "VALUE")
         g.add_argument(o.cli, dest=o.name, default=None, metavar=metavar, help=o.help, **kw)
 
 
@@ -186,7 +198,8 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that leaves a
     core to the frontend, a bounded queue); otherwise torch's thread count stays as it is."""
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                               "device", "threads_per_rank", "deterministic") if k in opts}
+                               "device", "threads_per_rank", "deterministic", "gpu_memory_utilization")
+          if k in opts}
     spec = speculative_config(opts, base_dir)
     if spec is not None:
         kw["speculative"] = spec

@@ -52,13 +52,42 @@ def _header(name: str, backend: str, max_batch_size: int, decoupled: bool) -> st
 _INSTANCE = "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
 
 
-def llm_config(name: str, engine_dir: str, max_batch_size: int, engine_params: Optional[dict] = None,
-               instances: int = 1) -> str:
-    """config.pbtxt of the `tritium` LLM model; `instances` > 1 runs that many replicas of the
-    engine in one server (Triton instance_group count; each loads its own copy)."""
+DEVICES = ("cpu", "cuda")
+
+
+def instance_group(device: str = "cpu", instances: int = 1, gpus=None) -> str:
+    """KIND_CPU, or KIND_GPU with `instances` replicas on each of `gpus` (default [0]); the backend
+    then runs each on cuda:<model_instance_device_id> (docs/serving.md#placement)."""
     if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
         raise ValueError(f"--instances must be an integer >= 1, got {instances!r}")
-    inst = _INSTANCE.replace("count: 1", f"count: {instances}")
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        if gpus:
+            raise ValueError("--gpus needs --device cuda")
+        return _INSTANCE.replace("count: 1", f"count: {instances}")
+    gpus = [0] if not gpus else list(gpus)
+    if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus must be distinct integers >= 0, e.g. 0,1; got {gpus!r}")
+    return f"instance_group [ {{ kind: KIND_GPU count: {instances} gpus: [ {', '.join(map(str, gpus))} ] }} ]\n"
+
+
+def parse_gpus(text: Optional[str]):
+    """--gpus "0,1" -> [0, 1] (None stays None)."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus must be comma-separated GPU ids, e.g. 0,1; got {text!r}") from None
+
+
+def llm_config(name: str, engine_dir: str, max_batch_size: int, engine_params: Optional[dict] = None,
+               instances: int = 1, device: str = "cpu", gpus=None) -> str:
+    """config.pbtxt of the `tritium` LLM model; `instances` > 1 runs that many replicas of the
+    engine in one server (Triton instance_group count; each loads its own copy), on the CPU or,
+    with device "cuda", that many on each of `gpus`."""
+    inst = instance_group(device, instances, gpus)
     return (_header(name, "tritium", max_batch_size, True) + _io("input", INPUTS) + _io("output", OUTPUTS, optional=False)
             + inst + _params(engine_dir=engine_dir, **(engine_params or {})))
 
@@ -121,7 +150,7 @@ def _write(path: str, text: str) -> None:
 
 def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: Optional[int] = None,
                      engine_params: Optional[dict] = None, relative: Optional[bool] = None,
-                     instances: int = 1) -> list:
+                     instances: int = 1, device: str = "cpu", gpus=None) -> list:
     """Write the five models for `name` into `repo_dir`; returns the model names.
 
     engine_dir is stored relative to the model folder when it lies inside repo_dir (so the
@@ -129,6 +158,7 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
     expands `~` only; $VARS stay literal, see triton_backend.contract.resolve_path).
     max_batch_size defaults to the engine's limits.max_batch_size (engine.json must exist then).
     """
+    instance_group(device, instances, gpus)  # checked before anything is written
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ValueError(f"--name must be letters, digits, '-', '_' or '.', got {name!r}")
     if max_batch_size is None:
@@ -147,7 +177,8 @@ def write_repository(repo_dir: str, name: str, engine_dir: str, max_batch_size: 
     tok_dir = stored
     names = {"llm": name, "pre": f"{name}_preprocessing", "post": f"{name}_postprocessing",
              "ens": f"{name}_ensemble", "bls": f"{name}_bls"}
-    _write(os.path.join(repo_dir, name, "config.pbtxt"), llm_config(name, stored, max_batch_size, engine_params, instances))
+    _write(os.path.join(repo_dir, name, "config.pbtxt"), llm_config(name, stored, max_batch_size, engine_params,
+                                                                          instances, device, gpus))
     _write(os.path.join(repo_dir, name, "1", ".gitkeep"), "")
     _write(os.path.join(repo_dir, names["pre"], "config.pbtxt"),
            preprocessing_config(names["pre"], tok_dir, max_batch_size))

@@ -47,6 +47,9 @@ def built(tiny_checkpoint, tmp_path_factory):
         os.makedirs(os.path.join(repo, bad, "1"))
         with open(os.path.join(repo, bad, "config.pbtxt"), "w") as f:
             f.write(llm_config(bad, eng, 4))
+    os.makedirs(os.path.join(repo, "bad_budget", "1"))  # placement parameter out of range (docs/serving.md#placement)
+    with open(os.path.join(repo, "bad_budget", "config.pbtxt"), "w") as f:
+        f.write(llm_config("bad_budget", engine, 4, {"gpu_memory_utilization": "1.5"}))
     # A pre-quantized source made by compressed-tensors itself, imported by `tritium build`.
     from prequant_ct import float_source, make_ct_checkpoint
     ct = make_ct_checkpoint(float_source(str(root / "float128")), str(root / "ct_w4a16"), "W4A16_ASYM", group_size=32)
@@ -270,7 +273,8 @@ def test_load_failures_give_one_line_reason(server, built):
     from tritonclient.utils import InferenceServerException
     from tritium.client.serve.server import load_failures
     cl = grpcclient.InferenceServerClient(server.grpc_url)
-    cases = (("bad_path", "does not exist"), ("bad_config", "engine.json: not valid JSON"))
+    cases = (("bad_path", "does not exist"), ("bad_config", "engine.json: not valid JSON"),
+             ("bad_budget", "parameter gpu_memory_utilization must be a number in"))
     try:
         for bad, reason in cases:
             with pytest.raises(InferenceServerException, match=reason):

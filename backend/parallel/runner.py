@@ -31,6 +31,7 @@ from typing import List, Optional
 import torch
 
 from ..model_runner import ModelRunner
+from ..placement import bind_thread
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, free_port, init_group, timeout_s as default_timeout_s
 from .handshake import agree_num_blocks
@@ -72,7 +73,8 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, engine_dir: str, cfg, model, device: torch.device, num_kv_blocks: Optional[int] = None,
                  kv_cache_memory_bytes: Optional[int] = None, threads_per_rank: Optional[int] = None,
-                 master_addr: str = "127.0.0.1", timeout_s: Optional[float] = None):
+                 master_addr: str = "127.0.0.1", timeout_s: Optional[float] = None,
+                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         n = cfg.tensor_parallel_size
         timeout_s = timeout_s or default_timeout_s()
         self.world_size = n
@@ -105,7 +107,8 @@ class ParallelRunner(ModelRunner):
             self.tp = TPGroup(0, n, [r.vocab for r in layout_from_config(cfg)], device,
                               liveness=self._raise_if_worker_died, timeout_s=timeout_s)
             model.set_tensor_parallel(self.tp)
-            blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes)
+            blocks = agree_num_blocks(self.tp, cfg, 0, device, num_kv_blocks, kv_cache_memory_bytes, model,
+                                      gpu_memory_utilization, instances_on_device)
         except BaseException:
             self.close()
             raise
@@ -141,6 +144,7 @@ class ParallelRunner(ModelRunner):
 
         def init():
             try:
+                bind_thread(device)  # NCCL binds rank 0's communicator to the current device
                 init_group(0, self.world_size, addr, port, device, timeout_s)
                 result["ok"] = True
             except BaseException as e:  # reported by the polling loop below

@@ -20,6 +20,7 @@ import torch
 
 from ..loader import load_engine
 from ..model_runner import ModelRunner
+from ..placement import bind_thread
 from . import step_message as msg
 from .comm import TPGroup, destroy_group, init_group, timeout_s
 from ..parallel_layout import layout_from_config
@@ -40,6 +41,7 @@ def _exit_with_parent(parent: int) -> None:
 
 def serve(args) -> int:
     device = torch.device(args.device)
+    bind_thread(device)  # this rank's GPU (cuda:<base + rank>), before the load, NCCL and any kernel
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, model, _ = load_engine(args.engine_dir, args.device, rank=args.rank)
@@ -53,7 +55,7 @@ def serve(args) -> int:
     try:
         tp = TPGroup(args.rank, args.world_size, [r.vocab for r in layout_from_config(cfg)], device)
         model.set_tensor_parallel(tp)
-        num_blocks = agree_num_blocks(tp, cfg, args.rank, device)
+        num_blocks = agree_num_blocks(tp, cfg, args.rank, device, model=model)
         runner = ModelRunner(model.cfg, model, num_blocks, device, cfg.model.vocab_size)
         h = torch.zeros(msg.HEADER_LEN, dtype=torch.int64)
         while True:

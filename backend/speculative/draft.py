@@ -19,6 +19,7 @@ import torch
 
 from ..block_manager import BlockManager
 from ..model_runner import ModelRunner
+from ..placement import bind_thread
 from ..sampler import draw, probabilities, processed_logits
 from ..scheduler import SchedulerOutput
 from .verify import SeqView
@@ -64,6 +65,7 @@ class DraftProposer:
     def __init__(self, cfg, model, tokenizer, target_cfg, target_tokenizer, device, num_kv_blocks: int):
         check_same_vocabulary(cfg, tokenizer, target_cfg, target_tokenizer)
         self.cfg = cfg
+        bind_thread(device)  # the draft runs in the engine's thread: same device as the target
         self.runner = ModelRunner(cfg, model, num_kv_blocks, device)
         self.bm = BlockManager(num_kv_blocks, cfg.limits.block_size, enable_prefix_caching=False)
         self.max_seq_len = cfg.limits.max_seq_len  # longer sequences are not speculated

@@ -37,7 +37,7 @@ ALPHA_PRIOR = 0.5    # acceptance rate assumed before any measurement
 
 
 def make_speculator(config: SpeculativeConfig, target_config, target_tokenizer, device, num_target_tokens: int,
-                    max_num_seqs: int, draft_engine=None) -> "Speculator":
+                    max_num_seqs: int, draft_engine=None, loaded_draft=None) -> "Speculator":
     """A Speculator for a target engine. Method "draft" loads config.draft_engine_dir, or takes
     draft_engine's loaded model (an LLMEngine), as the proposer; it must share the target's
     vocabulary. num_target_tokens: the tokens the target's KV pool holds (the draft's pool gets
@@ -45,7 +45,9 @@ def make_speculator(config: SpeculativeConfig, target_config, target_tokenizer, 
     config.validate()
     if config.method != "draft":
         return Speculator(config)
-    if draft_engine is None:
+    if loaded_draft is not None:  # (cfg, model, tokenizer), loaded by the engine for its memory budget
+        dcfg, dmodel, dtok = loaded_draft
+    elif draft_engine is None:
         dcfg, dmodel, dtok = load_engine(config.draft_engine_dir, str(device))
     else:
         dcfg, dmodel, dtok = draft_engine.config, draft_engine.runner.model, draft_engine.tokenizer

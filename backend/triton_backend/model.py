@@ -32,6 +32,7 @@ from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
 from tritium.backend.engine_options import engine_setup, options_from_params
 from tritium.backend.lora.setup import resolve_request_lora
+from tritium.backend.placement import apply_instance_placement
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.errors import RequestError, error_info, to_wire
 from tritium.backend.guided import state as guided_state
@@ -76,6 +77,8 @@ class TritonPythonModel:
                                  server=True)
             if not os.path.isdir(engine_dir):
                 raise FileNotFoundError(f"engine_dir {engine_dir} does not exist")
+            # KIND_GPU -> cuda:<model_instance_device_id> (docs/serving.md#placement)
+            apply_instance_placement(args, self.model_config, setup.engine_kwargs)
             self.engine = AsyncLLMEngine(engine_dir, max_queue_size=setup.max_queue_size,
                                          thread_policy=setup.thread_policy, **setup.engine_kwargs)
             guided_state.warm_up(self.engine.engine)  # structured outputs: vocabulary tables, in the background

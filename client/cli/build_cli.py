@@ -78,6 +78,15 @@ def register(sub) -> None:
     p.add_argument("--instances", type=int, default=1, metavar="N",
                    help="with --repo: engine replicas in one server (Triton instance_group count; each loads the "
                         "engine, and its tensor-parallel workers, once; default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="with --repo: where the engine instances run: cpu (KIND_CPU) or cuda (KIND_GPU; each "
+                        "instance on cuda:<its GPU id>; default cpu)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="with --repo --device cuda: comma-separated GPU ids; --instances replicas run on each "
+                        "(default 0); they share that GPU's gpu_memory_utilization budget")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="with --repo --device cuda: fraction (0, 1] of each GPU's memory the instances on it "
+                        "share for weights and KV cache (backend parameter gpu_memory_utilization; default 0.85)")
     p.add_argument("--name", default=None, help="model name in --repo (default: the engine folder's name)")
     add_option_arguments(p, SPECULATIVE, "speculative decoding in --repo (docs/speculative.md)")
     from tritium.builder.lora_repo import add_lora_arguments
@@ -101,6 +110,21 @@ def speculative_params(args: argparse.Namespace) -> dict:
     return to_params(opts)
 
 
+def placement_args(args: argparse.Namespace) -> dict:
+    """--device / --gpus / --gpu-memory-utilization -> instance group and parameters (checked)."""
+    from tritium.backend.placement import check_utilization
+    from tritium.builder.repository import instance_group, parse_gpus
+    device, gpus = getattr(args, "device", "cpu"), parse_gpus(getattr(args, "gpus", None))
+    util = getattr(args, "gpu_memory_utilization", None)
+    if (device != "cpu" or gpus or util is not None) and not getattr(args, "repo", None):
+        raise ValueError("--device / --gpus / --gpu-memory-utilization configure the served model: they need --repo")
+    if util is not None and device != "cuda":
+        raise ValueError("--gpu-memory-utilization needs --device cuda")
+    instance_group(device, getattr(args, "instances", 1), gpus)
+    params = {} if util is None else {"gpu_memory_utilization": str(check_utilization(util))}
+    return {"device": device, "gpus": gpus, "params": params}
+
+
 def options_from_args(args: argparse.Namespace):
     from tritium.builder.build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
@@ -120,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "instances", 1) < 1:  # before the build, not after it
         raise ValueError(f"--instances must be an integer >= 1, got {args.instances}")
     spec_params = speculative_params(args)  # checked before the (long) build
+    placement = placement_args(args)  # likewise
     from tritium.builder.lora_repo import check_lora_after_build, lora_params
     spec_params.update(lora_params(args))  # adapters' folders checked before the build too
     cfg = build_engine(options_from_args(args))
@@ -133,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         from tritium.builder.repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
         models = write_repository(args.repo, name, args.output, instances=getattr(args, "instances", 1),
-                                  engine_params=spec_params)
+                                  engine_params=dict(spec_params, **placement["params"]),
+                                  device=placement["device"], gpus=placement["gpus"])
         print(f"repository written to {args.repo}: {', '.join(models)}", file=sys.stderr)
     return _budget_status(cfg.quantization.budget)
 

@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     "tritium.client.bench.kernel_bench",        # bench-kernels (Triton kernels on a CUDA GPU)
     "tritium.client.cli.bench_cli",     # bench (serving benchmark; --hf-baselines: engine vs HF transformers)
     "tritium.client.cli.compare_cli",   # compare (side by side with llama.cpp's llama-server)
+    "tritium.client.cli.gpu_check_cli",  # gpu-check (the CUDA path in one run; CPU parts without CUDA)
 ]
 
 
