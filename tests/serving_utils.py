@@ -1,8 +1,13 @@
 """Helpers for the serving tests: /metrics scraping, polling, raw gRPC requests, a cancelled stream."""
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -102,3 +107,32 @@ def cancel_beside_others(others_client, cancel_client, other_prompts, other_toke
     for t in threads:
         t.join(120)
     return others, errors
+
+
+@contextlib.contextmanager
+def tritium_serve(repo: str, root: str, *extra_args: str, env: dict = None, timeout_s: float = 600):
+    """Run `tritium serve --repo REPO` as a user starts it (every port free-picked, its own log file
+    under ROOT), wait for its ready line, yield (process, the lines it printed until ready), and
+    stop it with Ctrl-C afterwards, asserting a clean exit. ENV replaces the process environment."""
+    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
+                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0", *extra_args,
+                             "--log-file", os.path.join(str(root), "server.log")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ.copy() if env is None else env)
+    lines, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("Ctrl-C stops"):
+            break
+    if not lines or not lines[-1].startswith("Ctrl-C stops"):
+        proc.kill()
+        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
+    try:
+        yield proc, lines
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

@@ -14,13 +14,10 @@ import io
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
+
+from serving_utils import tritium_serve
 
 QUESTION = "What is the capital of France?"
 
@@ -33,27 +30,10 @@ def served(smollm2_gguf, tmp_path_factory):
     assert main(["build", smollm2_gguf, "-o", engine, "--dtype", "bfloat16", "--quiet", "--repo", repo,
                  "--name", "smollm2"]) == 0
     env = dict(os.environ, TRITIUM_CACHE=os.path.join(root, "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                             "--log-file", os.path.join(root, "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C stops"):
-            break
-    if not lines or not lines[-1].startswith("Ctrl-C stops"):
-        proc.kill()
-        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
-    text = "".join(lines)
-    yield {"grpc": re.search(r"gRPC (\S+)", text).group(1), "http": re.search(r"HTTP (\S+)", text).group(1),
-           "openai": re.search(r"OpenAI API: (\S+)", text).group(1)}
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with tritium_serve(repo, root, env=env) as (proc, lines):
+        text = "".join(lines)
+        yield {"grpc": re.search(r"gRPC (\S+)", text).group(1), "http": re.search(r"HTTP (\S+)", text).group(1),
+               "openai": re.search(r"OpenAI API: (\S+)", text).group(1)}
 
 
 def _generate_url(served) -> str:

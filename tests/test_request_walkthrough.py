@@ -21,13 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
+
+from serving_utils import tritium_serve
 
 from tritium.backend.errors import RequestError
 from tritium.backend.sampling_params import FIELD, FIELDS, SamplingParams
@@ -102,27 +100,10 @@ def served(tiny_checkpoint, tmp_path_factory):
                  "--quiet", "--repo", repo, "--name", "tiny"]) == 0
     log = str(root / "requests.jsonl")
     env = dict(os.environ, TRITIUM_CACHE=str(root / "cache"), TRITIUM_REQUEST_LOG=log)
-    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                             "--log-file", str(root / "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C stops"):
-            break
-    if not lines or not lines[-1].startswith("Ctrl-C stops"):
-        proc.kill()
-        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
-    s = Served(proc, "".join(lines), log)
-    s.engine = engine
-    yield s
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with tritium_serve(repo, root, env=env) as (proc, lines):
+        s = Served(proc, "".join(lines), log)
+        s.engine = engine
+        yield s
 
 
 # ---- the surfaces: each sends {field: value} and returns (SamplingParams received | error) ---------

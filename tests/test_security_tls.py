@@ -8,16 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 
 from hostile_cases import error_text, request
+from serving_utils import tritium_serve
 from tls_utils import self_signed
 
 pytestmark = pytest.mark.slow
@@ -46,26 +42,8 @@ def served(tiny_engine, tmp_path_factory):
     write_repository(repo, NAME, tiny_engine("llama"))
     env = dict(os.environ, TRITIUM_CACHE=str(root / "cache"), TRITIUM_API_KEY=API_KEY)  # the key from the env
     env.pop("TRITIUM_ADMIN_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                             "--admin-key", ADMIN_KEY, "--tls-cert", cert, "--tls-key", key,
-                             "--log-file", str(root / "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C stops"):
-            break
-    if not lines or not lines[-1].startswith("Ctrl-C stops"):
-        proc.kill()
-        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
-    yield Served(proc, lines, cert)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with tritium_serve(repo, root, "--admin-key", ADMIN_KEY, "--tls-cert", cert, "--tls-key", key, env=env) as (proc, lines):
+        yield Served(proc, lines, cert)
 
 
 def test_printed_hints_name_the_key_but_never_show_it(served):

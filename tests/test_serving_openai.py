@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from serving_utils import metric, scrape, wait_for
+from serving_utils import metric, scrape, tritium_serve, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -77,25 +77,8 @@ def served(built):
     engine, plain, repo, root = built
     # the admin key, so that `tritium openai` alone (below) may list the models (docs/security.md)
     env = dict(os.environ, TRITIUM_CACHE=os.path.join(root, "cache"), TRITIUM_ADMIN_KEY=ADMIN_KEY)
-    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                             "--log-file", os.path.join(root, "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C stops"):
-            break
-    if not lines or not lines[-1].startswith("Ctrl-C stops"):
-        proc.kill()
-        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain
-    yield Served(proc, lines)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with tritium_serve(repo, root, env=env) as (proc, lines):
+        yield Served(proc, lines)
 
 
 @pytest.fixture(scope="module")

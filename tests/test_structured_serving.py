@@ -17,17 +17,13 @@ import queue
 import random
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import jsonschema
 import numpy as np
 import pytest
 
 from structured_cases import random_schema
+from serving_utils import tritium_serve
 
 pytestmark = pytest.mark.slow
 
@@ -77,26 +73,9 @@ def built(smollm2_tokenizer_checkpoint, tmp_path_factory):
 def served(built):
     engine, repo, root = built
     env = dict(os.environ, TRITIUM_CACHE=os.path.join(root, "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "tritium.client.cli", "serve", "--repo", repo, "--http-port", "0",
-                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                             "--log-file", os.path.join(root, "server.log")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, deadline = [], time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C stops"):
-            break
-    if not lines or not lines[-1].startswith("Ctrl-C stops"):
-        proc.kill()
-        raise AssertionError("tritium serve never became ready:\n" + "".join(lines[-30:]))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    text = "".join(lines)
-    yield {"grpc": re.search(r"gRPC (\S+)", text).group(1), "base": re.search(r"OpenAI API: (\S+)", text).group(1)}
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+    with tritium_serve(repo, root, env=env) as (proc, lines):
+        text = "".join(lines)
+        yield {"grpc": re.search(r"gRPC (\S+)", text).group(1), "base": re.search(r"OpenAI API: (\S+)", text).group(1)}
 
 
 @pytest.fixture(scope="module")
