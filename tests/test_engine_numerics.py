@@ -10,21 +10,10 @@ import pytest
 import torch
 
 from tritium.backend.loader import load_engine
+from hf_oracle import PROMPTS, hf_model, rel_err
 from simple_generate import generate_simple, prompt_logits
 
 FAMILY_NAMES = ["llama", "mistral", "qwen2"]
-PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],
-           [1, 600, 601, 602],
-           [999]]
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -14,24 +14,13 @@ import torch
 
 from tritium.backend.loader import load_engine
 from tritium.builder.hf_loader import model_config_from_hf
+from hf_oracle import PROMPTS, hf_model, rel_err
 from simple_generate import generate_simple, prompt_logits
 
 NEW_FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3"]
-PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],
-           [1, 600, 601, 602],
-           [999]]
 # Phi-3's LongRoPE picks its short factors for sequences within original_max_position_embeddings
 # (48 here): an engine whose max_seq_len fits them serves exactly transformers' numbers.
 BUILD = {"phi3": {"max_seq_len": 48}}
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)

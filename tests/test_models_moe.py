@@ -21,6 +21,7 @@ from tritium.backend.loader import load_engine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.builder.convert import CheckpointError
 from tritium.builder.hf_loader import model_config_from_hf
+from hf_oracle import PROMPTS, hf_model, rel_err
 from simple_generate import generate_simple, prompt_logits
 from test_models_engine import run_staggered, workload
 from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
@@ -50,17 +51,6 @@ tiny_models.FAMILIES.update({
                   num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
 })
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]
-PROMPTS = [[5, 17, 923, 44, 300, 2, 81, 999, 13, 640, 7, 7, 7, 250, 18, 402, 77, 31, 500, 61, 3],
-           [1, 600, 601, 602], [999]]
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
