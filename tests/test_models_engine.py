@@ -14,6 +14,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import SpeculativeConfig
 from simple_generate import generate_simple
+from test_runtime_engine import run_staggered  # noqa: F401 (also imported from here by test_models_moe)
 from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,20 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def alone(engine, prompt, max_tokens):
     return generate_simple(engine.runner.model, prompt, max_tokens, eos_token_ids=())[0]
-
-
-def run_staggered(engine, reqs, arrivals):
-    final, step, pending = {}, 0, sorted(range(len(reqs)), key=lambda i: arrivals[i])
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            engine.add_request(str(i), prompt_token_ids=reqs[i][0],
-                               params=SamplingParams(max_tokens=reqs[i][1], temperature=0.0, ignore_eos=True))
-        for out in engine.step():
-            if out.finished:
-                final[int(out.request_id)] = out
-        step += 1
-    return [final[i] for i in range(len(reqs))]
 
 
 def workload(seed, n=16, max_prompt=30, max_out=12):
