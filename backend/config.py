@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .config_mla import SUPPORTED_ROUTER_TOPK, validate_mla, validate_routing  # noqa: F401
 from .parallel_layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
@@ -22,7 +23,8 @@ BUILD_REPORT_FILE = "build_report.json"
 
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
-                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
+                           "deepseek_v2", "deepseek_v3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -40,8 +42,8 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
-# How an MoE router turns its logits into expert weights: softmax over all experts, then top-k.
-SUPPORTED_ROUTER_SCORING = ("softmax",)
+# How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
+SUPPORTED_ROUTER_SCORING = ("softmax", "sigmoid")
 
 
 class EngineFormatError(ValueError):
@@ -121,6 +123,18 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen2-MoE has one)
     shared_expert_gate: bool = False  # shared expert output times sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple = ()  # layers that keep the dense MLP (mlp_only_layers, decoder_sparse_step)
+    # DeepSeek routing (models/moe_routing.py): router_topk one of SUPPORTED_ROUTER_TOPK; the
+    # correction bias is the engine tensor layers.{i}.router.correction_bias.
+    router_topk: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_correction_bias: bool = False
+    kv_lora_rank: int = 0  # multi-head latent attention (models/mla.py, config_mla.py); 0 = none
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -190,16 +204,12 @@ def _quant_config_from_dict(q: dict) -> QuantConfig:
 @dataclass(frozen=True)
 class KVCacheConfig:
     dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
-    # "hadamard": K (after RoPE and k_offset) and V are stored multiplied by the normalized
-    # Hadamard matrix of order head_dim, the query is rotated alike and the attention output
-    # rotated back (backend/models/kv_rotation.py). Exact in real arithmetic; it spreads the
-    # few large channels over all of them before the cache rounds them.
+    # "hadamard": K (after RoPE and k_offset) and V stored times the normalized Hadamard matrix
+    # of order head_dim, the query rotated alike, the output rotated back (models/kv_rotation.py).
     rotation: str = "none"
-    # Per-layer, per-KV-head scales are stored in the weights file as
-    # layers.{i}.k_scale / layers.{i}.v_scale (float32, shape (num_kv_heads,)) when quantized,
-    # and optionally layers.{i}.k_offset / v_offset (float32, (num_kv_heads, head_dim)),
-    # subtracted from K (after RoPE) / V before they are stored; attention is unchanged (softmax
-    # ignores a per-query shift of the scores; v_offset is added back to the attention output).
+    # Quantized: per-layer, per-KV-head layers.{i}.k_scale / v_scale (float32 (num_kv_heads,)),
+    # optionally k_offset / v_offset (float32 (num_kv_heads, head_dim)) subtracted from K (after
+    # RoPE) / V before they are stored (softmax ignores the shift; v_offset is added back).
 
 
 @dataclass(frozen=True)
@@ -317,6 +327,7 @@ class EngineConfig:
         if bad:
             raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
         self._validate_moe()
+        validate_mla(m, self.kv_cache, EngineFormatError)
         if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
             raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")
         tp = self.tensor_parallel_size
@@ -339,6 +350,7 @@ class EngineConfig:
         if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
             raise EngineFormatError(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
                                     f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
+        validate_routing(m, EngineFormatError)
         if not 0 < m.num_experts_per_tok <= m.num_experts:
             raise EngineFormatError(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
                                     f"[1, num_experts {m.num_experts}]")

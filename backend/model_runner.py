@@ -1,7 +1,8 @@
 """ModelRunner: owns the KV pool, turns a SchedulerOutput into one forward pass, samples.
 
 KV pool: per layer a (k_cache, v_cache) pair, each (num_blocks, block_size, num_kv_heads,
-head_dim), in the engine dtype, or float8_e4m3fn / int8 when the engine's kv_cache.dtype says
+head_dim) (multi-head latent attention: one (num_blocks, block_size, 1, kv_lora_rank +
+qk_rope_head_dim) latent cache and an empty view of it), in the engine dtype, or float8_e4m3fn / int8 when the engine's kv_cache.dtype says
 so (the model's layers then carry k_scale / v_scale). The pool is zero-filled: padded reads of
 never-written slots must be finite, or a masked attention score could still turn into NaN.
 """
@@ -15,6 +16,7 @@ import torch
 from tritium.kernels import ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
+from .config_mla import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .sampler import Sampler
@@ -34,7 +36,23 @@ def kv_bytes_per_block(cfg: EngineConfig) -> int:
     """Bytes of one block across all layers, K and V."""
     m = cfg.model
     elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
-    return 2 * m.num_layers * cfg.limits.block_size * m.num_kv_heads * m.head_dim * elem
+    return m.num_layers * cfg.limits.block_size * kv_cache_token_values(m) * elem
+
+
+def kv_bytes_per_token(cfg: EngineConfig) -> int:
+    """KV-cache bytes one token takes over all layers: 2 Hkv D per layer, or under multi-head latent
+    attention (kv_lora_rank + qk_rope_head_dim), times the cache dtype's size."""
+    return kv_bytes_per_block(cfg) // cfg.limits.block_size
+
+
+def alloc_kv_layer(cfg: EngineConfig, num_blocks: int, dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (k_cache, v_cache); under MLA (latent_cache, an empty view of it)."""
+    m, bs = cfg.model, cfg.limits.block_size
+    if m.kv_lora_rank:
+        latent = torch.zeros((num_blocks, bs, 1, kv_cache_token_values(m)), dtype=dtype, device=device)
+        return latent, latent[..., :0]
+    shape = (num_blocks, bs, m.num_kv_heads, m.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memory_bytes: Optional[int]) -> int:
@@ -79,7 +97,6 @@ class ModelRunner:
         self.block_size = cfg.limits.block_size
         self.num_blocks = num_blocks
         m = cfg.model
-        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         dtype = kv_cache_dtype(cfg)
         if dtype in (torch.float8_e4m3fn, torch.int8):
             missing = [i for i, layer in enumerate(model.layers) if layer.k_scale is None]
@@ -91,8 +108,7 @@ class ModelRunner:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(m.num_layers)]
+            alloc_kv_layer(cfg, num_blocks, dtype, device) for _ in range(m.num_layers)]
         self.sampler = Sampler()
         self.lora = None  # LoRAManager when the engine serves adapters (backend/lora)
 

@@ -27,9 +27,10 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
         g(f"{p}experts.{e}.{down}.weight", (h, inter)) for e in range(e_n)])
     si = m.shared_expert_intermediate_size
     if si:
+        s = p + fam.shared_expert_name + "."
         yield f"layers.{i}.shared_expert.gate_up_proj.weight", torch.cat([
-            g(p + "shared_expert.gate_proj.weight", (si, h)), g(p + "shared_expert.up_proj.weight", (si, h))], 0)
-        yield f"layers.{i}.shared_expert.down_proj.weight", g(p + "shared_expert.down_proj.weight", (h, si))
+            g(s + "gate_proj.weight", (si, h)), g(s + "up_proj.weight", (si, h))], 0)
+        yield f"layers.{i}.shared_expert.down_proj.weight", g(s + "down_proj.weight", (h, si))
         if m.shared_expert_gate:
             yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
 

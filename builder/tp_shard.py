@@ -33,6 +33,7 @@ from tritium.backend.config import EngineConfig
 from tritium.backend.parallel_layout import TensorParallelError, layout_to_dict, plan_layout
 from tritium.kernels.quant_layouts import pack_int4, unpack_int4
 
+from .convert_mla import shard_mla_tensor
 from .convert_moe import shard_moe_tensor
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.(\w+)$")
@@ -128,7 +129,9 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
         mo = _LAYER.match(name)
         kv = _KV.match(name)
         for r, lay in enumerate(layout):
-            if mo:
+            if (mla := shard_mla_tensor(name, t, m, lay)) is not None:
+                out = mla
+            elif mo:
                 i, lin, leaf = int(mo.group(1)), mo.group(2), mo.group(3)
                 layer = f"layers.{i}.{lin}"
                 method = _method(cfg, layer)

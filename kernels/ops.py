@@ -22,6 +22,7 @@ from typing import Optional
 from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
+from .mla_ref import mla_attention_ref
 from . import cpu_linear as _cpu_linear
 from .moe_cpu import fused_moe_cpu
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
@@ -144,6 +145,18 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
     # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
     return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale,
                                softcap=softcap)
+
+
+def mla_attention(q, latent_cache, meta, scale, rank):
+    """Multi-head latent attention, absorbed form (contract: mla_ref.mla_attention_ref): q (T, H,
+    rank + rope), the latent cache (num_blocks, block_size, 1, rank + rope) -> (T, H, rank). Triton:
+    decode steps take mla_triton.mla_decode, steps with prompt rows the torch reference. CPU: the
+    paged attention of one KV head whose K and V are both the cache row, V's rope tail dropped."""
+    if use_triton(q):
+        if meta.max_query_len == 1:
+            return _tk("mla_triton").mla_decode(q, latent_cache, meta, scale, rank)
+        return mla_attention_ref(q, latent_cache, meta, scale, rank)
+    return paged_attention_cpu(q, latent_cache, latent_cache, meta, scale)[..., :rank]
 
 
 def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False):

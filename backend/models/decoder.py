@@ -26,7 +26,7 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from ..config import EngineConfig
 from .attention import KVCache
 from .layer import NORM_NAMES, DecoderLayer
-from .moe import MoEDecoderLayer
+from .moe import MLAMoEDecoderLayer, MoEDecoderLayer
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
 from .rope import rope_table
 
@@ -66,7 +66,7 @@ class DecoderLM(nn.Module):
         # AWQ-scaled tied head: the lookup divides the int8 rows by these (LayerQuant.input_scale).
         self.register_buffer("embed_input_scale", torch.empty(m.hidden_size, dtype=torch.float32)
                              if eq is not None and eq.input_scale else None)
-        layer_cls = MoEDecoderLayer if m.num_experts else DecoderLayer
+        layer_cls = MLAMoEDecoderLayer if m.kv_lora_rank else MoEDecoderLayer if m.num_experts else DecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, i, self.dtype) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)

@@ -25,7 +25,9 @@ from tritium.kernels.moe_ref import QuantExperts
 
 from .layer import DecoderLayer
 from .linear import DenseLinear, make_linear
+from .mla import LatentAttention
 from .mlp import ACTIVATIONS, GatedMLP
+from .moe_routing import init_routing, route
 
 
 def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +102,7 @@ class SparseMoE(GatedMLP):
         self.act_mul = ACTIVATIONS[m.activation]
         self.top_k, self.norm_topk_prob = m.num_experts_per_tok, m.norm_topk_prob
         self.router = DenseLinear(m.hidden_size, m.num_experts, False, dtype)
+        init_routing(self, m, dtype)  # DeepSeek's grouped / sigmoid routing (moe_routing.py)
         self.experts = Experts(cfg, idx, dtype)
         si = m.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(cfg, idx, si, dtype) if si else None
@@ -110,7 +113,9 @@ class SparseMoE(GatedMLP):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sparse:
             return GatedMLP.mlp(self, x)
-        weights, ids = route_softmax_topk(self.router(x), self.top_k, self.norm_topk_prob)
+        logits = self.router(x)
+        weights, ids = route(self, logits) if self.grouped_router else \
+            route_softmax_topk(logits, self.top_k, self.norm_topk_prob)
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
@@ -126,6 +131,10 @@ class SparseMoE(GatedMLP):
 
 class MoEDecoderLayer(SparseMoE, DecoderLayer):
     """DecoderLayer whose MLP is SparseMoE (dense where ModelConfig.dense_layers says so)."""
+
+
+class MLAMoEDecoderLayer(SparseMoE, LatentAttention, DecoderLayer):
+    """DeepSeek's layer: multi-head latent attention (mla.py) and SparseMoE."""
 
 
 def expert_token_counts(model) -> Optional[List[int]]:

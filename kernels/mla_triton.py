@@ -1,0 +1,88 @@
+"""Triton paged decode for multi-head latent attention (MLA), absorbed form (contract and torch
+reference: kernels/mla_ref.py).
+
+One program per (sequence, block of BLOCK_H query heads): the sequence's latent rows are read
+tile by tile from the paged cache once for all the heads of the block (MLA's cache row is shared
+by every head, the way MQA's single KV head is), scores = q_latent . c_kv + q_pe . k_pe as two
+dots, an online softmax (FlashAttention's running max and sum), and the weighted sum of c_kv in
+float32. Decode only: one query row per sequence (meta.max_query_len == 1).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_log2,
+                       stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
+                       num_heads, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PAGE: tl.constexpr, IEEE: tl.constexpr):
+    s = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < RANK
+    p = tl.arange(0, BLOCK_P)
+    pmask = p < ROPE
+    q_row = q_ptr + s * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    q_pe = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    seq_len = tl.load(seq_lens_ptr + s)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < seq_len
+        blk = tl.load(bt_ptr + s * stride_bt + n // PAGE, mask=nmask, other=0).to(tl.int64)
+        row = cache_ptr + blk * stride_cb + (n % PAGE) * stride_cs
+        c = tl.load(row[:, None] + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+        kp = tl.load(row[:, None] + RANK + p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+        if IEEE:
+            scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee") + \
+                tl.dot(q_pe, tl.trans(kp), input_precision="ieee")
+        else:
+            scores = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(kp))
+        scores = tl.where(nmask[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pr, c.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None] & rmask[None, :])
+
+
+def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, rank: int) -> torch.Tensor:
+    """q (B, H, rank + rope), one row per sequence; latent_cache (num_blocks, block_size, 1,
+    rank + rope) -> (B, H, rank). float32 inputs take IEEE dots (no TF32)."""
+    b, h, d = q.shape
+    if meta.max_query_len != 1 or b != meta.num_seqs:
+        raise ValueError(f"mla_decode: one query row per sequence expected, got {b} rows for {meta.num_seqs} "
+                         f"sequences (max_query_len {meta.max_query_len})")
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != d:
+        raise ValueError(f"latent_cache: expected (num_blocks, block_size, 1, {d}), got {tuple(latent_cache.shape)}")
+    q = q.contiguous()
+    cache = latent_cache.contiguous()
+    out = torch.empty(b, h, rank, dtype=q.dtype, device=q.device)
+    rope = d - rank
+    block_h = 16
+    grid = (b, triton.cdiv(h, block_h))
+    bt = meta.block_tables.contiguous()
+    _mla_decode_kernel[grid](q, cache, bt, meta.seq_lens, out, scale * (1.0 / math.log(2.0)),
+                             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
+                             out.stride(0), out.stride(1), h, RANK=rank, ROPE=rope,
+                             BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                             BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=16,
+                             PAGE=cache.shape[1], IEEE=q.dtype == torch.float32)
+    return out
