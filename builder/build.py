@@ -23,11 +23,12 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
+from .convert_mla import check_mla_build
 from .convert_moe import check_moe_build
 from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
-from .report import component_bytes, write_json
+from .report import component_bytes, kv_cache_report, write_json
 from .tp_shard import shard_engine_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,6 +118,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
     m = ckpt.model_config
     check_moe_build(m, opts, imported)
+    check_mla_build(m, opts)
     if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
         plan_layout(m, opts.tensor_parallel_size)
     max_seq = opts.max_seq_len or min(m.max_position_embeddings, 2048)
@@ -185,6 +187,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 **({"rank_bytes": [sum(t.numel() * t.element_size() for t in sh.values()) for sh in shards]}
                    if len(shards) > 1 else {}),
                 "tokenizer_files": tok_files,
+                "kv_cache": kv_cache_report(cfg),
                 **({"quantization_report": quant_report} if quant_report else {}),
             }
             write_json(os.path.join(tmp, BUILD_REPORT_FILE), report)

@@ -73,3 +73,10 @@ def shard_mla_tensor(name: str, t: torch.Tensor, m: ModelConfig, lay) -> Optiona
     if lin in ("q_a_proj", "kv_a_proj", "q_a_norm", "kv_a_norm"):
         return t
     return None
+
+
+def check_mla_build(m: ModelConfig, opts) -> None:
+    """Refuse, before any work, the build options the latent cache cannot honour (naming the flag)."""
+    if m.kv_lora_rank and opts.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype}: the latent cache of multi-head latent attention "
+                         f"({m.architecture}) is stored in the engine dtype; allowed: --kv-cache-dtype auto")

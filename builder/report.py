@@ -14,7 +14,8 @@ def component_of(name: str) -> str:
         return "lm_head"
     if "norm" in name:
         return "norms"
-    if "qkv_proj" in name or "o_proj" in name or name.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
+    if any(f".{p}." in name for p in ("qkv_proj", "o_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")) \
+            or name.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
         return "attention"
     if "gate_up_proj" in name or "down_proj" in name:
         return "mlp"
@@ -29,6 +30,32 @@ def component_bytes(tensors: Dict[str, torch.Tensor]) -> Dict[str, int]:
         out[c] = out.get(c, 0) + t.numel() * t.element_size()
     out["total"] = sum(out.values())
     return out
+
+
+def kv_cache_report(cfg) -> dict:
+    """The paged KV cache's size per token (build_report.json's kv_cache): per layer and over all
+    layers, in the cache dtype; under tensor parallelism per rank too (a rank caches its own KV
+    heads; multi-head latent attention's latent is replicated on every rank)."""
+    from tritium.backend.config_mla import kv_cache_token_values
+    from tritium.backend.model_runner import kv_bytes_per_token, kv_cache_dtype
+    from tritium.backend.parallel_layout import local_config
+    m = cfg.model
+    elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
+    values = kv_cache_token_values(m)
+    out = {"layout": (f"latent: kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim} values"
+                      if m.kv_lora_rank else f"K and V: 2 x {m.num_kv_heads} KV heads x head_dim {m.head_dim} values"),
+           "values_per_token_per_layer": values, "element_bytes": elem,
+           "bytes_per_token_per_layer": values * elem, "bytes_per_token": values * elem * m.num_layers}
+    if cfg.tensor_parallel_size > 1:
+        out["bytes_per_token_per_rank"] = [kv_bytes_per_token(local_config(cfg, r))
+                                           for r in range(cfg.tensor_parallel_size)]
+    return out
+
+
+def kv_cache_line(kv: dict) -> str:
+    """The console line of kv_cache_report."""
+    return (f"KV cache: {kv['bytes_per_token']} bytes per token ({kv['bytes_per_token_per_layer']} per layer; "
+            f"{kv['layout']} of {kv['element_bytes']} bytes)")
 
 
 def write_json(path: str, obj) -> None:

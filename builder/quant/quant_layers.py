@@ -27,7 +27,8 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def linear_in_features(m, lin: str) -> int:
     """Input dimension of a layer linear from the ModelConfig."""
     return {"qkv_proj": m.hidden_size, "gate_up_proj": m.hidden_size,
-            "o_proj": m.num_heads * m.head_dim, "down_proj": m.intermediate_size}[lin]
+            "o_proj": m.num_heads * (m.v_head_dim if m.kv_lora_rank else m.head_dim),
+            "down_proj": m.intermediate_size}[lin]
 
 
 def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):

@@ -30,6 +30,8 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
     blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
     for i in range(cfg.model.num_layers):
         for lin in LINEARS:
+            if lin == "qkv_proj" and cfg.model.kv_lora_rank:
+                continue  # multi-head latent attention: its projections stay float (o_proj is quantized)
             name = f"layers.{i}.{lin}"
             if excluded(name, o.exclude_modules):
                 plan[name] = LayerQuant("none")

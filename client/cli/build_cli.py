@@ -165,14 +165,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_quality(engine_dir: str) -> None:
-    """A quantized build's held-out figures from its build report (nothing for a float build)."""
+    """The KV cache's bytes per token, and a quantized build's held-out figures from its build
+    report (none for a float build)."""
     import json
-    from tritium.builder.report import quality_summary
+    from tritium.builder.report import kv_cache_line, quality_summary
     path = os.path.join(engine_dir, BUILD_REPORT_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            for line in quality_summary(json.load(f)):
-                print(line, file=sys.stderr)
+            report = json.load(f)
+        lines = ([kv_cache_line(report["kv_cache"])] if "kv_cache" in report else []) + quality_summary(report)
+        for line in lines:
+            print(line, file=sys.stderr)
 
 
 def _budget_status(budget: dict) -> int:
