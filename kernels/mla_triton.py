@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import dot_upcast, mm
+
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_log2,
@@ -32,6 +34,9 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_lo
     q_row = q_ptr + s * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     q_pe = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+    if IEEE:  # fp32 operands (float32 engines, and bf16 under the interpreter: triton_common.dot_upcast)
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + s)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -44,19 +49,15 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_lo
         c = tl.load(row[:, None] + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
         kp = tl.load(row[:, None] + RANK + p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
         if IEEE:
-            scores = tl.dot(q_lat, tl.trans(c), input_precision="ieee") + \
-                tl.dot(q_pe, tl.trans(kp), input_precision="ieee")
-        else:
-            scores = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(kp))
+            c = c.to(tl.float32)
+            kp = kp.to(tl.float32)
+        scores = mm(q_lat, tl.trans(c), IEEE) + mm(q_pe, tl.trans(kp), IEEE)
         scores = tl.where(nmask[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(pr, c.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
+        acc = acc * alpha[:, None] + mm(pr.to(c.dtype), c, IEEE)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
@@ -65,7 +66,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_lo
 
 def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, rank: int) -> torch.Tensor:
     """q (B, H, rank + rope), one row per sequence; latent_cache (num_blocks, block_size, 1,
-    rank + rope) -> (B, H, rank). float32 inputs take IEEE dots (no TF32)."""
+    rank + rope) -> (B, H, rank). float32 inputs take IEEE dots (no TF32); bf16 dots accumulate in
+    float32 (upcast under the interpreter, whose bf16 dot is wrong)."""
     b, h, d = q.shape
     if meta.max_query_len != 1 or b != meta.num_seqs:
         raise ValueError(f"mla_decode: one query row per sequence expected, got {b} rows for {meta.num_seqs} "
@@ -84,5 +86,5 @@ def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, 
                              out.stride(0), out.stride(1), h, RANK=rank, ROPE=rope,
                              BLOCK_R=max(16, triton.next_power_of_2(rank)),
                              BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=16,
-                             PAGE=cache.shape[1], IEEE=q.dtype == torch.float32)
+                             PAGE=cache.shape[1], IEEE=q.dtype == torch.float32 or dot_upcast(q.dtype))
     return out

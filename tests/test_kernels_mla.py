@@ -1,0 +1,77 @@
+"""The multi-head latent attention ops (kernels/mla_triton.py, ops.mla_attention's CPU path)
+against their torch reference, kernels/mla_ref.py, under Triton's interpreter: random head
+counts (across the kernel's 16-head blocks), latent and rope widths, page sizes, context lengths
+and dtypes. The Triton kernel sees the cache's unused blocks filled with NaN (a read outside a
+sequence's table shows); the CPU path, whose padded gathers rely on the runner's zero-filled
+pool, sees them zeroed."""
+from __future__ import annotations
+
+import kernel_env  # noqa: F401  (must precede the kernel imports: sets TRITON_INTERPRET=1)
+
+import pytest
+import torch
+
+from kernel_env import NUM_CASES, assert_close, new_rng
+from tritium.kernels import ops
+from tritium.kernels.attention_metadata import AttentionMetadata
+from tritium.kernels.mla_ref import mla_attention_ref
+from tritium.kernels.mla_triton import mla_decode
+
+
+def _case(rng, query_lens_max: int):
+    heads = rng.choice([1, 3, 16, 20])
+    rank, rope = rng.choice([(16, 8), (40, 8), (64, 16), (32, 64)])
+    page = rng.choice([4, 16])
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    b = rng.randint(1, 4)
+    seq_lens = [rng.randint(1, 70) for _ in range(b)]
+    query_lens = [min(s, rng.randint(1, query_lens_max)) for s in seq_lens]
+    need = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    ids = torch.randperm(num_blocks).tolist()  # scattered, not in order
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    cache = torch.full((num_blocks, page, 1, rank + rope), float("nan"), dtype=dtype)
+    for t in tables:
+        cache[t] = torch.randn(len(t), page, 1, rank + rope).to(dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, page, "cpu")
+    q = torch.randn(sum(query_lens), heads, rank + rope).to(dtype)
+    # unwritten slots past a sequence's end stay NaN in its last block: zero them as the runner's
+    # zero-filled pool does (the kernels mask them; a NaN times a zero weight would still be NaN)
+    for t, s in zip(tables, seq_lens):
+        flat = cache[t].reshape(-1, rank + rope)
+        flat[s:] = 0
+        cache[t] = flat.view(len(t), page, 1, rank + rope)
+    scale = (rank + rope) ** -0.5 * rng.uniform(0.5, 2.0)
+    return q, cache, meta, scale, rank, dtype, (heads, rank, rope, page, seq_lens, query_lens)
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+def test_mla_decode_triton_matches_reference(case):
+    rng, seed = new_rng()
+    q, cache, meta, scale, rank, dtype, desc = _case(rng, 1)
+    out = mla_decode(q, cache, meta, scale, rank)
+    assert out.shape == (q.shape[0], q.shape[1], rank)
+    assert_close(out, mla_attention_ref(q, cache, meta, scale, rank), dtype, f"seed {seed} {desc}")
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+def test_mla_attention_cpu_matches_reference(case, monkeypatch):
+    """Prompt and decode rows mixed (query lengths up to 9), the CPU path."""
+    monkeypatch.setenv("TRITIUM_KERNELS", "reference")
+    rng, seed = new_rng()
+    q, cache, meta, scale, rank, dtype, desc = _case(rng, 9)
+    cache = cache.nan_to_num(0.0)  # the runner's pool is zero-filled
+    meta.cpu_plan = ops.attention_plan(meta)
+    out = ops.mla_attention(q, cache, meta, scale, rank)
+    assert_close(out, mla_attention_ref(q, cache, meta, scale, rank), dtype, f"seed {seed} {desc}")
+
+
+def test_mla_decode_refuses_prompt_rows():
+    q = torch.randn(3, 2, 24)
+    cache = torch.zeros(2, 4, 1, 24)
+    meta = AttentionMetadata.build([3], [3], [[0]], 4, "cpu")
+    with pytest.raises(ValueError, match="one query row per sequence"):
+        mla_decode(q, cache, meta, 1.0, 16)
