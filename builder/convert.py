@@ -74,7 +74,11 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
         if m.o_proj_bias:
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
         if m.sparse(i):
-            yield from moe_layer_tensors(m, fam, i, g)
+            for name, t in moe_layer_tensors(m, fam, i, g):
+                if name.endswith(".router.weight") and fam.float32_router:  # as stored, then float32
+                    t = _expect(p + f"{fam.moe_block}.gate.weight", get(p + f"{fam.moe_block}.gate.weight"),
+                                (m.num_experts, h), source).float()
+                yield name, t
             if m.router_correction_bias:  # kept float32: it decides which experts run
                 name = p + f"{fam.moe_block}.gate.e_score_correction_bias"
                 yield f"layers.{i}.router.correction_bias", _expect(name, get(name), (m.num_experts,), source).float()

@@ -105,12 +105,16 @@ def test_fp32_logits_and_greedy_match_hf(family, ds_checkpoint, ds_engine):
 
 
 def test_bf16_engine_within_stated_tolerance(ds_checkpoint, ds_engine):
-    """A bf16 V3 engine (packed bf16 linears on CPU, bf16 latent cache) against float32
-    transformers: 3e-2 per position at 90% of the positions (routing is discontinuous, see
+    """A bf16 V3 engine (packed bf16 linears on CPU, bf16 latent cache, float32 router) against
+    float32 transformers: 3e-2 per position at 90% of the positions (routing is discontinuous, see
     test_models_moe.py)."""
     ref_model = hf_model(ds_checkpoint("deepseek_v3"))
-    _, model, _ = load_engine(ds_engine("deepseek_v3", "bfloat16"), "cpu")
+    path = ds_engine("deepseek_v3", "bfloat16")
+    _, model, _ = load_engine(path, "cpu")
     model.pack_for_cpu()
+    # the router runs in float32 as transformers' does, from a float32 weight in the engine file
+    assert model.layers[1].router.weight.dtype == torch.float32
+    assert load_file(f"{path}/rank0.safetensors")["layers.1.router.weight"].dtype == torch.float32
     ids = PROMPTS[0]
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]

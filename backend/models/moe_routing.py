@@ -10,14 +10,17 @@ used to choose experts only, and routed_scaling_factor (ModelConfig.router_* fie
                           scores among the topk_group best groups win. The weights are the
                           *uncorrected* scores of the chosen experts.
 Then, when norm_topk_prob, the k weights are divided by their sum (+1e-20 for sigmoid scores, as
-DeepSeek-V3's reference does), and multiplied by routed_scaling_factor. All in float32; the
-weights are returned in the logits' dtype as the softmax router does (moe.route_softmax_topk).
+DeepSeek-V3's reference does), and multiplied by routed_scaling_factor. All in float32. DeepSeek's
+router itself runs in float32 whatever the engine dtype (transformers keeps `gate.weight` and the
+bias in float32 and casts the hidden state up): a float32 `router.weight`, stored so by the
+builder; the weights go to the experts in the activation dtype.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
+from torch import nn
 
 
 def _group_mask(choice: torch.Tensor, n_group: int, topk_group: int, method: str) -> torch.Tensor:
@@ -62,21 +65,41 @@ def route_grouped(logits: torch.Tensor, top_k: int, scoring: str, method: str, n
 
 def route(layer, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The routing a SparseMoE layer's config asks for (its attributes set by init_routing)."""
-    return route_grouped(logits, layer.top_k, layer.router_scoring, layer.router_topk, layer.n_group,
-                         layer.topk_group, layer.norm_topk_prob, layer.routed_scaling_factor,
-                         layer.router.correction_bias)
+    weights, ids = route_grouped(logits, layer.top_k, layer.router_scoring, layer.router_topk, layer.n_group,
+                                 layer.topk_group, layer.norm_topk_prob, layer.routed_scaling_factor,
+                                 layer.router.correction_bias)
+    return weights.to(layer.route_dtype), ids
+
+
+# Architectures whose router runs in float32 (transformers' DeepSeek models do).
+FLOAT32_ROUTERS = ("deepseek_v2", "deepseek_v3")
 
 
 def deepseek_router(m) -> bool:
-    """Whether ModelConfig `m` routes other than softmax greedy top-k (then route() serves it)."""
+    """Whether ModelConfig `m` routes other than softmax greedy top-k in the engine dtype (then
+    route() serves it, with a float32 router)."""
     return m.router_scoring != "softmax" or m.router_topk != "greedy" or m.routed_scaling_factor != 1.0 \
-        or m.router_correction_bias
+        or m.router_correction_bias or m.architecture in FLOAT32_ROUTERS
+
+
+class Float32Router(nn.Module):
+    """x (T, hidden) -> float32 logits (T, E) from a float32 `weight` (and DeepSeek-V3's
+    `correction_bias`, used by the choice only)."""
+
+    def __init__(self, hidden: int, experts: int, bias: bool):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(experts, hidden, dtype=torch.float32))
+        self.register_buffer("correction_bias", torch.empty(experts, dtype=torch.float32) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)
 
 
 def init_routing(layer, m, dtype: torch.dtype) -> None:
-    """Set a SparseMoE layer's routing attributes; registers router.correction_bias when asked."""
+    """Set a SparseMoE layer's routing attributes; DeepSeek's routers become Float32Router."""
     layer.router_scoring, layer.router_topk = m.router_scoring, m.router_topk
     layer.n_group, layer.topk_group, layer.routed_scaling_factor = m.n_group, m.topk_group, m.routed_scaling_factor
     layer.grouped_router = deepseek_router(m)
-    layer.router.register_buffer("correction_bias", torch.empty(m.num_experts, dtype=torch.float32)
-                                 if m.router_correction_bias else None)
+    layer.route_dtype = dtype
+    if layer.grouped_router:
+        layer.router = Float32Router(m.hidden_size, m.num_experts, m.router_correction_bias)

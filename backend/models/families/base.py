@@ -45,6 +45,7 @@ class Family:
     # pairs (x0, x1), (x2, x3), ...; the builder reorders those rows to [even | odd] so that the
     # engine's half-split RoPE applies (config.json's rope_interleave, when present, decides).
     rope_interleaved: bool = False
+    float32_router: bool = False  # the builder stores router.weight float32 (DeepSeek; moe_routing.py)
 
 
 def activation(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:

@@ -108,6 +108,6 @@ def deepseek_fields(cfg: dict, v3: bool) -> dict:
 
 
 DEEPSEEK_V2 = Family("deepseek_v2", ("deepseek_v2",), hf_fields=lambda cfg: deepseek_fields(cfg, False),
-                     shared_expert_name="shared_experts", rope_interleaved=True)
+                     shared_expert_name="shared_experts", rope_interleaved=True, float32_router=True)
 DEEPSEEK_V3 = Family("deepseek_v3", ("deepseek_v3",), hf_fields=lambda cfg: deepseek_fields(cfg, True),
-                     shared_expert_name="shared_experts", rope_interleaved=True)
+                     shared_expert_name="shared_experts", rope_interleaved=True, float32_router=True)
