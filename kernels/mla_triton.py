@@ -1,11 +1,13 @@
-"""Triton paged decode for multi-head latent attention (MLA), absorbed form (contract and torch
+"""Triton paged attention for multi-head latent attention (MLA), absorbed form (contract and torch
 reference: kernels/mla_ref.py).
 
-One program per (sequence, block of BLOCK_H query heads): the sequence's latent rows are read
-tile by tile from the paged cache once for all the heads of the block (MLA's cache row is shared
-by every head, the way MQA's single KV head is), scores = q_latent . c_kv + q_pe . k_pe as two
-dots, an online softmax (FlashAttention's running max and sum), and the weighted sum of c_kv in
-float32. Decode only: one query row per sequence (meta.max_query_len == 1).
+One program per (query row, block of BLOCK_H heads): the row's context (its sequence's latent rows
+up to and including its own position, causal) is read tile by tile from the paged cache once for
+all the heads of the block (MLA's cache row is shared by every head, the way MQA's single KV head
+is), scores = q_latent . c_kv + q_pe . k_pe as two dots, an online softmax (FlashAttention's
+running max and sum), and the weighted sum of c_kv in float32. Decode rows and prompt rows go in
+the same launch; a prompt row re-reads its context (no query tiling: prompts are not this
+kernel's fast case).
 """
 from __future__ import annotations
 
@@ -19,25 +21,26 @@ from .triton_common import dot_upcast, mm
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_log2,
-                       stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
-                       num_heads, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PAGE: tl.constexpr, IEEE: tl.constexpr):
-    s = tl.program_id(0)
+def _mla_kernel(q_ptr, cache_ptr, bt_ptr, row_seq_ptr, row_ctx_ptr, out_ptr, scale_log2,
+                stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
+                num_heads, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGE: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    s = tl.load(row_seq_ptr + t).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     r = tl.arange(0, BLOCK_R)
     rmask = r < RANK
     p = tl.arange(0, BLOCK_P)
     pmask = p < ROPE
-    q_row = q_ptr + s * stride_qt + heads[:, None] * stride_qh
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     q_pe = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
     if IEEE:  # fp32 operands (float32 engines, and bf16 under the interpreter: triton_common.dot_upcast)
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
-    seq_len = tl.load(seq_lens_ptr + s)
+    seq_len = tl.load(row_ctx_ptr + t)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -60,31 +63,36 @@ def _mla_decode_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, scale_lo
         acc = acc * alpha[:, None] + mm(pr.to(c.dtype), c, IEEE)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + s * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None] & rmask[None, :])
 
 
-def mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, rank: int) -> torch.Tensor:
-    """q (B, H, rank + rope), one row per sequence; latent_cache (num_blocks, block_size, 1,
-    rank + rope) -> (B, H, rank). float32 inputs take IEEE dots (no TF32); bf16 dots accumulate in
-    float32 (upcast under the interpreter, whose bf16 dot is wrong)."""
-    b, h, d = q.shape
-    if meta.max_query_len != 1 or b != meta.num_seqs:
-        raise ValueError(f"mla_decode: one query row per sequence expected, got {b} rows for {meta.num_seqs} "
-                         f"sequences (max_query_len {meta.max_query_len})")
+def mla_attention(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, rank: int) -> torch.Tensor:
+    """q (T, H, rank + rope), the rows of meta's sequences (prompt and decode rows alike);
+    latent_cache (num_blocks, block_size, 1, rank + rope) -> (T, H, rank), causal per sequence.
+    float32 inputs take IEEE dots (no TF32); bf16 dots accumulate in float32 (upcast under the
+    interpreter, whose bf16 dot is wrong)."""
+    t, h, d = q.shape
+    if t != sum(meta.query_lens_cpu):
+        raise ValueError(f"mla_attention: q has {t} rows, the metadata {sum(meta.query_lens_cpu)}")
     if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != d:
         raise ValueError(f"latent_cache: expected (num_blocks, block_size, 1, {d}), got {tuple(latent_cache.shape)}")
+    # per query row: its sequence and its context length (the keys it may see)
+    row_seq = [b for b, ql in enumerate(meta.query_lens_cpu) for _ in range(ql)]
+    row_ctx = [sl - ql + j + 1 for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu) for j in range(ql)]
+    row_seq = torch.tensor(row_seq, dtype=torch.int32, device=q.device)
+    row_ctx = torch.tensor(row_ctx, dtype=torch.int32, device=q.device)
     q = q.contiguous()
     cache = latent_cache.contiguous()
-    out = torch.empty(b, h, rank, dtype=q.dtype, device=q.device)
+    out = torch.empty(t, h, rank, dtype=q.dtype, device=q.device)
     rope = d - rank
     block_h = 16
-    grid = (b, triton.cdiv(h, block_h))
+    grid = (t, triton.cdiv(h, block_h))
     bt = meta.block_tables.contiguous()
-    _mla_decode_kernel[grid](q, cache, bt, meta.seq_lens, out, scale * (1.0 / math.log(2.0)),
-                             q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
-                             out.stride(0), out.stride(1), h, RANK=rank, ROPE=rope,
-                             BLOCK_R=max(16, triton.next_power_of_2(rank)),
-                             BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=16,
-                             PAGE=cache.shape[1], IEEE=q.dtype == torch.float32 or dot_upcast(q.dtype))
+    _mla_kernel[grid](q, cache, bt, row_seq, row_ctx, out, scale * (1.0 / math.log(2.0)),
+                      q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), bt.stride(0),
+                      out.stride(0), out.stride(1), h, RANK=rank, ROPE=rope,
+                      BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                      BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h, BLOCK_N=16,
+                      PAGE=cache.shape[1], IEEE=q.dtype == torch.float32 or dot_upcast(q.dtype))
     return out

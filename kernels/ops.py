@@ -22,7 +22,6 @@ from typing import Optional
 from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
-from .mla_ref import mla_attention_ref
 from . import cpu_linear as _cpu_linear
 from .moe_cpu import fused_moe_cpu
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
@@ -150,12 +149,10 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
 def mla_attention(q, latent_cache, meta, scale, rank):
     """Multi-head latent attention, absorbed form (contract: mla_ref.mla_attention_ref): q (T, H,
     rank + rope), the latent cache (num_blocks, block_size, 1, rank + rope) -> (T, H, rank). Triton:
-    decode steps take mla_triton.mla_decode, steps with prompt rows the torch reference. CPU: the
-    paged attention of one KV head whose K and V are both the cache row, V's rope tail dropped."""
+    mla_triton.mla_attention (decode and prompt rows in one launch). CPU: the paged attention of
+    one KV head whose K and V are both the cache row, V's rope tail dropped."""
     if use_triton(q):
-        if meta.max_query_len == 1:
-            return _tk("mla_triton").mla_decode(q, latent_cache, meta, scale, rank)
-        return mla_attention_ref(q, latent_cache, meta, scale, rank)
+        return _tk("mla_triton").mla_attention(q, latent_cache, meta, scale, rank)
     return paged_attention_cpu(q, latent_cache, latent_cache, meta, scale)[..., :rank]
 
 

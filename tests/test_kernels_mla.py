@@ -1,7 +1,7 @@
 """The multi-head latent attention ops (kernels/mla_triton.py, ops.mla_attention's CPU path)
 against their torch reference, kernels/mla_ref.py, under Triton's interpreter: random head
-counts (across the kernel's 16-head blocks), latent and rope widths, page sizes, context lengths
-and dtypes. The Triton kernel sees the cache's unused blocks filled with NaN (a read outside a
+counts (across the kernel's 16-head blocks), latent and rope widths, page sizes, context lengths,
+decode and prompt rows, and dtypes. The Triton kernel sees the cache's unused blocks filled with NaN (a read outside a
 sequence's table shows); the CPU path, whose padded gathers rely on the runner's zero-filled
 pool, sees them zeroed."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kernel_env import NUM_CASES, assert_close, new_rng
 from tritium.kernels import ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.mla_ref import mla_attention_ref
-from tritium.kernels.mla_triton import mla_decode
+from tritium.kernels.mla_triton import mla_attention
 
 
 def _case(rng, query_lens_max: int):
@@ -49,10 +49,11 @@ def _case(rng, query_lens_max: int):
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))
-def test_mla_decode_triton_matches_reference(case):
+def test_mla_triton_matches_reference(case):
+    """Decode rows only in even cases, prompt rows (query lengths up to 9) mixed in odd ones."""
     rng, seed = new_rng()
-    q, cache, meta, scale, rank, dtype, desc = _case(rng, 1)
-    out = mla_decode(q, cache, meta, scale, rank)
+    q, cache, meta, scale, rank, dtype, desc = _case(rng, 1 if case % 2 == 0 else 9)
+    out = mla_attention(q, cache, meta, scale, rank)
     assert out.shape == (q.shape[0], q.shape[1], rank)
     assert_close(out, mla_attention_ref(q, cache, meta, scale, rank), dtype, f"seed {seed} {desc}")
 
@@ -69,12 +70,12 @@ def test_mla_attention_cpu_matches_reference(case, monkeypatch):
     assert_close(out, mla_attention_ref(q, cache, meta, scale, rank), dtype, f"seed {seed} {desc}")
 
 
-def test_mla_decode_refuses_prompt_rows():
+def test_mla_triton_refuses_mismatched_rows():
     q = torch.randn(3, 2, 24)
     cache = torch.zeros(2, 4, 1, 24)
-    meta = AttentionMetadata.build([3], [3], [[0]], 4, "cpu")
-    with pytest.raises(ValueError, match="one query row per sequence"):
-        mla_decode(q, cache, meta, 1.0, 16)
+    meta = AttentionMetadata.build([2], [3], [[0]], 4, "cpu")
+    with pytest.raises(ValueError, match="q has 3 rows, the metadata 2"):
+        mla_attention(q, cache, meta, 1.0, 16)
 
 
 def _steps(model, ids, n):
@@ -95,7 +96,7 @@ def _steps(model, ids, n):
 
 def test_deepseek_v3_on_the_triton_side_equals_the_cpu_path(tiny_checkpoint, tiny_engine, monkeypatch):
     """A tiny DeepSeek-V3 (tests/test_models_mla.py) with every op on the Triton side (interpreter),
-    decode attention through mla_triton: the CPU path's greedy tokens and logits within 1e-5."""
+    attention through mla_triton (prefill and decode): the CPU path's greedy tokens and logits within 1e-5."""
     import test_models_mla
     from tritium.backend.loader import load_engine
     from tritium.kernels import mla_triton
@@ -105,9 +106,10 @@ def test_deepseek_v3_on_the_triton_side_equals_the_cpu_path(tiny_checkpoint, tin
     monkeypatch.setenv("TRITIUM_KERNELS", "reference")
     ref, ref_logits = _steps(model, ids, 4)
     calls = []
-    real = mla_triton.mla_decode
-    monkeypatch.setattr(mla_triton, "mla_decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = mla_triton.mla_attention
+    monkeypatch.setattr(mla_triton, "mla_attention", lambda *a: calls.append(a[0].shape) or real(*a))
     monkeypatch.setenv("TRITIUM_KERNELS", "triton")
     got, logits = _steps(model, ids, 4)
     assert got == ref and ((logits - ref_logits).norm() / ref_logits.norm()).item() < 1e-5
-    assert len(calls) == 3 * model.cfg.model.num_layers  # the three decode steps, every layer
+    assert len(calls) == 4 * model.cfg.model.num_layers  # the prefill and three decode steps, every layer
+    assert calls[0][0] == len(ids) and calls[-1][0] == 1
