@@ -198,24 +198,27 @@ class _ShapeWatch(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _per_head_kv(shapes, ctx: int, m) -> list:
-    """Shapes that hold keys or values of `ctx` context tokens per head: a dimension of ctx and a
-    last dimension of a per-head K / V, or of kv_b_proj's expansion of every head."""
+def _per_head_kv(shapes, ctx: int, m, block_size: int = 4) -> list:
+    """Shapes that hold keys or values of `ctx` context tokens per head: a dimension of ctx (or of
+    ctx padded to whole blocks, as the CPU path gathers) and a last dimension of a per-head K / V,
+    or of kv_b_proj's expansion of every head."""
     h = m.num_heads
     per_head = {m.qk_nope_head_dim, m.v_head_dim, m.head_dim, h * (m.qk_nope_head_dim + m.v_head_dim),
                 h * m.qk_nope_head_dim, h * m.v_head_dim, h * m.head_dim}
-    return [s for s in shapes if len(s) >= 2 and ctx in s[:-1] and s[-1] in per_head]
+    lengths = {ctx, -(-ctx // block_size) * block_size}
+    return [s for s in shapes if len(s) >= 2 and lengths & set(s[:-1]) and s[-1] in per_head]
 
 
 def test_decode_never_materializes_per_head_kv(ds_engine):
-    """A decode step at a context of 29 tokens: no intermediate tensor holds per-head keys or
+    """A decode step at a context of 53 tokens: no intermediate tensor holds per-head keys or
     values of the context (watched at the dispatcher, every op), kv_b_proj is never applied to
     the cache, and the attention op receives the latent cache. The watch is checked to catch an
     expanded form (the prefill-style expansion of the same cache rows)."""
     from tritium.kernels import ops
     engine = LLMEngine(ds_engine("deepseek_v3", block_size=4), device="cpu", num_kv_blocks=32)
     model, m = engine.runner.model, engine.runner.cfg.model
-    prompt = list(range(3, 31))  # 28 tokens; the decode step's context is 29
+    # 52 tokens: the decode step's context is 53, 56 padded to blocks of 4 (neither is a model dim)
+    prompt = list(range(3, 55))
     engine.add_request("a", prompt_token_ids=prompt, params=SamplingParams(max_tokens=3, temperature=0.0))
     engine.step()  # prefill
     seen = []
@@ -231,16 +234,16 @@ def test_decode_never_materializes_per_head_kv(ds_engine):
     finally:
         ops.mla_attention = real
     assert seen and all(qs == (1, m.num_heads, m.kv_lora_rank + m.qk_rope_head_dim) and
-                        cs[2:] == (1, m.kv_lora_rank + m.qk_rope_head_dim) and ql == 1 and sl == 29
+                        cs[2:] == (1, m.kv_lora_rank + m.qk_rope_head_dim) and ql == 1 and sl == 53
                         for qs, cs, ql, sl in seen), seen
     assert len(seen) == m.num_layers
-    assert not _per_head_kv(watch.shapes, 29, m), _per_head_kv(watch.shapes, 29, m)[:5]
-    # the watch catches an expansion: kv_b_proj over the 29 cached latents, per head
+    assert not _per_head_kv(watch.shapes, 53, m), _per_head_kv(watch.shapes, 53, m)[:5]
+    # the watch catches an expansion: kv_b_proj over the 53 cached latents, per head
     layer = model.layers[1]
-    rows = engine.runner.kv_caches[1][0].reshape(-1, 48)[:29, :40]
+    rows = engine.runner.kv_caches[1][0].reshape(-1, 48)[:53, :40]
     with _ShapeWatch() as control:
-        torch.nn.functional.linear(rows, layer.kv_b_proj.weight).view(29, m.num_heads, -1)
-    assert _per_head_kv(control.shapes, 29, m)
+        torch.nn.functional.linear(rows, layer.kv_b_proj.weight).view(53, m.num_heads, -1)
+    assert _per_head_kv(control.shapes, 53, m)
 
 
 @pytest.mark.parametrize("mode", ["chunks", "preempt"])
