@@ -67,6 +67,18 @@ def _mla_kernel(q_ptr, cache_ptr, bt_ptr, row_seq_ptr, row_ctx_ptr, out_ptr, sca
              mask=hmask[:, None] & rmask[None, :])
 
 
+def _rows(meta, device):
+    """Per query row: its sequence and its context length (the keys it may see); built once per
+    step and kept on the step's metadata object, which every layer shares."""
+    rows = getattr(meta, "_mla_rows", None)
+    if rows is None or rows[0].device != device:
+        seq = [b for b, ql in enumerate(meta.query_lens_cpu) for _ in range(ql)]
+        ctx = [sl - ql + j + 1 for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu) for j in range(ql)]
+        rows = (torch.tensor(seq, dtype=torch.int32, device=device), torch.tensor(ctx, dtype=torch.int32, device=device))
+        meta._mla_rows = rows
+    return rows
+
+
 def mla_attention(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float, rank: int) -> torch.Tensor:
     """q (T, H, rank + rope), the rows of meta's sequences (prompt and decode rows alike);
     latent_cache (num_blocks, block_size, 1, rank + rope) -> (T, H, rank), causal per sequence.
@@ -77,11 +89,7 @@ def mla_attention(q: torch.Tensor, latent_cache: torch.Tensor, meta, scale: floa
         raise ValueError(f"mla_attention: q has {t} rows, the metadata {sum(meta.query_lens_cpu)}")
     if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != d:
         raise ValueError(f"latent_cache: expected (num_blocks, block_size, 1, {d}), got {tuple(latent_cache.shape)}")
-    # per query row: its sequence and its context length (the keys it may see)
-    row_seq = [b for b, ql in enumerate(meta.query_lens_cpu) for _ in range(ql)]
-    row_ctx = [sl - ql + j + 1 for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu) for j in range(ql)]
-    row_seq = torch.tensor(row_seq, dtype=torch.int32, device=q.device)
-    row_ctx = torch.tensor(row_ctx, dtype=torch.int32, device=q.device)
+    row_seq, row_ctx = _rows(meta, q.device)
     q = q.contiguous()
     cache = latent_cache.contiguous()
     out = torch.empty(t, h, rank, dtype=q.dtype, device=q.device)
