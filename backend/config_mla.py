@@ -40,6 +40,10 @@ def validate_routing(m, err) -> None:
 
 def validate_mla(m, kv_cache, err) -> None:
     """The MLA fields and the cache options MLA allows; raises `err` naming the field."""
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        v = getattr(m, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise err(f"model.{name} must be an integer >= 0 (0: none), got {v!r}")
     if not m.kv_lora_rank:
         return
     for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

@@ -364,7 +364,8 @@ def test_quantized_kv_cache_refused_before_any_work(ds_checkpoint, tmp_path):
 @pytest.mark.parametrize("field,value,needle", [("router_topk", "top2", "model.router_topk 'top2'"),
                                                 ("n_group", 3, "model.n_group 3"),
                                                 ("head_dim", 20, "head_dim 20"),
-                                                ("v_head_dim", 0, "model.v_head_dim")])
+                                                ("v_head_dim", 0, "model.v_head_dim"),
+                                                ("kv_lora_rank", -8, "model.kv_lora_rank must be an integer >= 0")])
 def test_engine_json_mla_fields_checked_at_load(field, value, needle, ds_engine):
     from tritium.backend.config import EngineConfig, EngineFormatError
     d = json.load(open(f"{ds_engine('deepseek_v3')}/engine.json"))
