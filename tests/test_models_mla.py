@@ -272,6 +272,24 @@ def test_prefix_cache_reuses_latent_blocks(ds_engine):
     assert out_b.outputs[0].token_ids == alone(engine, b, 8)
 
 
+def test_ngram_speculation_equals_plain_greedy(ds_engine):
+    """Verifying 3 proposed tokens puts 4 query rows of a decoding sequence through the latent
+    attention at once; the tokens equal plain greedy decoding."""
+    import random
+    from tritium.backend.speculative.config import SpeculativeConfig
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=3, step_overhead_tokens=float("inf"))
+    engine = LLMEngine(ds_engine("deepseek_v3", block_size=4), device="cpu", num_kv_blocks=128, speculative=spec)
+    rng = random.Random(2)
+    reqs = []
+    for _ in range(4):
+        seg = [rng.randrange(3, 1000) for _ in range(rng.randint(2, 5))]
+        reqs.append(((seg * 4)[:20], rng.randint(4, 12)))
+    outs = run_staggered(engine, reqs, [0, 0, 1, 2])
+    for (prompt, max_tokens), out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(engine, prompt, max_tokens)
+    assert engine.stats()["spec_proposed_tokens"] > 0
+
+
 @pytest.mark.usefixtures("tp_timeout")
 def test_tp2_heads_and_experts_split_equals_tp1(ds_engine):
     """TP = 2 (MLA heads split by head: q / q_b_proj rows, kv_b_proj rows, o_proj columns; the
