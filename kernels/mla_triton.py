@@ -5,9 +5,9 @@ One program per (query row, block of BLOCK_H heads): the row's context (its sequ
 up to and including its own position, causal) is read tile by tile from the paged cache once for
 all the heads of the block (MLA's cache row is shared by every head, the way MQA's single KV head
 is), scores = q_latent . c_kv + q_pe . k_pe as two dots, an online softmax (FlashAttention's
-running max and sum), and the weighted sum of c_kv in float32. Decode rows and prompt rows go in
-the same launch; a prompt row re-reads its context (no query tiling: prompts are not this
-kernel's fast case).
+running max and sum), and the weighted sum of c_kv in float32. Decode rows and the rows of short
+chunks go in the same launch; a row re-reads its context (no query tiling: long prompts take
+the expanded form instead, backend/models/mla_prefill.py).
 """
 from __future__ import annotations
 

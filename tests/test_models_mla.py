@@ -104,6 +104,39 @@ def test_fp32_logits_and_greedy_match_hf(family, ds_checkpoint, ds_engine):
         assert got == want, (family, ids)
 
 
+def test_prompt_rows_expand_and_match_hf_and_the_absorbed_form(ds_checkpoint, ds_engine, monkeypatch):
+    """A 90-token prompt (at least expand_min_rows = 60 new rows for these dims) expands its
+    latents (backend/models/mla_prefill.py): logits within 1e-4 of transformers and within 1e-5 of
+    the same model with every row absorbed; then a batch that mixes that prompt with decoding
+    rows splits them (absorbed / expanded) and gives each sequence its tokens alone."""
+    from tritium.backend.models import mla as mla_mod
+    from tritium.backend.models.mla_prefill import expanded_attention
+    _, model, _ = load_engine(ds_engine("deepseek_v3"), "cpu")
+    assert model.layers[0].expand_min_rows == 60  # ceil(40 * (16 + 32) / (2 * 40 - 16 - 32))
+    ids = [(7 * i + 3) % 997 + 2 for i in range(90)]
+    calls = []
+    monkeypatch.setattr(mla_mod, "expanded_attention", lambda *a: calls.append(a[0].shape) or expanded_attention(*a))
+    ours = prompt_logits(model, ids)
+    assert len(calls) == 3 and calls[0][0] == 90
+    with torch.no_grad():
+        ref = hf_model(ds_checkpoint("deepseek_v3"))(torch.tensor([ids])).logits[0]
+    assert rel_err(ours, ref) < 1e-4, rel_err(ours, ref)
+    for layer in model.layers:
+        layer.expand_min_rows = float("inf")
+    assert rel_err(prompt_logits(model, ids), ours) < 1e-5
+    from tritium.backend.models.mla_prefill import row_split
+    mixed = []
+    monkeypatch.setattr(mla_mod, "row_split", lambda *a: (lambda sp: mixed.append(
+        bool(sp.expanded) and sp.absorbed_meta is not None) or sp)(row_split(*a)))
+    engine = LLMEngine(ds_engine("deepseek_v3", block_size=4), device="cpu", num_kv_blocks=96)
+    reqs = [(ids[:12], 10), (ids[20:95], 6), (ids[5:9], 8)]  # the 75-token prompt arrives while the others decode
+    outs = run_staggered(engine, reqs, [0, 2, 0])
+    assert any(mixed)  # one step held both kinds of rows
+    for (prompt, max_tokens), out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == alone(engine, prompt, max_tokens), len(prompt)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 def test_bf16_engine_within_stated_tolerance(ds_checkpoint, ds_engine):
     """A bf16 V3 engine (packed bf16 linears on CPU, bf16 latent cache, float32 router) against
     float32 transformers: 3e-2 per position at 90% of the positions (routing is discontinuous, see

@@ -6,9 +6,11 @@ Language Model", 2024). Per token:
     [c, kr] = kv_a_proj(x);  c = rms(c)                               c (rank), kr (rope): shared by all heads
     k_h     = [W_UK_h c | rope(kr)],  v_h = W_UV_h c                  (kv_b_proj = [W_UK; W_UV] per head)
 The paged cache holds [c | rope(kr)] per token per layer (rank + rope values), never per-head K
-and V. Attention uses the absorbed form for every row, prompt and decode alike:
+and V. Decode rows use the absorbed form:
     score = (W_UK_h^T q_nope) . c + q_pe . rope(kr),   out_h = W_UV_h (sum_j p_j c_j)
-so a step reads the latent rows once for all heads (kernels/mla_ref.py, mla_triton.py).
+so a step reads the latent rows once for all heads (kernels/mla_ref.py, mla_triton.py). The rows
+of a sequence with many new tokens (a prompt) expand its context instead, where that costs fewer
+multiply-adds (mla_prefill.py).
 RoPE rotates the rope parts only; the builder reorders DeepSeek's interleaved pairs to the
 half-split layout of ops.rotary (families/base.py rope_interleaved). The softmax scale (with
 YaRN's mscale correction) is ModelConfig.attention_scale.
@@ -25,6 +27,7 @@ from torch import nn
 from tritium.kernels import ops
 
 from .linear import make_linear
+from .mla_prefill import expand_min_rows, expanded_attention, row_split
 
 NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
@@ -51,6 +54,7 @@ class LatentAttention:
         self.rope_kind, self.window, self.softcap, self.qk_norm = "global", None, None, "none"
         self.k_scale = self.v_scale = self.k_offset = self.v_offset = None
         self.kv_rotation = False
+        self.expand_min_rows = expand_min_rows(self.rank, self.nope, self.v_dim)
         qd = m.num_heads * m.head_dim
         if m.q_lora_rank:
             self.q_a_proj = make_linear(h, m.q_lora_rank, False, dtype, q.get(f"layers.{idx}.q_a_proj"))
@@ -92,9 +96,24 @@ class LatentAttention:
         latent_cache = kv_cache[0]
         q_nope, q_pe, rows = self.latent(x, positions, rope)
         latent_cache.view(-1, self.rank + self.rope_dim).index_copy_(0, meta.slot_mapping, rows)
+        split = row_split(meta, self.expand_min_rows, latent_cache.shape[1])
+        if not split.expanded:
+            out = self.absorbed(q_nope, q_pe, latent_cache, meta)
+        else:  # prompt rows expand their context (mla_prefill.py); the others stay absorbed
+            out = q_nope.new_empty(t, self.num_heads, self.v_dim)
+            if split.absorbed_meta is not None:
+                r = split.absorbed_rows
+                out[r] = self.absorbed(q_nope[r], q_pe[r], latent_cache, split.absorbed_meta)
+            q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+            for start, ql, sl, b in split.expanded:
+                out[start:start + ql] = expanded_attention(q[start:start + ql], latent_cache, self.kv_b_proj.weight,
+                                                           meta, b, ql, sl, self.rank, self.nope, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def absorbed(self, q_nope, q_pe, latent_cache, meta) -> torch.Tensor:
+        """The absorbed form: (T, H, nope), (T, H, rope) -> (T, H, v); no per-head K or V formed."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope])  # (H, T, rank): W_UK absorbed
         q_abs = torch.cat([q_lat.transpose(0, 1), q_pe.to(q_lat.dtype)], dim=-1)  # (T, H, rank + rope)
         out_lat = ops.mla_attention(q_abs, latent_cache, meta, self.scale, self.rank)  # (T, H, rank)
-        out = torch.bmm(out_lat.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # (H, T, v): W_UV
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+        return torch.bmm(out_lat.transpose(0, 1), w[:, self.nope:].transpose(1, 2)).transpose(0, 1)  # W_UV
