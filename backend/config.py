@@ -22,7 +22,8 @@ BUILD_REPORT_FILE = "build_report.json"
 
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
-                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
+                           "gpt_oss")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -121,6 +122,17 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen2-MoE has one)
     shared_expert_gate: bool = False  # shared expert output times sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple = ()  # layers that keep the dense MLP (mlp_only_layers, decoder_sparse_step)
+    # ---- gpt-oss (families/gpt_oss.py) -------------------------------------------------------
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax (layers.{i}.sinks)
+    router_bias: bool = False  # the router linear has a bias
+    # Router order: False = softmax over all experts then top-k; True = top-k of the logits, then
+    # a softmax over those k (gpt-oss).
+    router_topk_then_softmax: bool = False
+    expert_bias: bool = False  # each expert's gate_up and down projections carry biases
+    # Experts' clamped SwiGLU (gpt-oss): gate <= limit, -limit <= up <= limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate); None = the plain `activation`.
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -347,6 +359,8 @@ class EngineConfig:
         bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
         if bad:
             raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+        if m.swiglu_limit is not None and not m.swiglu_limit > 0:
+            raise EngineFormatError(f"model.swiglu_limit {m.swiglu_limit!r} must be > 0 or null")
         quantized = [k for k, lq in self.quantization.layers.items()
                      if ".experts." in k and getattr(lq, "method", "none") != "none"]
         if self.tensor_parallel_size > 1 and quantized:

@@ -241,11 +241,17 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None,
                         plan: Optional[CpuAttentionPlan] = None,
-                        softcap: Optional[float] = None) -> torch.Tensor:
+                        softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """paged_attention_ref's contract on CPU (see the module docstring). (T, Hq, D).
     plan: the step's CpuAttentionPlan (default meta.cpu_plan, else a fresh one for this call).
     softcap: scores -> softcap * tanh(scores / softcap) (Gemma 2): the native route applies it;
-    SDPA has none, so off the native route a soft-capped layer runs attention_ref's loop."""
+    SDPA has none, so off the native route a soft-capped layer runs attention_ref's loop.
+    sinks (Hq,): gpt-oss's per-head sink logits. Neither SDPA nor the native kernel has them, so a
+    layer with sinks always runs attention_ref's loop (float32 scores, the sink joins the softmax)."""
+    if sinks is not None:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap,
+                                   sinks)
     plan = plan or getattr(meta, "cpu_plan", None) or plan_attention(meta)
     out = torch.empty_like(q)
     if native_route(q, k_cache, k_scale, meta):
