@@ -69,7 +69,10 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
         yield f"layers.{i}.o_proj.weight", g(p + "self_attn.o_proj.weight", (h, qd))
         if m.o_proj_bias:
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
-        if m.sparse(i):
+        if m.attention_sinks:  # gpt-oss: sinks, router and experts (convert_gpt_oss.py)
+            from .convert_gpt_oss import gpt_oss_layer_tensors
+            yield from gpt_oss_layer_tensors(m, i, g, get, has)
+        elif m.sparse(i):
             yield from moe_layer_tensors(m, fam, i, g)
         elif fam.fused_gate_up:  # Phi-3 stores [gate; up] rows, the engine's order
             yield f"layers.{i}.gate_up_proj.weight", g(p + "mlp.gate_up_proj.weight", (2 * inter, h))

@@ -38,10 +38,18 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
 MOE_QUANTIZATION = ("none", "int8", "int4-rtn")
 
 
-def check_moe_build(m: ModelConfig, opts, imported) -> None:
-    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag)."""
+def check_moe_build(m: ModelConfig, opts, imported, mxfp4: bool = False) -> None:
+    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag).
+    mxfp4: the source is an MXFP4 gpt-oss checkpoint (experts imported as stored)."""
     if not m.num_experts:
         return
+    if m.attention_sinks and opts.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size}: {m.architecture}'s attention sinks and "
+                         f"expert biases are not split across ranks yet; allowed: --tensor-parallel-size 1")
+    if mxfp4 and (opts.quantization != "none" or opts.kv_cache_dtype != "auto"):
+        raise ValueError(f"--quantization {opts.quantization} / --kv-cache-dtype {opts.kv_cache_dtype}: an MXFP4 "
+                         f"checkpoint's experts are imported as stored (MXFP4); allowed: --quantization none "
+                         f"--kv-cache-dtype auto")
     if opts.tensor_parallel_size > 1 and opts.quantization != "none":
         raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size} with --quantization {opts.quantization}: "
                          f"the quantized experts of mixture-of-experts models ({m.architecture}) are not split across ranks yet; allowed: "
