@@ -71,7 +71,7 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
         if m.attention_sinks:  # gpt-oss: sinks, router and experts (convert_gpt_oss.py)
             from .convert_gpt_oss import gpt_oss_layer_tensors
-            yield from gpt_oss_layer_tensors(m, i, g, get, has)
+            yield from gpt_oss_layer_tensors(m, i, g, lambda n, shape: _expect(n, get(n), shape, source), has)
         elif m.sparse(i):
             yield from moe_layer_tensors(m, fam, i, g)
         elif fam.fused_gate_up:  # Phi-3 stores [gate; up] rows, the engine's order

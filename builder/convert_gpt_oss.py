@@ -18,8 +18,6 @@ import torch
 from tritium.backend.config import IMPORTED_QUANTIZATION, LayerQuant, ModelConfig, QuantConfig
 from tritium.kernels.mxfp4 import MXFP4_BLOCK, MXFP4_LAYOUT, mxfp4_from_hf
 
-from .convert import CheckpointError
-
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     """[g0, u0, g1, u1, ...] along `dim` -> [g0, g1, ...; u0, u1, ...]."""
@@ -29,10 +27,11 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def gpt_oss_layer_tensors(m: ModelConfig, i: int, g: Callable[[str, tuple], torch.Tensor],
-                          get: Callable[[str], torch.Tensor], has: Callable[[str], bool]
+                          raw: Callable[[str, tuple], torch.Tensor], has: Callable[[str], bool]
                           ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Layer i's sinks, router and experts as engine tensors; g(hf_name, shape) reads a float
-    tensor in the engine dtype, get(hf_name) one as stored (the MXFP4 bytes)."""
+    tensor in the engine dtype, raw(hf_name, shape) one as stored (the MXFP4 bytes); both check
+    the shape (convert.py)."""
     h, inter, e_n = m.hidden_size, m.moe_intermediate_size, m.num_experts
     p = f"model.layers.{i}."
     yield f"layers.{i}.sinks", g(p + "self_attn.sinks", (m.num_heads,))
@@ -41,15 +40,12 @@ def gpt_oss_layer_tensors(m: ModelConfig, i: int, g: Callable[[str, tuple], torc
     x = p + "mlp.experts."
     for proj, n, k in (("gate_up", 2 * inter, h), ("down", h, inter)):
         if has(f"{x}{proj}_proj_blocks"):
-            blocks, scales = get(f"{x}{proj}_proj_blocks"), get(f"{x}{proj}_proj_scales")
-            want = (e_n, n, k // MXFP4_BLOCK, MXFP4_BLOCK // 2)
-            if tuple(blocks.shape) != want:
-                raise CheckpointError(f"tensor '{x}{proj}_proj_blocks' has shape {tuple(blocks.shape)} but the "
-                                      f"config implies {want}")
+            blocks = raw(f"{x}{proj}_proj_blocks", (e_n, n, k // MXFP4_BLOCK, MXFP4_BLOCK // 2))
+            scales = raw(f"{x}{proj}_proj_scales", (e_n, n, k // MXFP4_BLOCK))
             try:
                 qweight, sc = mxfp4_from_hf(blocks, scales)
             except ValueError as e:
-                raise CheckpointError(f"tensor '{x}{proj}_proj_blocks': {e}") from None
+                raise ValueError(f"tensor '{x}{proj}_proj_blocks': {e}") from None
             if proj == "gate_up":
                 qweight, sc = _deinterleave(qweight, 1), _deinterleave(sc, 1)
             yield f"layers.{i}.experts.{proj}_qweight", qweight
@@ -63,13 +59,13 @@ def gpt_oss_layer_tensors(m: ModelConfig, i: int, g: Callable[[str, tuple], torc
 
 def mxfp4_source(raw_config: dict, path: str) -> Optional[dict]:
     """The quantization_config of an MXFP4 gpt-oss checkpoint (None for any other source);
-    raises CheckpointError for an MXFP4 config this importer cannot honour."""
+    raises ValueError for an MXFP4 config this importer cannot honour."""
     qc = raw_config.get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "mxfp4":
         return None
     if raw_config.get("model_type") != "gpt_oss":
-        raise CheckpointError(f"{path}: quantization_config.quant_method 'mxfp4' is supported for model_type "
-                              f"'gpt_oss' only, got {raw_config.get('model_type')!r}")
+        raise ValueError(f"{path}: quantization_config.quant_method 'mxfp4' is supported for model_type "
+                         f"'gpt_oss' only, got {raw_config.get('model_type')!r}")
     return qc
 
 
