@@ -28,13 +28,44 @@ PROMPT = "Paged attention stores keys and values in blocks of 16 tokens."
 TRAINING_KEYS = {"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"}
 
 
+def _mxfp4_checkpoint(src: str, dst: str) -> dict:
+    """A copy of the gpt-oss checkpoint `src` with MXFP4 experts (random E2M1 codes and E8M0
+    scales as `*_blocks` / `*_scales`); returns transformers' dequantization of each expert tensor
+    (integrations/mxfp4.py), under its float HF name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(3)
+    tensors, want = {}, {}
+    for k, t in load_file(os.path.join(dst, "model.safetensors")).items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, kk, n = t.shape
+            blocks = torch.randint(0, 256, (e, n, kk // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(120, 130, (e, n, kk // 32), generator=g, dtype=torch.uint8)
+            tensors[k + "_blocks"], tensors[k + "_scales"] = blocks, scales
+            want[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            tensors[k] = t
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return want
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """family -> (HF checkpoint folder, GGUF file written by llama.cpp's converter)."""
+    """family -> (HF checkpoint folder, GGUF file written by llama.cpp's converter); also
+    "gpt_oss-mxfp4" -> (MXFP4 checkpoint, GGUF, the experts dequantized by transformers)."""
     tmp = str(tmp_path_factory.mktemp("gguf-moe"))
     out = {f: (oracle.make_checkpoint(f, os.path.join(tmp, f), tmp), os.path.join(tmp, f"{f}.gguf"))
            for f in FAMILIES}
-    oracle.convert_all(list(out.values()))
+    mx = os.path.join(tmp, "gpt_oss-mxfp4")
+    want = _mxfp4_checkpoint(out["gpt_oss"][0], mx)
+    oracle.convert_all(list(out.values()) + [(mx, mx + ".gguf")])
+    out["gpt_oss-mxfp4"] = (mx, mx + ".gguf", want)
     return out
 
 
@@ -103,36 +134,13 @@ def test_engine_from_gguf_matches_transformers(family, converted, tmp_path):
     assert got == want
 
 
-def test_gpt_oss_mxfp4_gguf_experts_equal_transformers_dequantization(converted, tmp_path):
-    """An MXFP4 gpt-oss checkpoint (random E2M1 codes and E8M0 scales) through the converter,
-    which writes ggml MXFP4 blocks with its own nibble order: the experts this import reads back
-    equal transformers' dequantization of the checkpoint (integrations/mxfp4.py), bit for bit."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
+def test_gpt_oss_mxfp4_gguf_experts_equal_transformers_dequantization(converted):
+    """An MXFP4 gpt-oss checkpoint through the converter, which writes ggml MXFP4 blocks in its
+    own nibble order: the experts this import reads back equal transformers' dequantization of
+    the checkpoint (integrations/mxfp4.py), bit for bit."""
     from tritium.builder.gguf_loader import GGUFCheckpoint
-    src = str(tmp_path / "mx")
-    shutil.copytree(converted["gpt_oss"][0], src)
-    g = torch.Generator().manual_seed(3)
-    tensors, want = {}, {}
-    for k, t in load_file(os.path.join(src, "model.safetensors")).items():
-        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            e, kk, n = t.shape
-            blocks = torch.randint(0, 256, (e, n, kk // 32, 16), generator=g, dtype=torch.uint8)
-            scales = torch.randint(120, 130, (e, n, kk // 32), generator=g, dtype=torch.uint8)
-            tensors[k + "_blocks"], tensors[k + "_scales"] = blocks, scales
-            want[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        else:
-            tensors[k] = t
-    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
-    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
-    out = str(tmp_path / "mx.gguf")
-    oracle.convert_all([(src, out)])
-    ck = GGUFCheckpoint(out)
+    _, path, want = converted["gpt_oss-mxfp4"]
+    ck = GGUFCheckpoint(path)
     assert {t.tensor_type.name for t in ck.reader.tensors if "_exps.weight" in t.name} == {"MXFP4"}
     for k, w in want.items():
         assert torch.equal(ck.get(k), w), k
