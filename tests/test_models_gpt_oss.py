@@ -29,6 +29,8 @@ from tritium.backend.loader import load_engine
 from tritium.builder.build import BuildOptions, build_engine
 from tritium.builder.convert import CheckpointError
 from tritium.builder.hf_loader import model_config_from_hf
+from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
+from tritium.backend.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,6 +176,27 @@ def test_batched_mixed_rows_equal_alone(gpt_oss_ckpt, tmp_path):
         want = generate_simple(engine.runner.model, prompt, max_tokens, eos_token_ids=())[0]
         assert out.outputs[0].token_ids == want, len(prompt)
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.usefixtures("tp_timeout")
+def test_tp2_equals_tp1(gpt_oss_ckpt, tmp_path):
+    """TP = 2 (query heads and their sinks split, experts and their gate_up biases split by
+    intermediate columns, down biases on rank 0, router replicated; gloo) == TP = 1: greedy
+    tokens and logits."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        path = _build(gpt_oss_ckpt, tmp_path / f"e{tp}", tensor_parallel_size=tp)
+        kw = {"threads_per_rank": 1} if tp == 2 else {}
+        with LLMEngine(path, device="cpu", num_kv_blocks=64, **kw) as e:
+            logs = record_logits(e)
+            outs = e.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], params=greedy)
+            runs.append(([o.outputs[0].token_ids for o in outs], logs))
+        if tp == 2:
+            assert not wait_no_workers(path), "a worker outlived close()"
+    (tok1, log1), (tok2, log2) = runs
+    assert tok2 == tok1
+    assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
 
 
 BAD = {"hidden_act": (dict(hidden_act="gelu"), ["hidden_act", "'gelu'"]),
