@@ -124,17 +124,17 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, s
     m_s = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
     # merge: out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)
-    m_all = tl.max(m_s, axis=0)
+    # gpt-oss: the head's sink logit (log2 units) joins the denominator as exp(sink - m_all),
+    # with m_all raised to the sink when it is larger so that no term overflows; without sinks
+    # sink = -inf adds exactly 0
     if HAS_SINKS:
-        # gpt-oss: the head's sink logit (log2 units) joins the denominator as exp(sink - m_all),
-        # with m_all raised to the sink when it is larger so that no term overflows
         sink = tl.load(sinks_ptr + head)
-        m_all = tl.maximum(m_all, sink)
+    else:
+        sink = float("-inf")
+    m_all = tl.maximum(tl.max(m_s, axis=0), sink)
     w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
-    denom = tl.sum(w * l_s, axis=0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m_all)
+    denom = tl.sum(w * l_s, axis=0) + tl.exp2(sink - m_all)
     out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
