@@ -6,7 +6,7 @@ paged-decode and varlen-prefill kernels, the mixed batch, the deterministic ever
 route and the CPU op against that reference, on the random paged batches of
 test_kernels_attention.py (float and quantized caches, sliding windows, with soft-caps too).
 The fused MoE op with expert biases, the clamped SwiGLU and MXFP4 experts: Triton and CPU paths
-against moe_ref over fresh shapes (experts 4-64, top-k 1-8, tokens 1-512), and the reference's
+against moe_ref over 20 fresh shapes (experts 4-64, top-k 1-8, tokens 1-100), and the reference's
 clamped SwiGLU against transformers' GptOssExperts._apply_gate on the interleaved layout.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tritium.kernels.prefill_attention import paged_attention
 from test_kernels_attention import _prefill_lens, make_batch
 from test_kernels_moe import CORNERS
 
-NUM_SINK_CASES = 8
+NUM_SINK_CASES = 6
 
 
 def _sinks(rng, hq):
@@ -85,7 +85,7 @@ def test_mixed_batch_sinks(case):
     """Prefill rows (varlen kernel) and decode rows (split-K kernel) with sinks; every other
     case through the deterministic route (each row a decode row)."""
     rng, seed = new_rng()
-    q, kc, vc, meta, ks, vs, dtype, desc = make_batch(rng, case, _prefill_lens(rng), max_ctx=70)
+    q, kc, vc, meta, ks, vs, dtype, desc = make_batch(rng, case, _prefill_lens(rng), max_ctx=50)
     window = rng.choice([None, rng.randint(1, 30)]) if case % 2 else None
     cap = rng.uniform(0.5, 3.0) if case % 3 == 2 else None
     sinks = _sinks(rng, q.shape[1])
@@ -146,7 +146,8 @@ def _case(case):
         e = rng.choice([4, 8, 16, 32, 64])
         k = rng.randint(1, min(8, e))
         t = rng.choice([1, 2, 5, 16, 33, 100])
-    h, inter = rng.choice([32, 64, 96]), rng.choice([32, 64])
+    t = min(t, 100)  # the 512-token corner is test_kernels_moe's; the interpreter is slow
+    h, inter = rng.choice([32, 64]), rng.choice([32, 64])
     dtype = (torch.float32, torch.bfloat16, torch.float16)[case % 3]
     logits = torch.randn(t, e)
     top, ids = torch.topk(logits, k, -1)  # gpt-oss: top-k of the logits, softmax over those

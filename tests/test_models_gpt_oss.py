@@ -222,6 +222,14 @@ def test_unhonourable_config_is_refused_naming_it(case, gpt_oss_ckpt, tmp_path):
         assert all(n in r.stderr for n in needles), r.stderr
 
 
+def test_engine_json_gpt_oss_fields_checked_at_load(gpt_oss_ckpt, tmp_path):
+    from tritium.backend.config import EngineConfig, EngineFormatError
+    d = json.load(open(os.path.join(_build(gpt_oss_ckpt, tmp_path / "e"), "engine.json")))
+    d["model"]["swiglu_limit"] = -1.0
+    with pytest.raises(EngineFormatError, match=r"model.swiglu_limit -1.0"):
+        EngineConfig.from_dict(d)
+
+
 @pytest.mark.parametrize("flags", [dict(quantization="int8"), dict(tensor_parallel_size=2)])
 def test_build_refuses_what_it_cannot_do_naming_the_flag(flags, gpt_oss_mxfp4, tmp_path):
     with pytest.raises(ValueError) as e:
