@@ -213,8 +213,9 @@ def _detect_import(ckpt, opts: BuildOptions):
 
 
 def _mxfp4_source(ckpt):
-    """config.json's quantization_config when the source is an MXFP4 gpt-oss checkpoint, else None."""
-    raw = getattr(ckpt, "raw_config", None)
+    """config.json's quantization_config when the source is an MXFP4 gpt-oss checkpoint (a
+    safetensors folder, or a GGUF file whose experts are MXFP4: gguf_moe.py), else None."""
+    raw = getattr(ckpt, "raw_config", None) or getattr(ckpt, "hf_config", None)
     if not isinstance(raw, dict):
         return None
     from .convert_gpt_oss import mxfp4_source

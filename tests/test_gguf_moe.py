@@ -6,8 +6,8 @@ MOE_FAMILIES), converted to float32 GGUF by `convert_hf_to_gguf.py` of the llama
 Oracles: the config.json the converter read (every key that changes the model) and the
 ModelConfig built from it; every tensor of the checkpoint's safetensors, exactly; transformers on
 the original checkpoint, float32 logits within 1e-4 and 16 greedy tokens, against the engine built
-from the GGUF. And an MXFP4 gpt-oss checkpoint through the converter: its MXFP4 GGUF experts equal
-transformers' own dequantization of the checkpoint.
+from the GGUF. And an MXFP4 gpt-oss checkpoint through the converter: its MXFP4 experts read back
+bit for bit, kept MXFP4 in the engine, logits against transformers on the dequantized checkpoint.
 Qwen3-MoE is built without `mlp_only_layers`: the converter cannot map a dense layer among sparse
 ones (docs/models.md).
 """
@@ -134,13 +134,40 @@ def test_engine_from_gguf_matches_transformers(family, converted, tmp_path):
     assert got == want
 
 
-def test_gpt_oss_mxfp4_gguf_experts_equal_transformers_dequantization(converted):
+def test_gpt_oss_mxfp4_gguf_kept_as_stored(converted, tmp_path):
     """An MXFP4 gpt-oss checkpoint through the converter, which writes ggml MXFP4 blocks in its
-    own nibble order: the experts this import reads back equal transformers' dequantization of
-    the checkpoint (integrations/mxfp4.py), bit for bit."""
-    from tritium.builder.gguf_loader import GGUFCheckpoint
-    _, path, want = converted["gpt_oss-mxfp4"]
+    own nibble order: every tensor this import serves equals the checkpoint's, the MXFP4 blocks
+    and scales bit for bit; the engine keeps the experts MXFP4, and its logits and greedy tokens
+    equal transformers' on the checkpoint dequantized by transformers' MXFP4 integration."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tritium.backend.loader import load_engine
+    from tritium.builder.build import BuildOptions, build_engine
+    from tritium.builder.gguf_loader import GGUFCheckpoint, hf_state_dict
+    src, path, want = converted["gpt_oss-mxfp4"]
     ck = GGUFCheckpoint(path)
     assert {t.tensor_type.name for t in ck.reader.tensors if "_exps.weight" in t.name} == {"MXFP4"}
-    for k, w in want.items():
-        assert torch.equal(ck.get(k), w), k
+    stored = load_file(os.path.join(src, "model.safetensors"))
+    got = hf_state_dict(ck)
+    assert set(got) == set(stored)
+    for name, w in stored.items():
+        assert torch.equal(got[name], w), name
+    out = str(tmp_path / "engine")
+    build_engine(BuildOptions(source=path, output=out, dtype="float32", max_seq_len=64, progress=False))
+    cfg, model, tok = load_engine(out, "cpu")
+    assert cfg.quantization.layers["layers.0.experts.gate_up"].method == "mxfp4"
+    deq = str(tmp_path / "deq")  # the float checkpoint holding transformers' dequantization
+    shutil.copytree(converted["gpt_oss"][0], deq)
+    save_file({**load_file(os.path.join(deq, "model.safetensors")), **want}, os.path.join(deq, "model.safetensors"),
+              metadata={"format": "pt"})
+    ref_model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    ids = tok.encode(PROMPT).ids
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    assert ((prompt_logits(model, ids) - ref).norm() / ref.norm()).item() < 1e-4
+    want_ids = ref_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+    assert generate_simple(model, ids, 16)[0] == want_ids
