@@ -181,6 +181,28 @@ def test_bf16_within_stated_tolerance(tmp_path):
     assert rel_err(prompt_logits(model, PROMPTS[0]), ref) < 3e-2
 
 
+def test_int8_experts_serve_their_dequantized_weights(gpt_oss_ckpt, tmp_path):
+    """--quantization int8 on a float gpt-oss: the experts are stored int8 (their biases, the
+    sinks and the router stay float), and the logits equal those of the engine whose experts are
+    float and hold the dequantized values (kernels/quant_layouts.py, not the runtime's modules)."""
+    import dataclasses
+
+    from tritium.backend.models.decoder import DecoderLM
+    from test_models_moe import _dequantized
+    path = _build(gpt_oss_ckpt, tmp_path / "e", quantization="int8", eval_tokens=0)
+    cfg, model, _ = load_engine(path, "cpu")
+    tensors = load_file(os.path.join(path, "rank0.safetensors"))
+    assert tensors["layers.1.experts.gate_up_qweight"].dtype == torch.int8
+    assert tensors["layers.1.experts.gate_up_bias"].dtype == torch.float32 and "layers.1.sinks" in tensors
+    deq = _dequantized(cfg, tensors)
+    layers = {k: v for k, v in cfg.quantization.layers.items() if ".experts." not in k}
+    ref_model = DecoderLM(dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, layers=layers)))
+    ref_model.load_engine_weights({**{k: v for k, v in tensors.items() if ".experts." not in k or k.endswith("_bias")},
+                                   **{k: v for k, v in deq.items() if k.endswith("_weight") and ".experts." in k}})
+    got, ref = prompt_logits(model, PROMPTS[0]), prompt_logits(ref_model.eval(), PROMPTS[0])
+    assert rel_err(got, ref) < 1e-5
+
+
 def test_batched_mixed_rows_equal_alone(gpt_oss_ckpt, tmp_path):
     engine = LLMEngine(_build(gpt_oss_ckpt, tmp_path / "e", block_size=4), device="cpu", num_kv_blocks=128,
                        max_num_batched_tokens=7)
