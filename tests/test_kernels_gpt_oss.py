@@ -3,7 +3,7 @@
 Attention sinks (a learned logit per query head in the softmax denominator): paged_attention_ref
 with sinks against transformers' own gpt-oss eager attention (the oracle), then the Triton
 paged-decode and varlen-prefill kernels, the mixed batch, the deterministic every-row-as-decode
-route and the CPU op against that reference, on the random paged batches of
+route and the CPU op (its torch route with the softmax written out) against that reference, on the random paged batches of
 test_kernels_attention.py (float and quantized caches, sliding windows, with soft-caps too).
 The fused MoE op with expert biases, the clamped SwiGLU and MXFP4 experts: Triton and CPU paths
 against moe_ref over 20 fresh shapes (experts 4-64, top-k 1-8, tokens 1-100), and the reference's
@@ -97,17 +97,23 @@ def test_mixed_batch_sinks(case):
                                   f"deterministic={meta.deterministic}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_attention_with_sinks_is_the_reference(dtype):
-    """The CPU op routes a layer with sinks off SDPA and the native kernel (neither has sinks):
-    a bf16 cache (the native kernel's case) gives the reference's result with the sinks."""
+@pytest.mark.parametrize("case", range(NUM_SINK_CASES))
+def test_cpu_attention_with_sinks(case):
+    """The CPU op with sinks (off SDPA and the native kernel, which have none: decode rows in
+    their SDPA groups and prefill rows in tiles with the softmax written out) against the
+    reference, on float / bf16 / fp16 and quantized caches; every other case a bf16 cache, the
+    native kernel's case."""
     rng, seed = new_rng()
-    q, kc, vc, meta, ks, vs, _, desc = make_batch(rng, 0, _prefill_lens(rng), max_ctx=60)
-    q, kc, vc = q.to(dtype), torch.nan_to_num(kc.float()).to(dtype), torch.nan_to_num(vc.float()).to(dtype)
+    q, kc, vc, meta, ks, vs, dtype, desc = make_batch(rng, case, _prefill_lens(rng), max_ctx=60)
+    if ks is None:  # unused slots hold zeros or stale finite values in an engine, not NaN
+        kc, vc = torch.nan_to_num(kc, nan=0.0), torch.nan_to_num(vc, nan=0.0)
+    if case % 2 and ks is None:
+        q, kc, vc, dtype = q.bfloat16(), kc.bfloat16(), vc.bfloat16(), torch.bfloat16
+    window = rng.choice([None, rng.randint(1, 30)])
     sinks = _sinks(rng, q.shape[1])
-    got = paged_attention_cpu(q, kc, vc, meta, q.shape[-1] ** -0.5, 9, sinks=sinks)
-    ref = paged_attention_ref(q, kc, vc, meta, q.shape[-1] ** -0.5, 9, sinks=sinks)
-    assert torch.equal(got, ref), f"seed={seed} {desc}"
+    got = paged_attention_cpu(q, kc, vc, meta, q.shape[-1] ** -0.5, window, ks, vs, sinks=sinks)
+    ref = paged_attention_ref(q, kc, vc, meta, q.shape[-1] ** -0.5, window, ks, vs, sinks=sinks)
+    assert_close(got, ref, dtype, f"seed={seed} {desc} window={window}")
 
 
 def test_sinks_shape_is_checked():
