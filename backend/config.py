@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config_mla import SUPPORTED_ROUTER_TOPK, validate_mla, validate_routing  # noqa: F401
+from .config_moe import SUPPORTED_ROUTER_SCORING, SUPPORTED_ROUTER_TOPK, validate_mla, validate_moe, validate_routing  # noqa: F401
 from .parallel_layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
@@ -24,7 +24,7 @@ BUILD_REPORT_FILE = "build_report.json"
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
                            "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
-                           "deepseek_v2", "deepseek_v3")
+                           "deepseek_v2", "deepseek_v3", "gpt_oss")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -43,7 +43,6 @@ IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 # How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
-SUPPORTED_ROUTER_SCORING = ("softmax", "sigmoid")
 
 
 class EngineFormatError(ValueError):
@@ -130,11 +129,22 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     router_correction_bias: bool = False
-    kv_lora_rank: int = 0  # multi-head latent attention (models/mla.py, config_mla.py); 0 = none
+    kv_lora_rank: int = 0  # multi-head latent attention (models/mla.py, config_moe.py); 0 = none
     q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (DeepSeek-V2-Lite)
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # ---- gpt-oss (families/gpt_oss.py) -------------------------------------------------------
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax (layers.{i}.sinks)
+    router_bias: bool = False  # the router linear has a bias
+    # Router order: False = softmax over all experts then top-k; True = top-k of the logits, then
+    # a softmax over those k (gpt-oss).
+    router_topk_then_softmax: bool = False
+    expert_bias: bool = False  # each expert's gate_up and down projections carry biases
+    # Experts' clamped SwiGLU (gpt-oss): gate <= limit, -limit <= up <= limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate); None = the plain `activation`.
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -326,7 +336,7 @@ class EngineConfig:
         bad = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
         if bad:
             raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
-        self._validate_moe()
+        validate_moe(self, EngineFormatError)
         validate_mla(m, self.kv_cache, EngineFormatError)
         if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
             raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")
@@ -342,28 +352,6 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len", "block_size"):
             if getattr(lim, name) <= 0:
                 raise EngineFormatError(f"limits.{name} must be > 0")
-
-    def _validate_moe(self) -> None:
-        m = self.model
-        if m.num_experts == 0:
-            return
-        if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
-            raise EngineFormatError(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
-                                    f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
-        validate_routing(m, EngineFormatError)
-        if not 0 < m.num_experts_per_tok <= m.num_experts:
-            raise EngineFormatError(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
-                                    f"[1, num_experts {m.num_experts}]")
-        if m.moe_intermediate_size <= 0:
-            raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
-        bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
-        if bad:
-            raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
-        quantized = [k for k, lq in self.quantization.layers.items()
-                     if ".experts." in k and getattr(lq, "method", "none") != "none"]
-        if self.tensor_parallel_size > 1 and quantized:
-            raise EngineFormatError(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
-                                    f"supported; allowed: float experts, or tensor_parallel_size 1")
 
     # ---- files -------------------------------------------------------------------------
     def save(self, engine_dir: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from tritium.kernels import ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
-from .config_mla import kv_cache_token_values
+from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .sampler import Sampler

@@ -115,9 +115,11 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         from .quant.quant_pipeline import validate_quant_args
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
-    imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
+    # gpt-oss's MXFP4 experts are imported as stored by the family's converter (convert_gpt_oss.py)
+    mxfp4 = _mxfp4_source(ckpt)
+    imported = None if mxfp4 is not None else _detect_import(ckpt, opts)  # a pre-quantized source, or None
     m = ckpt.model_config
-    check_moe_build(m, opts, imported)
+    check_moe_build(m, opts, imported, mxfp4 is not None)
     check_mla_build(m, opts)
     if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
         plan_layout(m, opts.tensor_parallel_size)
@@ -152,7 +154,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         tensors, qcfg, kvcfg, quant_report = quantize(cfg, tensors, opts)
         cfg = dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg)
     elif imported is None:
-        cfg = dataclasses.replace(cfg, quantization=QuantConfig())
+        from .convert_gpt_oss import mxfp4_quant_config
+        cfg = dataclasses.replace(cfg, quantization=QuantConfig() if mxfp4 is None else mxfp4_quant_config(m, mxfp4))
     source_hash = sha256_files(ckpt.source_files(), opts.progress)
     cfg = dataclasses.replace(cfg, build={**cfg.build, "source_sha256": source_hash})
     shards = [tensors]
@@ -210,6 +213,16 @@ def _detect_import(ckpt, opts: BuildOptions):
     if spec is not None:
         check_import_options(opts, spec, opts.source)
     return spec
+
+
+def _mxfp4_source(ckpt):
+    """config.json's quantization_config when the source is an MXFP4 gpt-oss checkpoint (a
+    safetensors folder, or a GGUF file whose experts are MXFP4: gguf_moe.py), else None."""
+    raw = getattr(ckpt, "raw_config", None) or getattr(ckpt, "hf_config", None)
+    if not isinstance(raw, dict):
+        return None
+    from .convert_gpt_oss import mxfp4_source
+    return mxfp4_source(raw, os.path.join(getattr(ckpt, "path", ""), "config.json"))
 
 
 def _write_tokenizer(ckpt, engine_dir: str):

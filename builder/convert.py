@@ -73,7 +73,10 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
             yield f"layers.{i}.o_proj.weight", g(p + "self_attn.o_proj.weight", (h, qd))
         if m.o_proj_bias:
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
-        if m.sparse(i):
+        if m.attention_sinks:  # gpt-oss: sinks, router and experts (convert_gpt_oss.py)
+            from .convert_gpt_oss import gpt_oss_layer_tensors
+            yield from gpt_oss_layer_tensors(m, i, g, lambda n, shape: _expect(n, get(n), shape, source), has)
+        elif m.sparse(i):
             for name, t in moe_layer_tensors(m, fam, i, g):
                 if name.endswith(".router.weight") and fam.float32_router:  # as stored, then float32
                     t = _expect(p + f"{fam.moe_block}.gate.weight", get(p + f"{fam.moe_block}.gate.weight"),

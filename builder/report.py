@@ -36,7 +36,7 @@ def kv_cache_report(cfg) -> dict:
     """The paged KV cache's size per token (build_report.json's kv_cache): per layer and over all
     layers, in the cache dtype; under tensor parallelism per rank too (a rank caches its own KV
     heads; multi-head latent attention's latent is replicated on every rank)."""
-    from tritium.backend.config_mla import kv_cache_token_values
+    from tritium.backend.config_moe import kv_cache_token_values
     from tritium.backend.model_runner import kv_bytes_per_token, kv_cache_dtype
     from tritium.backend.parallel_layout import local_config
     m = cfg.model

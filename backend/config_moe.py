@@ -1,4 +1,5 @@
-"""Checks of the ModelConfig fields of DeepSeek's routing and multi-head latent attention (MLA).
+"""Checks of the ModelConfig fields of mixture-of-experts models (validate_moe), DeepSeek's routing
+and multi-head latent attention (MLA).
 
 Under MLA (DeepSeek-V2 paper, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts
 Language Model", 2024) the engine's head_dim is the query/key head size qk_nope_head_dim +
@@ -8,6 +9,8 @@ values per token per layer (ModelConfig.kv_cache_token_values).
 """
 from __future__ import annotations
 
+# How an MoE router scores experts (softmax; DeepSeek-V3's sigmoid) and chooses its top-k
+SUPPORTED_ROUTER_SCORING = ("softmax", "sigmoid")
 # How an MoE router chooses its top-k experts (backend/models/moe_routing.py).
 SUPPORTED_ROUTER_TOPK = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -57,3 +60,29 @@ def validate_mla(m, kv_cache, err) -> None:
     if kv_cache.dtype != "auto" or kv_cache.rotation != "none":
         raise err(f"kv_cache.dtype {kv_cache.dtype!r} / rotation {kv_cache.rotation!r}: the latent cache of "
                   f"multi-head latent attention is stored in the engine dtype; allowed: dtype 'auto', rotation 'none'")
+
+
+def validate_moe(cfg, err) -> None:
+    """The mixture-of-experts fields of an EngineConfig; raises `err` naming the field."""
+    m = cfg.model
+    if m.num_experts == 0:
+        return
+    if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
+        raise err(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
+              f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
+    validate_routing(m, err)
+    if not 0 < m.num_experts_per_tok <= m.num_experts:
+        raise err(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
+              f"[1, num_experts {m.num_experts}]")
+    if m.moe_intermediate_size <= 0:
+        raise err(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
+    bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
+    if bad:
+        raise err(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
+    if m.swiglu_limit is not None and not m.swiglu_limit > 0:
+        raise err(f"model.swiglu_limit {m.swiglu_limit!r} must be > 0 or null")
+    quantized = [k for k, lq in cfg.quantization.layers.items()
+                 if ".experts." in k and getattr(lq, "method", "none") != "none"]
+    if cfg.tensor_parallel_size > 1 and quantized:
+        raise err(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
+              f"supported; allowed: float experts, or tensor_parallel_size 1")
