@@ -146,8 +146,12 @@ class StaticDecode:
                     self._forward(b, meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(b, meta)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(b, meta)
+            except Exception as e:
+                raise RuntimeError(f"cuda_graphs: capturing the decode step of batch {b} failed "
+                                   f"({type(e).__name__}: {e}); load with cuda_graphs false") from e
             pool = graph.pool()
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.device)

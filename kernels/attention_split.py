@@ -57,7 +57,11 @@ def attention_split(meta) -> AttentionSplit:
         decode_lens=lens, decode_max_len=max((slens[b] for b in decode), default=0),
         prefill_ids=_index(prefill, torch.int32, dev) if prefill else None,
         prefill_max_query_len=max((qlens[b] for b in prefill), default=0))
-    if getattr(meta, "deterministic", False):
+    if getattr(meta, "deterministic", False) and all_decode:
+        # One row per sequence: its own table and length (no copy, so a captured CUDA graph
+        # reads the step's tables, not those of the capture).
+        split.row_tables, split.row_lens, split.row_max_len = meta.block_tables, meta.seq_lens, split.decode_max_len
+    elif getattr(meta, "deterministic", False):
         seq_of_row, row_lens = [], []
         for b, (n, s) in enumerate(zip(qlens, slens)):
             seq_of_row.extend([b] * n)
