@@ -76,7 +76,7 @@ def apply_bans_device(x: torch.Tensor, seqs: Seq) -> None:
     if toks:
         idx = torch.stack([torch.cat(rows), torch.cat(toks)])
         idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx
-        x.index_put_((idx[0], idx[1]), torch.tensor(NEG_INF, dtype=x.dtype, device=dev))
+        x.index_put_((idx[0], idx[1]), torch.full((), NEG_INF, dtype=x.dtype, device=dev))
     if b_rows:
         bi = _to(dev, [b_rows, b_toks], torch.int64)
         x.index_put_((bi[0], bi[1]), _to(dev, b_vals, torch.float32).to(x.dtype), accumulate=True)
