@@ -102,6 +102,7 @@ def main(argv=None) -> int:
         for _ in range(a.rounds):
             for name, options, path in modes:
                 r = run_mode(a.engine, a.threads, options, a.max_tokens, a.repeats, path)
+                print(f"# {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
                 best = results.setdefault(name, r)
                 for k, v in r.items():
                     best[k] = max(best[k], v)
