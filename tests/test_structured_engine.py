@@ -115,8 +115,8 @@ def test_device_sampler_under_a_grammar_gives_the_host_tokens(engine_dir, oracle
     """The bitmask applied before the device sampler (backend/sampler_device.py, static decode
     buffers too): the host sampler's tokens, greedy and seeded, each obeying its guide."""
     from tritium.backend.device_step import DeviceStepOptions
-    cs = cases(6, 10)
-    params = [SamplingParams(max_tokens=48, temperature=[0.0, 0.8][i % 2], seed=i, guided=g)
+    cs = cases(6, 6)
+    params = [SamplingParams(max_tokens=40, temperature=[0.0, 0.8][i % 2], seed=i, guided=g)
               for i, (g, _) in enumerate(cs)]
     prompts = [f"device {i}" for i in range(len(cs))]
     host = LLMEngine(engine_dir).generate(prompts, params)
