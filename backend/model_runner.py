@@ -19,7 +19,10 @@ from .config import EngineConfig
 from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
+from .decode_graphs import StaticDecode
+from .device_step import DeviceStepOptions, StepBuffers, build_metadata
 from .sampler import Sampler
+from .sampler_device import DeviceSampler
 from .scheduler import SchedulerOutput
 from .step_arrays import StepArrays
 
@@ -84,12 +87,27 @@ def _pack_deterministic(model) -> None:
         model.packed_head = pack_for_cpu(head, deterministic=True)
 
 
+def _graphable(model) -> bool:
+    """Static decode buffers need a model whose step has no host-side routing: not a
+    mixture-of-experts model (per-expert token counts) and not a tensor-parallel rank."""
+    return getattr(model, "tp", None) is None and not any(getattr(layer, "sparse", False)
+                                                          for layer in getattr(model, "layers", ()))
+
+
 class ModelRunner:
-    """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step."""
+    """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step.
+
+    step_options (device_step.DeviceStepOptions): sampling on the device (run() then returns
+    logits on the device for sample()), staged inputs, static decode buffers / CUDA graphs
+    (docs/serving.md#the-device-step). None: staged inputs on CUDA only, host sampling, no graphs
+    (what the draft engine and tensor-parallel ranks use)."""
 
     def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, step_options: Optional[DeviceStepOptions] = None):
         # cfg: this rank's config (parallel_layout.local_config); vocab_size: the full model's.
+        if step_options is None:
+            step_options = DeviceStepOptions(device_sampling=False, cuda_graphs=False)
+        opts = self.step_options = step_options.resolve(device)
         self.cfg = cfg
         self.vocab_size = vocab_size or cfg.model.vocab_size
         self.model = model
@@ -107,10 +125,19 @@ class ModelRunner:
             if cfg.deterministic:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
+        static = opts.cuda_graphs and _graphable(model)
+        # Static decode: one scratch block past the block manager's, where padding rows write.
+        self.scratch_block: Optional[int] = num_blocks if static else None
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
-            alloc_kv_layer(cfg, num_blocks, dtype, device) for _ in range(m.num_layers)]
-        self.sampler = Sampler()
+            alloc_kv_layer(cfg, num_blocks + int(static), dtype, device) for _ in range(m.num_layers)]
+        self.sampler = DeviceSampler() if opts.device_sampling else Sampler()
         self.lora = None  # LoRAManager when the engine serves adapters (backend/lora)
+        self.buffers = StepBuffers(device) if opts.staged else None
+        self.static_decode: Optional[StaticDecode] = None
+        if static:
+            self.static_decode = StaticDecode(self, opts.max_graph_batch or cfg.limits.max_batch_size,
+                                              use_graphs=device.type == "cuda")
+            self.static_decode.capture()  # CUDA: warm-up + one graph per bucket, at load
 
     # ------------------------------------------------------------------ batch
     def _copy_blocks(self, copies) -> None:
@@ -159,7 +186,13 @@ class ModelRunner:
         return self.inputs(self.prepare_arrays(sched))
 
     def inputs(self, a: StepArrays):
-        """Device tensors and AttentionMetadata from a step's host arrays."""
+        """Device tensors and AttentionMetadata from a step's host arrays; the rows that need
+        logits as a device tensor (staged) or a host list."""
+        if self.buffers is not None:
+            ids, pos, slots, qsl, lens, tables, rows = self.buffers.upload(a)
+            meta = build_metadata(a, slots, qsl, lens, tables, self.cfg.deterministic)
+            meta.cpu_plan = ops.attention_plan(meta)  # CPU: attention state; Triton: meta.split
+            return ids, pos, meta, rows
         dev = self.device
         query_lens = np.diff(a.query_start_loc).tolist()
         seq_lens = a.seq_lens.tolist()
@@ -197,14 +230,27 @@ class ModelRunner:
         """The forward pass over prepared arrays (every tensor-parallel rank runs this; ranks other
         than 0 get None back)."""
         self._copy_blocks(arrays.block_copies)
+        if self.static_decode is not None:
+            bucket = self.static_decode.bucket_for(arrays, self.lora is not None)
+            if bucket is not None:
+                return self._logits_out(self.static_decode.run(arrays, bucket))
         input_ids, positions, meta, logit_rows = self.inputs(arrays)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not logit_rows:
-            return torch.empty(0, self.vocab_size)
+        if len(logit_rows) == 0:
+            return torch.empty(0, self.vocab_size, device=self.device if self.step_options.device_sampling else "cpu")
         # Only the last token of a finished prompt or a decode needs the LM head.
-        rows = torch.tensor(logit_rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])
-        return None if logits is None else logits.float().cpu()
+        if isinstance(logit_rows, torch.Tensor):
+            rows = hidden if logit_rows.shape[0] == hidden.shape[0] and arrays.logit_rows[-1] == len(logit_rows) - 1 \
+                else hidden.index_select(0, logit_rows)
+        else:
+            rows = hidden[torch.tensor(logit_rows, device=hidden.device)]
+        return self._logits_out(self.model.compute_logits(rows))
+
+    def _logits_out(self, logits: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """float32 logits: on the device for the device sampler, else on the host."""
+        if logits is None:
+            return None
+        return logits.float() if self.step_options.device_sampling else logits.float().cpu()
 
     def sample(self, logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[dict]]]:
         with torch.inference_mode():

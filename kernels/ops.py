@@ -24,6 +24,7 @@ from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from . import cpu_linear as _cpu_linear
 from .moe_cpu import fused_moe_cpu
+from .attention_split import attention_split
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
 from .rms_norm import rms_norm_cpu
 from .rotary import rotary_cpu, rotary_ref, rotary_tables
@@ -128,8 +129,10 @@ def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
 
 def attention_plan(meta) -> Optional[CpuAttentionPlan]:
     """The per-step state of CPU attention (attention_cpu.CpuAttentionPlan), built once per step
-    and kept in AttentionMetadata.cpu_plan; None where the Triton kernels run."""
+    and kept in AttentionMetadata.cpu_plan; None where the Triton kernels run (their per-step
+    index tensors, attention_split.AttentionSplit, go to meta.split instead)."""
     if use_triton(meta.block_tables):
+        meta.split = attention_split(meta)
         return None
     return plan_attention(meta)
 

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_split import attention_split
 from .paged_decode import (LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode, sinks_log2,
                            softcap)
 from .triton_common import check_shape, dot_upcast, mm, next_pow2
@@ -148,57 +149,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Mixed prefill/decode batch (AttentionMetadata) -> (T, Hq, D), like paged_attention_ref.
 
     Sequences with query_len == 1 go to the split-K decode kernel, the others to the varlen
-    prefill kernel; the split uses the host copies of the lengths, so it never syncs the device.
+    prefill kernel. The split's index tensors (meta.split, attention_split.py) are built once
+    per step from the host copies of the lengths, so the layers never copy to the device or sync.
     With meta.deterministic every query token is a row of the decode kernel over its own keys, so
     a row gets the same bits in a prefill, a chunk, a verification or a decode (docs/determinism.md).
     """
+    split = getattr(meta, "split", None)
+    if split is None:  # a caller that did not build the step's split: once, kept on meta
+        split = attention_split(meta)
+        try:
+            meta.split = split
+        except AttributeError:
+            pass
     out = torch.empty_like(q)
-    qlens = meta.query_lens_cpu
     if getattr(meta, "deterministic", False):
-        return _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out,
-                                   softcap, sinks)
-    decode = [b for b, n in enumerate(qlens) if n == 1]
-    prefill = [b for b, n in enumerate(qlens) if n > 1]
-    if decode:
-        dev = q.device
-        if len(decode) == len(qlens):
-            rows = meta.query_start_loc[:-1]
-            tables, lens = meta.block_tables, meta.seq_lens
-            max_len = meta.max_seq_len
+        if split.row_lens is None:
+            return out
+        return paged_decode(q, k_cache, v_cache, split.row_tables, split.row_lens, scale, sliding_window,
+                            k_scale, v_scale, max_seq_len=split.row_max_len, out=out, softcap=softcap, sinks=sinks)
+    if split.num_decode:
+        if split.num_decode == q.shape[0]:
+            paged_decode(q, k_cache, v_cache, split.decode_tables, split.decode_lens, scale, sliding_window,
+                         k_scale, v_scale, max_seq_len=split.decode_max_len, out=out, softcap=softcap,
+                         sinks=sinks)
         else:
-            idx = torch.tensor(decode, dtype=torch.int64, device=dev)
-            rows = meta.query_start_loc[:-1].index_select(0, idx)
-            tables, lens = meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
-            max_len = max(meta.seq_lens_cpu[b] for b in decode)
-        if len(decode) == q.shape[0]:
-            paged_decode(q, k_cache, v_cache, tables, lens, scale, sliding_window, k_scale, v_scale,
-                         max_seq_len=max_len, out=out, softcap=softcap, sinks=sinks)
-        else:
-            rows = rows.long()
-            dec_out = paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale,
-                                   sliding_window, k_scale, v_scale, max_seq_len=max_len, softcap=softcap,
+            rows = split.decode_rows
+            dec_out = paged_decode(q.index_select(0, rows), k_cache, v_cache, split.decode_tables,
+                                   split.decode_lens, scale, sliding_window, k_scale, v_scale,
+                                   max_seq_len=split.decode_max_len, softcap=softcap,
                                    sinks=sinks)
             out.index_copy_(0, rows, dec_out)
-    if prefill:
-        seq_ids = torch.tensor(prefill, dtype=torch.int32, device=q.device)
+    if split.prefill_ids is not None:
         prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                          max(qlens[b] for b in prefill), scale, sliding_window, k_scale, v_scale,
-                          seq_ids=seq_ids, out=out, softcap=softcap, sinks=sinks)
+                          split.prefill_max_query_len, scale, sliding_window, k_scale, v_scale,
+                          seq_ids=split.prefill_ids, out=out, softcap=softcap, sinks=sinks)
     return out
-
-
-def _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out, softcap=None,
-                        sinks=None):
-    """Query token j of a sequence with query_len n and context s: a decode row over keys
-    [0, s - n + 1 + j) of that sequence's block table."""
-    seq_of_row, lens = [], []
-    for b, (n, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        seq_of_row.extend([b] * n)
-        lens.extend(range(s - n + 1, s + 1))
-    if not lens:
-        return out
-    dev = q.device
-    tables = meta.block_tables.index_select(0, torch.tensor(seq_of_row, dtype=torch.int64, device=dev))
-    return paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev), scale,
-                        sliding_window, k_scale, v_scale, max_seq_len=max(lens), out=out, softcap=softcap,
-                        sinks=sinks)

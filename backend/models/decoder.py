@@ -176,7 +176,12 @@ class DecoderLM(nn.Module):
     def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
         """Times ModelConfig.embedding_multiplier, rounded to the dtype first (as Gemma does)."""
         mult = self.cfg.model.embedding_multiplier
-        return rows if mult == 1.0 else rows * torch.tensor(mult, dtype=rows.dtype, device=rows.device)
+        if mult == 1.0:
+            return rows
+        # The multiplier rounded to the dtype on the host (no device copy in the step, so a CUDA
+        # graph can capture it); the product of two dtype values is exact in float32 before it
+        # is rounded once, as a tensor-by-tensor product would be.
+        return rows * float(torch.tensor(mult, dtype=rows.dtype))
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
