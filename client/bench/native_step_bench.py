@@ -9,8 +9,10 @@ order next round), each generating --tokens greedy tokens (EOS ignored) for --ba
 once after a short prompt; only the steps after the first are timed. Prints the best decode
 tokens/s and tokens per CPU-second of each path and the ratio native / per-op. bf16 engines:
 --deterministic packs every dense linear for the native GEMM (the native step needs it; see
-docs/kernels.md). The memory-bandwidth limit is printed where --bandwidth-gbs is given: engine
-bytes streamed per token / bandwidth.
+docs/kernels.md), and a third column then gives the same engine as it runs by default (oneDNN
+for the dense GEMMs with K <= 1024, per-op), interleaved too. The memory-bandwidth limit is
+engine bytes / bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step
+streams every weight once.
 """
 from __future__ import annotations
 
@@ -41,14 +43,23 @@ def _decode_rate(eng: LLMEngine, tokens: int, batch: int):
     return steps * batch / wall, steps * batch / cpu
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the layers' weights plus the LM head (what one decode step streams)."""
-    seen, n = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            n += t.numel() * t.element_size()
-    return n
+def engine_bytes(path: str) -> int:
+    """Bytes of the engine's weight files: what one decode step streams from memory (every
+    layer's weights and the LM head; the embedding rows looked up are few)."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def read_bandwidth_gbs(mib: int = 512) -> float:
+    """This host's memory read bandwidth with torch's threads: a float32 sum over `mib` MiB, best of 5."""
+    x = torch.ones(mib * (1 << 20) // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0, c0 = time.perf_counter(), time.process_time()
+        x.sum()
+        # CPU seconds per thread, where that is less than the wall clock: the time another
+        # process held this one's core does not count on a shared host
+        best = min(best, time.perf_counter() - t0, (time.process_time() - c0) / torch.get_num_threads())
+    return x.numel() * 4 / best / 1e9
 
 
 def main(argv=None) -> int:
@@ -59,7 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--deterministic", action="store_true", help="bf16 engines: every dense linear on the native GEMM")
-    p.add_argument("--bandwidth-gbs", type=float, default=None, help="host memory bandwidth, for the limit column")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="host memory bandwidth for the limit column (default: measured, a float32 sum)")
     args = p.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
@@ -69,35 +81,44 @@ def main(argv=None) -> int:
         p.error(f"--batch must be a comma list of integers >= 1, got {args.batch!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, {args.tokens} tokens x {args.rounds} rounds (best)")
+    bw = args.bandwidth_gbs or read_bandwidth_gbs()
+    print(f"torch threads {torch.get_num_threads()}, {args.tokens} tokens x {args.rounds} rounds (best); "
+          f"memory read bandwidth {bw:.1f} GB/s{' (given)' if args.bandwidth_gbs else ' (measured)'}")
     print(f"{'engine':28s} {'batch':>5s} {'per-op tok/s':>12s} {'native tok/s':>12s} {'ratio':>6s} "
-          f"{'per-op tok/CPU-s':>16s} {'native tok/CPU-s':>16s} {'ratio':>6s}  limit")
+          f"{'per-op tok/CPU-s':>16s} {'native tok/CPU-s':>16s} {'ratio':>6s}  default-engine tok/s, tok/CPU-s; limit")
     old = os.environ.get(ENV)
     try:
         for path in args.engines:
             eng = LLMEngine(path, enable_prefix_caching=False, deterministic=args.deterministic or None)
             model = eng.runner.model
-            why = model.__dict__.get("native_step_refusal")
             _decode_rate(eng, 4, 1)  # warm-up, and NativeStep.get decides
             why = model.__dict__.get("native_step_refusal")
             if why is not None:
                 print(f"{path}: the native step does not take this engine: {why}")
                 continue
-            limit = ""
-            if args.bandwidth_gbs:
-                limit = f"{args.bandwidth_gbs * 1e9 / weight_bytes(model):.0f} tok/s"
+            dflt = None
+            if args.deterministic and model.cfg.dtype == "bfloat16":
+                dflt = LLMEngine(path, enable_prefix_caching=False, deterministic=False)
+                _decode_rate(dflt, 4, 1)
+            nbytes = engine_bytes(path)
+            limit = f"limit {bw * 1e9 / nbytes:.0f} tok/s ({nbytes / 1e6:.0f} MB)"
             for batch in batches:
-                best = {"0": (0.0, 0.0), "1": (0.0, 0.0)}
+                best = {"0": (0.0, 0.0), "1": (0.0, 0.0), "d": (0.0, 0.0)}
                 for r in range(args.rounds):
-                    for mode in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                        os.environ[ENV] = mode
-                        w, c = _decode_rate(eng, args.tokens, batch)
+                    for mode in (("0", "1", "d") if r % 2 == 0 else ("d", "1", "0")):
+                        if mode == "d" and dflt is None:
+                            continue
+                        os.environ[ENV] = "1" if mode == "d" else mode
+                        w, c = _decode_rate(dflt if mode == "d" else eng, args.tokens, batch)
                         best[mode] = (max(best[mode][0], w), max(best[mode][1], c))
                 (w0, c0), (w1, c1) = best["0"], best["1"]
                 name = os.path.basename(os.path.normpath(path))[:28]
                 print(f"{name:28s} {batch:5d} {w0:12.1f} {w1:12.1f} {w1 / w0:6.2f} {c0:16.1f} {c1:16.1f} "
-                      f"{c1 / c0:6.2f}  {limit}", flush=True)
+                      f"{c1 / c0:6.2f}  " + (f"{best['d'][0]:.1f}, {best['d'][1]:.1f}; " if dflt else "") + limit,
+                      flush=True)
             eng.close()
+            if dflt is not None:
+                dflt.close()
     finally:
         if old is None:
             os.environ.pop(ENV, None)
