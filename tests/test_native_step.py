@@ -219,3 +219,32 @@ def test_steps_the_native_call_does_not_take(engine_dir, native_bf16, monkeypatc
         batch = object()
     step.lora_managers = {Manager()}
     assert not step.takes(small, kv, meta, rope)
+
+
+def test_lora_engine_native_only_without_adapter(engine_dir, tiny_checkpoint, tmp_path, native_bf16, monkeypatch):
+    """An engine that serves LoRA adapters takes the native call in steps where no request uses
+    an adapter, and the per-op path (which adds the deltas) where one does: tokens with and
+    without the adapter equal TRITIUM_NATIVE_STEP=0's."""
+    from transformers import AutoModelForCausalLM
+    from tritium.backend.lora.manager import LoRAConfig
+    from tritium.backend.sampling_params import SamplingParams
+    from lora_utils import make_peft_adapter
+    family, over = SHAPES["llama-gqa"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family, **over), dtype=torch.float32)
+    make_peft_adapter(base, str(tmp_path / "a"), r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    tokens = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(native_step.ENV, mode)
+        eng = LLMEngine(engine_dir("llama-gqa", "bf16"), num_kv_blocks=32, enable_prefix_caching=False,
+                        lora=LoRAConfig({"a": str(tmp_path / "a")}, max_lora_rank=8))
+        calls = _count_native(monkeypatch)
+        for lora in (None, "a"):
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora_name=lora)
+            out = eng.generate(prompt_token_ids=[[5, 17, 923, 44]], params=params)[0]
+            tokens[(mode, lora)] = out.outputs[0].token_ids
+            if mode == "1":
+                assert (len(calls) > 0) == (lora is None), (lora, calls)
+                calls.clear()
+        monkeypatch.undo()  # the env and the counting patch (the forced ISA path is the fixture's)
+    assert tokens[("1", None)] == tokens[("0", None)] and tokens[("1", "a")] == tokens[("0", "a")]
+    assert tokens[("0", "a")] != tokens[("0", None)]  # the adapter changes the answer: the deltas ran

@@ -107,13 +107,15 @@ class NativeStep:
         """The model's NativeStep, or None where refusal(model) names a reason (kept, so that is
         asked once; a model whose weights are not packed yet is asked again later)."""
         cached = model.__dict__.get("_native_step", False)
-        if cached is not False:
+        # kept while the layers hold the same linear modules (LoRA's attach wraps them later)
+        if cached is not False and model.__dict__.get("_native_step_probe") is model.layers[0].qkv_proj:
             return cached
         why = refusal(model)
         if why is not None and "not packed" in why:
             return None
         step = NativeStep(model) if why is None else None
         model.__dict__["_native_step"] = step
+        model.__dict__["_native_step_probe"] = model.layers[0].qkv_proj
         model.__dict__["native_step_refusal"] = why
         return step
 
