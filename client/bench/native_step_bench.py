@@ -7,10 +7,10 @@ For each engine (an LLMEngine with its scheduler, sampler and KV manager, prefix
 rounds alternate the two paths on the same engine (TRITIUM_NATIVE_STEP=0, then 1, then the other
 order next round), each generating --tokens greedy tokens (EOS ignored) for --batch requests at
 once after a short prompt; only the steps after the first are timed. Prints the best decode
-tokens/s and tokens per CPU-second of each path and the ratio native / per-op. bf16 engines:
---deterministic packs every dense linear for the native GEMM (the native step needs it; see
-docs/kernels.md), and a third column then gives the same engine as it runs by default (oneDNN
-for the dense GEMMs with K <= 1024, per-op), interleaved too. The memory-bandwidth limit is
+tokens/s and tokens per CPU-second of each path and the ratio native / per-op. With
+--deterministic every dense bf16 linear is packed for the native GEMM (the native step needs it;
+docs/kernels.md), and an unquantized engine gets a third column: the engine as it runs by
+default (oneDNN for the dense GEMMs with K <= 1024, per-op), interleaved too. The memory-bandwidth limit is
 engine bytes / bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step
 streams every weight once.
 """
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                 print(f"{path}: the native step does not take this engine: {why}")
                 continue
             dflt = None
-            if args.deterministic and model.cfg.dtype == "bfloat16":
+            if args.deterministic and model.cfg.dtype == "bfloat16" and model.cfg.quantization.method == "none":
                 dflt = LLMEngine(path, enable_prefix_caching=False, deterministic=False)
                 _decode_rate(dflt, 4, 1)
             nbytes = engine_bytes(path)
