@@ -6,17 +6,19 @@
  *     qkv  = bf16(x Wqkv^T) (+ b)                   the layer's GEMM kind, rounded once
  *     q    = rope(qkv.q); cache <- rope(k), v       tritium_rope_kv_write_bf16
  *     a    = paged_attention(q, cache)              tritium_paged_decode_bf16
- *     h    = bf16(a Wo^T) (+ b)
+ *     h    = bf16(a Wo^T) (+ b) (* residual multiplier, Granite)
  *     x, r = add_rms_norm(h, r, post_attn_norm)
  *     g    = bf16(x Wgu^T) (+ b);  m = silu(g.gate) * g.up   tritium_silu_mul_bf16
- *     h    = bf16(m Wdown^T) (+ b)
+ *     h    = bf16(m Wdown^T) (+ b) (* residual multiplier)
  *
  * Every step is a call of the kernel the per-op path (kernels/ops.py, cpu_linear.py) runs for
  * the same op, with the same roundings, so the result is bit for bit the per-op path's, on every
  * ISA path (this file has no SIMD of its own: it compiles into each path's library and calls that
  * path's kernels), and keeps their batch invariance.
  *
- * Bias add as torch does for bfloat16 tensors: bf16(float(y) + float(b)).
+ * Bias add as torch does for bfloat16 tensors: bf16(float(y) + float(b)); Granite's residual
+ * multiplier on the o and down outputs likewise, bf16(float(y) * m), as torch multiplies a bf16
+ * tensor by a Python float.
  */
 #include <stdint.h>
 #include <string.h>
@@ -60,8 +62,8 @@ typedef struct {
     tritium_linear_t qkv, o, gate_up, down;
 } tritium_decoder_layer_t;
 
-/* out (T, N) bf16 = bf16(x (T, K) W^T) (+ bias), y: float32 scratch of T * N. */
-static void linear(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *y, uint16_t *out) {
+/* out (T, N) bf16 = bf16(x (T, K) W^T) (+ bias) (* mult unless mult == 1), y: float32 scratch of T * N. */
+static void linear(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *y, uint16_t *out, float mult) {
     const int64_t N = L->n, K = L->k;
     switch (L->kind) {
     case LIN_BF16: tritium_bf16_gemm(x, (const uint16_t *)L->w, y, T, N, K); break;
@@ -76,6 +78,8 @@ static void linear(const tritium_linear_t *L, const uint16_t *x, int64_t T, floa
             for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(bf16_roundf(yr[n]) + bf16_to_f32(L->bias[n]));
         else
             for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(yr[n]);
+        if (mult != 1.0f)
+            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(bf16_to_f32(o[n]) * mult);
     }
 }
 
@@ -96,7 +100,7 @@ void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t h
  * row, first key, context length of each attention row (attention_cpu.CpuAttentionPlan). */
 void tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H,
                                 int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,
-                                uint16_t *hidden, uint16_t *residual, int64_t has_residual, const uint16_t *cos,
+                                float residual_mult, uint16_t *hidden, uint16_t *residual, int64_t has_residual, const uint16_t *cos,
                                 const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
                                 int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS,
                                 float *ws_f32, uint16_t *ws_bf16) {
@@ -107,14 +111,14 @@ void tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t n
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
         tritium_add_rms_norm_bf16(hidden, has_residual || l ? residual : NULL, L->input_norm, eps, T, H, x, residual);
-        linear(&L->qkv, x, T, ws_f32, qkv);
+        linear(&L->qkv, x, T, ws_f32, qkv, 1.0f);
         tritium_rope_kv_write_bf16(qkv, cos, ssin, slots, T, hq, hkv, D, q, L->k_cache, L->v_cache);
         tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows,
                                   hq, hkv, D, BS, scale, 0.0f, attn);
-        linear(&L->o, attn, T, ws_f32, hidden);
+        linear(&L->o, attn, T, ws_f32, hidden, residual_mult);
         tritium_add_rms_norm_bf16(hidden, residual, L->post_attn_norm, eps, T, H, x, residual);
-        linear(&L->gate_up, x, T, ws_f32, gu);
+        linear(&L->gate_up, x, T, ws_f32, gu, 1.0f);
         tritium_silu_mul_bf16(gu, T, I, act);
-        linear(&L->down, act, T, ws_f32, hidden);
+        linear(&L->down, act, T, ws_f32, hidden, residual_mult);
     }
 }

@@ -71,7 +71,7 @@ def _lib():
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.tritium_decode_layers_workspace.argtypes = [i64] * 6 + [p, p]
         lib.tritium_decode_layers_workspace.restype = None
-        lib.tritium_decode_layers_bf16.argtypes = ([p, i64, i64, i64, i64, i64, i64, i64, f32, f32, p, p, i64, p, p,
+        lib.tritium_decode_layers_bf16.argtypes = ([p, i64, i64, i64, i64, i64, i64, i64, f32, f32, f32, p, p, i64, p, p,
                                                      p, p, i64, p, i64, i64, p, p])
         lib.tritium_decode_layers_bf16.restype = None
         lib.tritium_decode_layers_ready = True
@@ -83,12 +83,14 @@ class DecodeLayers:
 
     layers: per layer (input_norm (H,), post_attn_norm (H,), [qkv, o, gate_up, down] as
     (CpuLinear, bias or None)); dims: H, Hq, Hkv, D, intermediate size I; eps and the softmax
-    scale. Every linear must pass linear_supported."""
+    scale; residual_multiplier (Granite) times the o and down outputs. Every linear must pass
+    linear_supported."""
 
     def __init__(self, layers: Sequence[Tuple[torch.Tensor, torch.Tensor, list]], hidden: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float):
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                 residual_multiplier: float = 1.0):
         self.dims = (hidden, num_heads, num_kv_heads, head_dim, intermediate)
-        self.eps, self.scale = float(eps), float(scale)
+        self.eps, self.scale, self.residual_multiplier = float(eps), float(scale), float(residual_multiplier)
         self._keep: List[torch.Tensor] = []
         self._arr = (_Layer * len(layers))()
         for dst, (n1, n2, lins) in zip(self._arr, layers):
@@ -126,7 +128,7 @@ class DecodeLayers:
         cols = rows.t().contiguous()
         f32, b16 = self._workspace(t)
         _lib().tritium_decode_layers_bf16(
-            ctypes.addressof(self._arr), len(self._arr), t, *self.dims, self.eps, self.scale, h.data_ptr(),
+            ctypes.addressof(self._arr), len(self._arr), t, *self.dims, self.eps, self.scale, self.residual_multiplier, h.data_ptr(),
             r.data_ptr(), int(residual is not None), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
             f32.data_ptr(), b16.data_ptr())

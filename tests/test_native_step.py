@@ -1,8 +1,8 @@
 """The native decode step (backend/models/native_step.py, kernels/cpu_decode_layer.c) against the
 per-op path it replaces: the same bits in the hidden states and the KV cache, on every CPU path
 (the module runs once per forced TRITIUM_CPU_ISA; ids name it), for bf16 (deterministic
-packing), int8 (per-channel and grouped) and int4 weights, GQA / MQA / MHA with biases and a
-sliding window, steps of one and several rows with different context lengths crossing block
+packing), int8 (per-channel and grouped) and int4 weights, GQA / MQA / MHA with biases, a
+sliding window and Granite's multipliers, steps of one and several rows with different context lengths crossing block
 boundaries, and a step that mixes a prompt chunk with decode rows. Then the fallbacks: every
 model or step the native call must not take runs the per-op path.
 
@@ -32,6 +32,8 @@ SHAPES = {
                                            num_key_value_heads=1, head_dim=32, sliding_window=7)),
     "qwen2-mha-bias": ("qwen2", dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
                                      num_key_value_heads=2)),
+    # the four multipliers (residual_multiplier inside the layer loop), biases on all four linears
+    "granite-bias-multipliers": ("granite", dict(num_attention_heads=2, num_key_value_heads=1)),
 }
 WEIGHTS = {"bf16": dict(deterministic=True), "int8": dict(quantization="int8", group_size=-1),
            "int8-g32": dict(quantization="int8", group_size=32), "int4": dict(quantization="int4-rtn", group_size=32)}
@@ -107,7 +109,8 @@ def _both_paths(model, monkeypatch):
 # every weight kind on every attention shape would be 12 engines per path; each kind meets two shapes
 CASES = [("llama-gqa", "bf16"), ("llama-gqa", "int4"), ("mistral-mqa-window", "bf16"), ("mistral-mqa-window", "int8"),
          ("qwen2-mha-bias", "int8-g32"), ("qwen2-mha-bias", "bf16"), ("llama-gqa", "int8-g32"),
-         ("qwen2-mha-bias", "int4"), ("llama-gqa", "int8")]
+         ("qwen2-mha-bias", "int4"), ("llama-gqa", "int8"), ("granite-bias-multipliers", "bf16"),
+         ("granite-bias-multipliers", "int8-g32")]
 
 
 @pytest.mark.parametrize("shape,weights", CASES)
@@ -143,7 +146,6 @@ def test_engine_batched_equals_alone_with_native_step(engine_dir, shape, native_
 # ---------------------------------------------------------------- fallbacks
 @pytest.mark.parametrize("family,over,reason", [
     ("llama", {}, "sizes"),                                   # head_dim 16, hidden 72
-    ("granite", {}, "residual multiplier"),
     ("smollm3", dict(num_attention_heads=2, num_key_value_heads=1), "RoPE"),  # NoPE layers
     ("qwen3", dict(head_dim=32), "q/k norms"),
     ("gemma2", dict(head_dim=32), "norm placement sandwich"),

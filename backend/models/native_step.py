@@ -7,10 +7,10 @@ whole layer loop to kernels/cpu_decode_layer.c, which calls the same native kern
 order as the per-op path: the same bits (batch invariance included), a fraction of the overhead.
 
 What a model needs (docs/kernels.md has the table): bfloat16 engine with the native kernels,
-one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap, no
-residual multiplier, full RoPE on every layer, one sliding window (or none) for all layers, a
-plain bfloat16 KV cache, and every linear on a native kernel (cpu_linear kinds bf16_native,
-int8_native, int8g_native, int4_native without act-order); biases are fine. A step also needs at
+one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap,
+full RoPE on every layer, one sliding window (or none) for all layers, a plain bfloat16 KV cache, and every linear on a native kernel (cpu_linear kinds bf16_native,
+int8_native, int8g_native, int4_native without act-order); biases and Granite's multipliers are
+fine. A step also needs at
 most NATIVE_STEP_MAX_ROWS rows and no LoRA adapter in use. Otherwise the per-op path runs.
 TRITIUM_NATIVE_STEP=0 turns the native call off.
 """
@@ -60,7 +60,7 @@ def refusal(model) -> Optional[str]:
         return "tensor parallelism"
     checks = [(m.num_experts, "mixture-of-experts layers"), (m.norm_placement != "pre", f"norm placement {m.norm_placement}"),
               (m.qk_norm != "none", "q/k norms"), (m.attn_logit_softcap is not None, "attention soft-cap"),
-              (m.residual_multiplier != 1.0, "residual multiplier"), (m.activation != "silu", f"activation {m.activation}"),
+(m.activation != "silu", f"activation {m.activation}"),
               (m.hidden_size % 16 or m.head_dim % 32 or m.intermediate_size % 16, "hidden / head / MLP sizes "
                "not multiples of 16 / 32 / 16"),
               (m.num_heads > cpu_native.MAX_HEADS or m.num_heads * m.head_dim > cpu_native.MAX_HEADS_X_DIM
@@ -100,7 +100,7 @@ class NativeStep:
         first = model.layers[0]
         self.window = first.window
         self.native = DecodeLayers(layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-                                   m.intermediate_size, m.rms_norm_eps, first.scale)
+                                   m.intermediate_size, m.rms_norm_eps, first.scale, m.residual_multiplier)
 
     @staticmethod
     def get(model) -> Optional["NativeStep"]:
