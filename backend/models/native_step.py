@@ -60,7 +60,7 @@ def refusal(model) -> Optional[str]:
         return "tensor parallelism"
     checks = [(m.num_experts, "mixture-of-experts layers"), (m.norm_placement != "pre", f"norm placement {m.norm_placement}"),
               (m.qk_norm != "none", "q/k norms"), (m.attn_logit_softcap is not None, "attention soft-cap"),
-(m.activation != "silu", f"activation {m.activation}"),
+              (m.activation != "silu", f"activation {m.activation}"),
               (m.hidden_size % 16 or m.head_dim % 32 or m.intermediate_size % 16, "hidden / head / MLP sizes "
                "not multiples of 16 / 32 / 16"),
               (m.num_heads > cpu_native.MAX_HEADS or m.num_heads * m.head_dim > cpu_native.MAX_HEADS_X_DIM
@@ -126,7 +126,7 @@ class NativeStep:
         return (hidden.shape[0] <= NATIVE_STEP_MAX_ROWS and hidden.dtype == torch.bfloat16
                 and hidden.device.type == "cpu" and tables is not None
                 and k0.dtype == torch.bfloat16 and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
-                and all(mgr.batch is None for mgr in self.lora_managers) and enabled())
+                and all(mgr.batch is None for mgr in self.lora_managers) and enabled() and cpu_native.available())
 
     def run(self, hidden: torch.Tensor, kv_caches, meta, rope):
         """Every layer over the step's rows; returns (hidden, residual) as the layer loop would."""
