@@ -27,6 +27,7 @@ from ..config import EngineConfig
 from .attention import KVCache
 from .layer import NORM_NAMES, DecoderLayer
 from .moe import MLAMoEDecoderLayer, MoEDecoderLayer
+from .native_step import NativeStep
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
 from .rope import rope_table
 
@@ -156,8 +157,12 @@ class DecoderLM(nn.Module):
         hidden = self.embed(input_ids)
         residual = None
         rope = self.rope_state(positions)  # once per step
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
+        native = NativeStep.get(self) if hidden.device.type == "cpu" else None
+        if native is not None and native.takes(hidden, kv_caches, meta, rope):
+            hidden, residual = native.run(hidden, kv_caches, meta, rope)  # every layer, one call, same bits
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 
