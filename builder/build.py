@@ -27,7 +27,7 @@ from .convert_moe import check_moe_build
 from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
-from .report import component_bytes, write_json
+from .report import component_bytes, size_report, write_json
 from .tp_shard import shard_engine_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,6 +175,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "parameters": int(sum(t.numel() for n, t in tensors.items()
                                       if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset", "v_offset")))),
                 "bytes": component_bytes(tensors),
+                "size": size_report(tensors, m.tie_word_embeddings),
                 "float_bytes": float_bytes,
                 "build_seconds": round(time.time() - t0, 3),
                 "source": os.path.abspath(opts.source),

@@ -161,6 +161,8 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
                 # (the runtime sums the squares over the ranks, attention.py).
                 h0, h1 = lay.q_heads if name.endswith(".q_norm.weight") else lay.kv_heads
                 out = t[h0 * hd:h1 * hd]
+            elif name in _VOCAB_ROWS and name.endswith(".scales") and t.dim() == 2:
+                out = t[:, lay.vocab[0]:lay.vocab[1]]  # grouped int8 embedding: scales (hidden / G, vocab)
             elif name in _VOCAB_ROWS:
                 out = t[lay.vocab[0]:lay.vocab[1]]
             elif (moe := shard_moe_tensor(name, t, layout, r)) is not None:

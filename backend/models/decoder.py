@@ -51,9 +51,10 @@ class DecoderLM(nn.Module):
         m = cfg.model
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        # int4 builds store the embedding as per-row int8 (LayerQuant "int8" under "embed_tokens"):
-        # an Int8Linear (vocab, hidden) whose rows are gathered for the lookup and which, when
-        # tied, is also the logits GEMM. Otherwise a float buffer.
+        # Quantized builds store the embedding as int8 (LayerQuant "int8" under "embed_tokens"; per
+        # row in int4 builds, symmetric groups of 32 in int8 / fp8 builds): an Int8Linear (vocab,
+        # hidden) whose rows are gathered for the lookup and which, when tied, is also the logits
+        # GEMM. Otherwise a float buffer.
         eq = cfg.quantization.layers.get("embed_tokens")
         self.embed_tokens = None
         if eq is not None and eq.method != "none":
@@ -143,6 +144,11 @@ class DecoderLM(nn.Module):
             mod_name, _, leaf = attr.rpartition(".")
             mod = self.get_submodule(mod_name) if mod_name else self
             target_dtype = cur.dtype if cur is not None else t.dtype
+            if leaf in ("scales", "zeros") and t.dtype in (torch.float16, torch.bfloat16):
+                # engine format 3: 16-bit group parameters stay 16-bit in memory; the CPU kernels
+                # widen them to float32 when they pack the weight (kernels/cpu_linear.py), the
+                # Triton GEMMs read them as stored
+                target_dtype = t.dtype
             mod._buffers[leaf] = t.to(target_dtype)
             seen.add(attr)
         missing = [n for n, b in own.items() if b is not None and n not in seen]
@@ -182,7 +188,12 @@ class DecoderLM(nn.Module):
         if self.embed_tokens is None:
             return self.embed_tokens_weight[input_ids]
         e = self.embed_tokens
-        rows = e.qweight[input_ids].float() * e.scales[input_ids, None].float()
+        q = e.qweight[input_ids].float()
+        if e.group_size:  # scales (hidden / G, vocab): each gathered row's groups
+            g = e.group_size
+            rows = (q.view(q.shape[0], -1, g) * e.scales[:, input_ids].t().float()[:, :, None]).view(q.shape)
+        else:
+            rows = q * e.scales[input_ids, None].float()
         if self.embed_input_scale is not None:
             rows = rows / self.embed_input_scale
         return rows.to(self.dtype)

@@ -36,11 +36,14 @@ from typing import Optional
 import torch
 
 from tritium.kernels import ops
+from tritium.kernels.quant_layouts import dequantize_grouped
 
 from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
-from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
+from .param16 import compact_scales
+from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, quantize_int8,
+                            quantize_int8_grouped)
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
 CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
@@ -99,7 +102,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             continue
         w = new.pop(name + ".weight").float()
         entry = {"method": "int8", "head": name == head}
-        stats = head_stats if name == head else None
+        # the calibrated roundings below are per-row: a grouped embedding is rounded to nearest
+        stats = head_stats if name == head and not lq.group_size else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
         if stats is not None and method == "int4-gptq":
@@ -127,6 +131,10 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
             in_scale = scale
+        elif lq.group_size:
+            q, s = quantize_int8_grouped(w, lq.group_size)
+            entry["rounding"] = (f"round to nearest, symmetric groups of {lq.group_size} "
+                                 f"({lq.group_reason or 'float16 scales'})")
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
@@ -136,8 +144,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             new["head_input_mean"] = stats["mean"].float() / in_scale
             new["head_mean_logits"] = w @ stats["mean"].float()
             plan[name] = dataclasses.replace(plan[name], centred=True)
-        new[name + ".qweight"], new[name + ".scales"] = q, s
-        deq = dequantize_int8(q, s)
+        new[name + ".qweight"], new[name + ".scales"] = q, compact_scales(s)
+        deq = dequantize_grouped(q, s, None, lq.group_size) if lq.group_size else dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:
             # the head's error on calibration inputs, ||X W^T - X' Q^T|| / ||X W^T||, where

@@ -165,14 +165,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_quality(engine_dir: str) -> None:
-    """A quantized build's held-out figures from its build report (nothing for a float build)."""
+    """The build's size (bits per weight, bytes against a bfloat16 engine) and a quantized
+    build's held-out figures, from its build report."""
     import json
-    from tritium.builder.report import quality_summary
+    from tritium.builder.report import quality_summary, size_summary
     path = os.path.join(engine_dir, BUILD_REPORT_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            for line in quality_summary(json.load(f)):
-                print(line, file=sys.stderr)
+            report = json.load(f)
+        for line in size_summary(report) + quality_summary(report):
+            print(line, file=sys.stderr)
 
 
 def _budget_status(budget: dict) -> int:
