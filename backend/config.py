@@ -42,6 +42,9 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
 # not a --quantization choice: the source's own format is in quantization.imported.
 IMPORTED_QUANTIZATION = "imported"
+# `tritium build --embedding-quantization`: how a quantized build stores the embedding / LM head
+# (builder/quant/quant_plan.py; "auto" depends on --quantization).
+SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 # How an MoE router turns its logits into expert weights: softmax over all experts, then top-k.

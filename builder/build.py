@@ -51,6 +51,7 @@ class BuildOptions:
     calibration_text: Optional[str] = None
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
+    embedding_quantization: Optional[str] = None  # None: auto (builder/quant/quant_plan.py)
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
@@ -70,6 +71,11 @@ class BuildOptions:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        emb = self.embedding_quantization
+        if emb is not None and emb != "auto" and self.quantization in ("none", "auto"):
+            raise ValueError(f"--embedding-quantization {emb} needs --quantization int8, fp8, int4-rtn, int4-awq "
+                             f"or int4-gptq" + (" (--quantization auto picks the embedding's format itself)"
+                                                if self.quantization == "auto" else ""))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two (e.g. 16 or 32), got {self.block_size}")
 

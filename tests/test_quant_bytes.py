@@ -314,3 +314,36 @@ def test_tensor_parallel_shards_the_grouped_embedding_by_vocabulary(gguf_src, in
         assert t["embed_tokens.scales"].shape == (2, v1 - v0)
         part = dequantize_grouped(t["embed_tokens.qweight"], t["embed_tokens.scales"], None, 32)
         assert torch.equal(part, deq[v0:v1])
+
+
+def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_path):
+    """--embedding-quantization int4: the embedding / LM head in the int4 layout (5 bits per weight
+    at groups of 32); the lookup dequantizes the gathered rows and the head runs the int4 GEMM."""
+    out = str(tmp_path / "e4")
+    build_engine(BuildOptions(source=gguf_src, output=out, dtype="bfloat16", quantization="int4-rtn",
+                              embedding_quantization="int4", progress=False, eval_tokens=0))
+    with open(os.path.join(out, "engine.json")) as f:
+        lay = json.load(f)["quantization"]["layers"]
+    assert lay["embed_tokens"]["method"] == lay["lm_head"]["method"] == "int4"
+    t = load_file(os.path.join(out, "rank0.safetensors"))
+    assert t["embed_tokens.qweight"].shape == (1000, 32) and t["embed_tokens.scales"].dtype == torch.float16
+    with open(os.path.join(out, "build_report.json")) as f:
+        assert json.load(f)["size"]["groups"]["embed_tokens"]["bits_per_weight"] == 5.0
+    _, model, _ = load_engine(out, "cpu")
+    emb = dequantize_int4(t["embed_tokens.qweight"], t["embed_tokens.scales"], t["embed_tokens.zeros"], 32)
+    ids = torch.tensor(IDS[:6])
+    assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
+    head = dequantize_int4(t["lm_head.qweight"], t["lm_head.scales"], t["lm_head.zeros"], 32)
+    h = torch.randn(5, 64).to(torch.bfloat16)
+    ref = h.float() @ head.t()
+    assert ((model.compute_logits(h) - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"quantization": "none", "embedding_quantization": "int8"}, "--embedding-quantization int8 needs --quantization"),
+    ({"quantization": "auto", "embedding_quantization": "int4", "max_ppl_increase": 1.0},
+     "picks the embedding's format itself"),
+])
+def test_embedding_quantization_flag_errors(gguf_src, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        build_engine(BuildOptions(source=gguf_src, output=str(tmp_path / "x"), progress=False, **kw))

@@ -23,6 +23,7 @@ from torch import nn
 from tritium.kernels import ops
 
 from tritium.kernels.attention_metadata import AttentionMetadata
+from tritium.kernels.quant_layouts import unpack_int4
 from ..config import EngineConfig
 from .attention import KVCache
 from .layer import NORM_NAMES, DecoderLayer
@@ -58,9 +59,9 @@ class DecoderLM(nn.Module):
         eq = cfg.quantization.layers.get("embed_tokens")
         self.embed_tokens = None
         if eq is not None and eq.method != "none":
-            if eq.method != "int8":
+            if eq.method not in ("int8", "int4"):
                 raise ValueError(f"quantization.layers.embed_tokens.method {eq.method!r} not supported; "
-                                 f"allowed: none, int8")
+                                 f"allowed: none, int8, int4")
             self.embed_tokens = make_linear(m.hidden_size, m.vocab_size, False, self.dtype, eq)
         self.register_buffer("embed_tokens_weight", None if self.embed_tokens is not None else
                              torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
@@ -188,6 +189,13 @@ class DecoderLM(nn.Module):
         if self.embed_tokens is None:
             return self.embed_tokens_weight[input_ids]
         e = self.embed_tokens
+        if e.method == "int4":  # codes 0..15, two per byte; scales / zeros (hidden / G, vocab)
+            q = unpack_int4(e.qweight[input_ids]).float() - 8.0
+            g = e.group_size
+            s = e.scales[:, input_ids].t().float()[:, :, None]
+            z = e.zeros[:, input_ids].t().float()[:, :, None]
+            rows = (q.view(q.shape[0], -1, g) * s + z).view(q.shape)
+            return rows.to(self.dtype)
         q = e.qweight[input_ids].float()
         if e.group_size:  # scales (hidden / G, vocab): each gathered row's groups
             g = e.group_size

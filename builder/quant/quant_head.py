@@ -36,12 +36,13 @@ from typing import Optional
 import torch
 
 from tritium.kernels import ops
-from tritium.kernels.quant_layouts import dequantize_grouped
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
 
 from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator
 from .gptq_rows import gptq_int8_quantize
 from .param16 import compact_scales
+from .quantize_int4 import quantize_int4
 from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, quantize_int8,
                             quantize_int8_grouped)
 
@@ -98,6 +99,9 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     head = head_name(plan, tied)
     for name in ("embed_tokens", "lm_head"):
         lq = plan.get(name)
+        if lq is not None and lq.method == "int4" and name + ".weight" in new:
+            report[name] = _int4_embedding(new, name, lq)
+            continue
         if lq is None or lq.method != "int8" or name + ".weight" not in new:
             continue
         w = new.pop(name + ".weight").float()
@@ -158,3 +162,15 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             entry["bias_correction_rms"] = float((d @ new["head_input_mean"]).pow(2).mean().sqrt())
         report[name] = entry
     return report
+
+
+def _int4_embedding(new: dict, name: str, lq) -> dict:
+    """--embedding-quantization int4: the embedding / LM head in asymmetric groups, round to
+    nearest (the int4 layout, float16 scales and zeros); the lookup dequantizes gathered rows."""
+    w = new.pop(name + ".weight").float()
+    q, s, z = quantize_int4(w, lq.group_size)
+    s, z = s.half(), z.half()
+    new[name + ".qweight"], new[name + ".scales"], new[name + ".zeros"] = q, s, z
+    deq = dequantize_int4(q, s, z, lq.group_size)
+    return {"method": "int4", "head": True, "rounding": f"round to nearest, asymmetric groups of {lq.group_size}",
+            "rel_weight_error": float((deq - w).norm() / w.norm().clamp_min(1e-12))}
