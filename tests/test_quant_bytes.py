@@ -347,3 +347,29 @@ def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_p
 def test_embedding_quantization_flag_errors(gguf_src, tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         build_engine(BuildOptions(source=gguf_src, output=str(tmp_path / "x"), progress=False, **kw))
+
+
+@pytest.mark.parametrize("method, rounding", [("int4-gptq", "GPTQ"), ("int4-awq", "AWQ's clip search")])
+def test_int4_head_is_rounded_by_the_build_method(tiny_checkpoint, tmp_path, method, rounding):
+    """--embedding-quantization int4 in a calibrated int4 build: the head is rounded by the
+    method under the final hidden states' Hessian (its output error reported), and the runtime's
+    logits are the dequantized head's."""
+    from tritium.builder.quant.quantize_int4 import quantize_int4
+    src = tiny_checkpoint("llama", hidden_size=96, intermediate_size=96)
+    out = str(tmp_path / method)
+    build_engine(BuildOptions(source=src, output=out, dtype="float32", quantization=method,
+                              embedding_quantization="int4", calibration_samples=8, progress=False,
+                              eval_tokens=0))
+    cfg, model, _ = load_engine(out, "cpu")
+    hn = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
+    with open(os.path.join(out, "build_report.json")) as f:
+        layers = json.load(f)["quantization_report"]["layers"]
+    head = layers[hn]
+    assert head["method"] == "int4" and head["head"] and rounding in head["rounding"]
+    assert 0 < head["rel_output_error"] < 0.05
+    if hn == "lm_head":  # an untied embedding has no activations: round to nearest
+        assert layers["embed_tokens"]["method"] == "int4" and "nearest" in layers["embed_tokens"]["rounding"]
+    t = load_file(os.path.join(out, "rank0.safetensors"))
+    deq = dequantize_int4(t[hn + ".qweight"], t[hn + ".scales"], t[hn + ".zeros"], 32)
+    h = torch.randn(4, 96)
+    torch.testing.assert_close(model.compute_logits(h), h @ deq.t(), rtol=1e-4, atol=1e-4)

@@ -38,8 +38,8 @@ import torch
 from tritium.kernels import ops
 from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
 
-from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
-from .gptq import HessianAccumulator
+from .awq import awq_clip_int4, awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
+from .gptq import HessianAccumulator, gptq_quantize
 from .gptq_rows import gptq_int8_quantize
 from .param16 import compact_scales
 from .quantize_int4 import quantize_int4
@@ -51,10 +51,11 @@ CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless 
 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
-    """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is int8."""
+    """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is quantized
+    (int8, or int4 with --embedding-quantization int4)."""
     name = "embed_tokens" if tied else "lm_head"
     lq = plan.get(name)
-    return name if lq is not None and lq.method == "int8" else None
+    return name if lq is not None and lq.method in ("int8", "int4") else None
 
 
 @torch.no_grad()
@@ -100,7 +101,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     for name in ("embed_tokens", "lm_head"):
         lq = plan.get(name)
         if lq is not None and lq.method == "int4" and name + ".weight" in new:
-            report[name] = _int4_embedding(new, name, lq)
+            report[name] = _int4_embedding(new, name, lq, method, head_stats if name == head else None)
+            report[name]["head"] = name == head
             continue
         if lq is None or lq.method != "int8" or name + ".weight" not in new:
             continue
@@ -164,13 +166,29 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     return report
 
 
-def _int4_embedding(new: dict, name: str, lq) -> dict:
-    """--embedding-quantization int4: the embedding / LM head in asymmetric groups, round to
-    nearest (the int4 layout, float16 scales and zeros); the lookup dequantizes gathered rows."""
+def _int4_embedding(new: dict, name: str, lq, method: str, stats: Optional[dict]) -> dict:
+    """--embedding-quantization int4: the embedding / LM head in the int4 layout (asymmetric
+    groups, float16 scales and zeros); the lookup dequantizes gathered rows. The head is rounded
+    by the build's method where its calibration statistics exist: int4-gptq with GPTQ under the
+    final hidden states' Hessian (act-order column order, static groups: no g_idx), int4-awq
+    with AWQ's per-(row, group) clip search under that Hessian; else to nearest."""
     w = new.pop(name + ".weight").float()
-    q, s, z = quantize_int4(w, lq.group_size)
+    g = lq.group_size
+    if stats is not None and method == "int4-gptq":
+        q, s, z, _ = gptq_quantize(w, stats["H"], g, act_order=True, static_groups=True)
+        rounding = f"GPTQ error feedback (act-order, static groups of {g}) under the final hidden states' Hessian"
+    elif stats is not None and method == "int4-awq":
+        q, s, z = quantize_int4(w, g, awq_clip_int4(w, stats["H"], g))
+        rounding = f"AWQ's clip search per (row, group of {g}) under the final hidden states' Hessian"
+    else:
+        q, s, z = quantize_int4(w, g)
+        rounding = f"round to nearest, asymmetric groups of {g}"
     s, z = s.half(), z.half()
     new[name + ".qweight"], new[name + ".scales"], new[name + ".zeros"] = q, s, z
-    deq = dequantize_int4(q, s, z, lq.group_size)
-    return {"method": "int4", "head": True, "rounding": f"round to nearest, asymmetric groups of {lq.group_size}",
-            "rel_weight_error": float((deq - w).norm() / w.norm().clamp_min(1e-12))}
+    deq = dequantize_int4(q, s, z, g)
+    entry = {"method": "int4", "rounding": rounding,
+             "rel_weight_error": float((deq - w).norm() / w.norm().clamp_min(1e-12))}
+    if stats is not None:
+        d = deq - w
+        entry["rel_output_error"] = float(((d @ stats["H"]) * d).sum() / ((w @ stats["H"]) * w).sum())
+    return entry
