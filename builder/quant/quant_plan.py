@@ -24,9 +24,8 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
     """Per-linear LayerQuant for every linear in the model (method 'none' when excluded).
 
     int4 group sizes: explicit --group-size, else the GGUF source's own block size where the
-    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. int4
-    builds store the embedding (and an untied lm_head) as per-row int8, int8 / fp8 builds as int8
-    in groups of 32 (plan_8bit_embedding); --exclude-modules embed_tokens keeps it float."""
+    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. The
+    embedding (and an untied lm_head) per --embedding-quantization (plan_embedding)."""
     kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
     plan = {}
     blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
@@ -99,10 +98,12 @@ def plan_8bit_embedding(hidden: int, o, name: str, explicit_group: bool = True) 
     if hidden % EMBEDDING_GROUP_SIZE:
         return LayerQuant("int8", group_reason=f"{EMBEDDING_GROUP_SIZE} does not divide hidden {hidden}: per row")
     block = source_tensor_block(o.source, name)
-    reason = (f"source {block[0]} blocks of {block[1]} (symmetric, exact)"
+    reason = (f"source {block[0]} blocks of {block[1]} (symmetric: its own grid)"
               if block is not None and block[0] == "Q8_0" and block[1] == EMBEDDING_GROUP_SIZE
               else f"symmetric groups of {EMBEDDING_GROUP_SIZE}")
     return LayerQuant("int8", group_size=EMBEDDING_GROUP_SIZE, group_reason=reason)
+
+
 def plan_8bit(kind: str, k: int, name: str, o, source) -> LayerQuant:
     """int8 / fp8: --group-size N: symmetric groups of N (64/32 where N does not divide K);
     --group-size -1: one scale per output channel; default: a linear stored block-quantized in
