@@ -17,7 +17,11 @@ from .parallel_layout import TensorParallelError, layout_from_config
 # Bump when the on-disk layout changes; readers accept every version <= this one.
 # 2: the model-family fields of ModelConfig / RopeConfig (all defaulted, so version-1 files of
 #    Llama / Mistral / Qwen2 load unchanged; an older runtime refuses a version-2 file by number).
-ENGINE_FORMAT_VERSION = 2
+# 3: group scales / zeros of int8 / fp8 layers stored as float16 (bfloat16 past float16's range),
+#    per-row int8 scales as bfloat16 where exact, and the embedding of int8 / fp8 builds stored
+#    as int8 in groups of 32 (kernels/quant_layouts.py). Readers take any of float32 / float16 /
+#    bfloat16 for these tensors, so version-1/2 engines (float32) load and compute unchanged.
+ENGINE_FORMAT_VERSION = 3
 ENGINE_CONFIG_FILE = "engine.json"
 BUILD_REPORT_FILE = "build_report.json"
 
@@ -40,6 +44,9 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
 # not a --quantization choice: the source's own format is in quantization.imported.
 IMPORTED_QUANTIZATION = "imported"
+# `tritium build --embedding-quantization`: how a quantized build stores the embedding / LM head
+# (builder/quant/quant_plan.py; "auto" depends on --quantization).
+SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 # How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
@@ -181,7 +188,7 @@ class LayerQuant:
     # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
     # input's logits from the float weights) is added to its output (int4-awq; builder/quant/quant_head.py).
     centred: bool = False
-    # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) float32 is stored beside
+    # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
     asymmetric: bool = False
 

@@ -28,7 +28,7 @@ from .convert_moe import check_moe_build
 from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
-from .report import component_bytes, kv_cache_report, write_json
+from .report import component_bytes, kv_cache_report, size_report, write_json
 from .tp_shard import shard_engine_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +52,7 @@ class BuildOptions:
     calibration_text: Optional[str] = None
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
+    embedding_quantization: Optional[str] = None  # None: auto (builder/quant/quant_plan.py)
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
@@ -71,6 +72,11 @@ class BuildOptions:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        emb = self.embedding_quantization
+        if emb is not None and emb != "auto" and self.quantization in ("none", "auto"):
+            raise ValueError(f"--embedding-quantization {emb} needs --quantization int8, fp8, int4-rtn, int4-awq "
+                             f"or int4-gptq" + (" (--quantization auto picks the embedding's format itself)"
+                                                if self.quantization == "auto" else ""))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two (e.g. 16 or 32), got {self.block_size}")
 
@@ -180,6 +186,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "parameters": int(sum(t.numel() for n, t in tensors.items()
                                       if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset", "v_offset")))),
                 "bytes": component_bytes(tensors),
+                "size": size_report(tensors, m.tie_word_embeddings),
                 "float_bytes": float_bytes,
                 "build_seconds": round(time.time() - t0, 3),
                 "source": os.path.abspath(opts.source),
