@@ -146,13 +146,19 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 
 #else /* portable C: 16 float32 lanes, lane i takes k = 16 j + i; sum16 at the end */
+/* acc[r] += x[r][0:16] . wv for mr rows (out of line: inlined, GCC did not vectorize it) */
+static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], const uint16_t *restrict x, int64_t K,
+                                                 const float *restrict wv, int mr) {
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + i]) * wv[i];
+}
+
 INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
     float acc[MR][16] = {{0}};
     for (int64_t k = 0; k < K; k += 16) {
         float wv[16];
         for (int i = 0; i < 16; i++) wv[i] = (float)wn[k + i];
-        for (int r = 0; r < MR_; r++)
-            for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+        rows_dot16(acc, x + k, K, wv, MR_);
     }
     for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);
 }
@@ -165,8 +171,7 @@ INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, 
         for (int64_t k = g0; k < g0 + G; k += 16) {
             float wv[16];
             for (int i = 0; i < 16; i++) wv[i] = deq((float)wn[k + i], s, z);
-            for (int r = 0; r < MR_; r++)
-                for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+            rows_dot16(acc, x + k, K, wv, MR_);
         }
     }
     for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);

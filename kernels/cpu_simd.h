@@ -172,7 +172,14 @@ INLINE __m256 exp256(__m256 x) {
 
 /* A grouped weight's value q * s + z rounded to bfloat16 (portable path; the SIMD paths use one
  * FMA). The fused GEMMs and the conversions to bfloat16 both call it, so they round alike. */
-INLINE float deq(float q, float s, float z) { return bf16_roundf(q * s + z); }
+INLINE float bf16_round_finite(float f) { /* bf16_roundf without the NaN case: vectorizes */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+INLINE float deq(float q, float s, float z) { return bf16_round_finite(q * s + z); }
 
 /* exp for the portable path: the same reduction and polynomial as exp512 / exp256, scalar
  * (the compiler vectorizes loops over it where it can). */
