@@ -186,6 +186,30 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) out[r * ldo] = hsum8(acc[r]);
 }
 
+/* One row against NC_ channels (decode): w4_rows' order, NC_ independent accumulator chains. */
+#define NC1 8
+INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
+                    const float *zero, int64_t N, float *out, const int NC_) {
+    __m256 acc[NC1];
+    for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t g = k / G;
+        __m256i xv = load256(x + k);
+        __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
+        for (int c = 0; c < NC_; c++) {
+            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero[g * N + c]);
+            __m256 we, wo;
+            PREFETCH(wn + c * (K / 2) + k / 2 + 256);
+            i4x16_eo(wn + c * (K / 2) + k / 2, &we, &wo);
+            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
+            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
+            acc[c] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[c]));
+        }
+    }
+    for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
+}
+#define HAVE_COLS 1
+
 #else /* portable C: 16 float32 lanes per output (lane i takes k = 16 j + i), sum16 at the end */
 #define NR 2
 #define NR1 4
@@ -276,6 +300,16 @@ void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, c
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+#ifdef HAVE_COLS
+        if (M == 1) {
+            for (int64_t n = nb * NB; n < n1; n += NC1) {
+                const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
+                if (nc == NC1) w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, NC1);
+                else w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, nc);
+            }
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {

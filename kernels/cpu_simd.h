@@ -111,11 +111,13 @@ INLINE void store_bf16x8(uint16_t *p, __m256 x) {
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
     _mm_storeu_si128((__m128i *)p, packed);
 }
-/* x rounded to bf16, kept as float32 (low 16 bits zero) */
+/* x rounded to bf16, kept as float32 (low 16 bits zero): the bits of bf16_rne_bits, masked in place */
 INLINE __m256 bf16_round8(__m256 x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_rne_bits(x), 16));
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
-
 /* 16 int8 (k order) -> float32 in the even / odd layout: e lane i = q[2i], o lane i = q[2i + 1]. */
 INLINE void i8x16_eo(const int8_t *p, __m256 *e, __m256 *o) {
     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
