@@ -75,7 +75,8 @@ def pack_dense(weight: torch.Tensor, deterministic: bool) -> Optional[CpuLinear]
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     k = weight.shape[1]
-    if cpu_native.available() and (deterministic or k > ONEDNN_INVARIANT_MAX_K or not cpu_native.has_bf16_dot()):
+    native = cpu_native.available()
+    if native and (deterministic or k > ONEDNN_INVARIANT_MAX_K or not cpu_native.has_bf16_dot()):
         return CpuLinear("bf16_native", (weight.contiguous(),))
     if _onednn_packing():
         return CpuLinear("onednn", (torch.ops.mkldnn._reorder_linear_weight(weight, None),))
