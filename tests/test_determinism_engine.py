@@ -13,7 +13,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
 from tritium.backend.speculative.config import SpeculativeConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread", "native_bf16")
+pytestmark = pytest.mark.usefixtures("one_thread", "native_bf16_x86")
 
 
 QUESTIONS = ["What is the capital of France?",
@@ -40,8 +40,9 @@ def engine_dir(smollm2_engine):
 
 
 @pytest.fixture(scope="module")
-def alone(engine_dir):
-    """Each prompt alone, on a cold cache with prefix caching off: the reference."""
+def alone(engine_dir, native_bf16_x86):
+    """Each prompt alone, on a cold cache with prefix caching off, on the path under test: the
+    reference."""
     eng = LLMEngine(engine_dir, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
     return [tokens(eng.generate([p], PARAMS))[0] for p in PROMPTS]
 
