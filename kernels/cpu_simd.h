@@ -187,7 +187,10 @@ INLINE float deq(float q, float s, float z) { return bf16_round_finite(q * s + z
  * (the compiler vectorizes loops over it where it can). */
 INLINE float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    /* round to nearest even by adding and subtracting 1.5 * 2^23 (no SSE4.1 roundps needed;
+     * exact for |t| < 2^22, and |t| <= 128 here; IEEE arithmetic, so the compiler keeps both) */
+    const float t = x * 1.44269504088896341f;
+    float n = (t + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720;

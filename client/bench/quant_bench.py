@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--bandwidth-mb", type=int, default=256,
+                   help="buffer for the host's memory-bandwidth measurement (default 256 MB; 0 skips it)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,13 +66,20 @@ def main(argv=None) -> int:
         for i, mdl in enumerate(models):
             rates[i].append(decode_tokens_per_second(mdl, args.tokens, batch=args.batch))
     base = statistics.median(rates[0])
+    from tritium.client.bench import host_info
+    host = host_info.host_report(torch.get_num_threads(), args.bandwidth_mb)
+    print(host_info.format_host(host))
     print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; limit: one stream's tok/s if every weight byte is read "
+          f"once per token at the measured read bandwidth")
     for e, mdl, r in zip(args.engines, models, rates):
         med = statistics.median(r)
         cfg = mdl.cfg
+        nbytes = host_info.engine_weight_bytes(e)
+        lim = host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes) if "memory" in host else None
+        lim_s = f"limit {lim:6.0f} tok/s ({nbytes / 1e6:4.0f} MB)" if lim else ""
         print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
-              f"kv={cfg.kv_cache.dtype:5s} {e}")
+              f"kv={cfg.kv_cache.dtype:5s} {lim_s}  {e}")
     return 0
 
 
