@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def _native(native_bf16):
-    """Skipped with its reason on a CPU without AVX512-BF16; must build where the ISA exists."""
+    """Every test here runs once per native CPU path (forced; a path the CPU cannot run is skipped
+    with the reason)."""
 
 
 def _seed() -> int:
