@@ -1,12 +1,15 @@
 """Batch-1 decode speed of engines (float vs quantized): a benchmark that prints figures.
 
     python -m tritium.client.bench.quant_bench ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3] [--batch 1]
+                                               [--threads N] [--bandwidth-mb 256]
 
 Each round runs every engine in turn (interleaved, so load from other processes hits all of
 them alike): a 32-token prefill of each of --batch sequences, then --tokens greedy decode steps
 of one token per sequence through the model's forward with a paged KV cache; only the decode
-steps are timed. Prints the median decode tokens/s (all sequences) per engine and its ratio to
-the first engine.
+steps are timed. Prints the host first (CPU model, the native kernels' ISA path, cores, memory
+bandwidth with the run's threads: client/bench/host_info.py), then the median decode tokens/s (all
+sequences) per engine, its ratio to the first engine, and its single-stream bandwidth limit (read
+GB/s / the engine's weight bytes).
 """
 from __future__ import annotations
 
