@@ -107,3 +107,28 @@ def test_bench_prints_the_host_first(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == host_info.format_host(host)
     assert out[1].startswith("single-stream limit of the in-process engine: 100 tok/s") and "270 MB" in out[1]
+
+
+def test_isa_selection_and_errors(monkeypatch):
+    """cpu_isa.select: the best runnable path unless TRITIUM_CPU_ISA forces one; an unknown value or
+    a path the CPU cannot run is an error naming the variable and the allowed values."""
+    avx2_only = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "sse4_2"}
+    if cpu_isa.is_x86():
+        assert cpu_isa.runnable(avx2_only) == ["avx2", "generic"]
+        assert cpu_isa.select({}, avx2_only) == "avx2"
+        assert cpu_isa.select({cpu_isa.ENV: "generic"}, avx2_only) == "generic"
+        with pytest.raises(ValueError, match=r"TRITIUM_CPU_ISA=avx512 cannot run .*avx512_bf16.*allowed values here: "
+                                             r"avx2, generic"):
+            cpu_isa.select({cpu_isa.ENV: "avx512"}, avx2_only)
+        assert cpu_isa.runnable(set()) == ["generic"]
+    with pytest.raises(ValueError, match="TRITIUM_CPU_ISA='sse9' is not a CPU path; allowed values: avx512, avx2, generic"):
+        cpu_isa.select({cpu_isa.ENV: "sse9"})
+    monkeypatch.setenv(cpu_isa.ENV, "sse9")  # the runtime refuses it too, whatever else holds
+    cpu_native.reset()
+    try:
+        with pytest.raises(ValueError, match="TRITIUM_CPU_ISA"):
+            cpu_native.available()
+    finally:
+        monkeypatch.delenv(cpu_isa.ENV)
+        cpu_native.reset()
+    assert cpu_native.isa() in (cpu_isa.runnable()[0], "none")  # unforced: the best path (or native off)
