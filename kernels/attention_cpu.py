@@ -8,7 +8,7 @@ Same contract as attention_ref.paged_attention_ref. Two routes:
   or on whether its keys were computed in this step or came from the prefix cache (batch
   invariance; "Defeating Nondeterminism in LLM Inference", Thinking Machines Lab, 2025: a fixed
   split size, not a fixed split count).
-- torch (other dtypes, quantized KV caches, CPUs without AVX512-BF16): SDPA calls over groups of
+- torch (other dtypes, quantized KV caches, TRITIUM_NATIVE_CPU=0): SDPA calls over groups of
   rows, described below; fast, but the groups depend on the batch, so a row's last bits may too.
 
 Per-step state (the row lists, the SDPA groups and their masks, the gather buffers) lives in a

@@ -121,6 +121,49 @@ INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, 
     for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
 }
 
+/* One row of x against NC_ channels (the decode case): the same per-output order as w8_rows, but
+ * NC_ independent accumulator chains, so the FMA latency no longer bounds a one-row GEMV. pn:
+ * channel 0's parameters, per_n floats per channel. */
+#define NC1 8
+INLINE void w8_cols(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int NC_) {
+    __m256 acc[NC1];
+    for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256i xv = load256(x + k);
+        __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
+        for (int c = 0; c < NC_; c++) {
+            __m256 we, wo;
+            PREFETCH(wn + c * K + k + 512);
+            i8x16_eo(wn + c * K + k, &we, &wo);
+            acc[c] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[c]));
+        }
+    }
+    for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
+}
+
+INLINE void w8g_cols(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn, int64_t per_n,
+                     const int NZ, float *out, const int NC_) {
+    __m256 acc[NC1];
+    for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t g = k / G;
+        __m256i xv = load256(x + k);
+        __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
+        for (int c = 0; c < NC_; c++) {
+            const float *p = pn + c * per_n + g * NZ;
+            const __m256 s = _mm256_set1_ps(p[0]), z = _mm256_set1_ps(NZ == 2 ? p[1] : 0.0f);
+            __m256 we, wo;
+            PREFETCH(wn + c * K + k + 512);
+            i8x16_eo(wn + c * K + k, &we, &wo);
+            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
+            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
+            acc[c] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[c]));
+        }
+    }
+    for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
+}
+#define HAVE_COLS 1
+
 INLINE void int8g_block(const int8_t *q, float s, float z, uint16_t *out) {
     const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
     for (int h = 0; h < 32; h += 16) {
@@ -146,13 +189,19 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 
 #else /* portable C: 16 float32 lanes, lane i takes k = 16 j + i; sum16 at the end */
+/* acc[r] += x[r][0:16] . wv for mr rows (out of line: inlined, GCC did not vectorize it) */
+static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], const uint16_t *restrict x, int64_t K,
+                                                 const float *restrict wv, int mr) {
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + i]) * wv[i];
+}
+
 INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
     float acc[MR][16] = {{0}};
     for (int64_t k = 0; k < K; k += 16) {
         float wv[16];
         for (int i = 0; i < 16; i++) wv[i] = (float)wn[k + i];
-        for (int r = 0; r < MR_; r++)
-            for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+        rows_dot16(acc, x + k, K, wv, MR_);
     }
     for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);
 }
@@ -165,8 +214,7 @@ INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, 
         for (int64_t k = g0; k < g0 + G; k += 16) {
             float wv[16];
             for (int i = 0; i < 16; i++) wv[i] = deq((float)wn[k + i], s, z);
-            for (int r = 0; r < MR_; r++)
-                for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+            rows_dot16(acc, x + k, K, wv, MR_);
         }
     }
     for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);
@@ -200,6 +248,18 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+#ifdef HAVE_COLS
+        if (M == 1) {
+            for (int64_t n = nb * NB; n < n1; n += NC1) {
+                float out[NC1];
+                const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
+                if (nc == NC1) w8_cols(x, K, w + n * K, out, NC1);
+                else w8_cols(x, K, w + n * K, out, nc);
+                for (int c = 0; c < nc; c++) y[n + c] = out[c] * scale[n + c];
+            }
+            continue;
+        }
+#endif
         /* rows outer, channels inner: MR rows of x and NB rows of w both stay in L1 */
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
@@ -222,6 +282,19 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, i
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+#ifdef HAVE_COLS
+        if (M == 1) {
+            for (int64_t n = nb * NB; n < n1; n += NC1) {
+                const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
+                const float *pn = params + n * per_n;
+                if (nz == 2 && nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, NC1);
+                else if (nz == 2) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, nc);
+                else if (nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, NC1);
+                else w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, nc);
+            }
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {

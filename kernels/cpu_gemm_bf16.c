@@ -186,49 +186,78 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) out[r * ldo] = hsum8(acc[r]);
 }
 
-#else /* portable C: 16 float32 lanes per output, lane i takes k = 16 j + i, then sum16 */
+/* One row against NC_ channels (decode): w4_rows' order, NC_ independent accumulator chains. */
+#define NC1 8
+INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
+                    const float *zero, int64_t N, float *out, const int NC_) {
+    __m256 acc[NC1];
+    for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t g = k / G;
+        __m256i xv = load256(x + k);
+        __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
+        for (int c = 0; c < NC_; c++) {
+            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero[g * N + c]);
+            __m256 we, wo;
+            PREFETCH(wn + c * (K / 2) + k / 2 + 256);
+            i4x16_eo(wn + c * (K / 2) + k / 2, &we, &wo);
+            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
+            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
+            acc[c] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[c]));
+        }
+    }
+    for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
+}
+#define HAVE_COLS 1
+
+#else /* portable C: 16 float32 lanes per output (lane i takes k = 16 j + i), sum16 at the end */
 #define NR 2
 #define NR1 4
 
+/* x . w over K. Kept out of line and free of prefetch hints: both made GCC give up vectorizing. */
+static __attribute__((noinline)) float dot_bf16(const uint16_t *x, const uint16_t *w, int64_t K) {
+    float acc[16] = {0};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int i = 0; i < 16; i++) acc[i] += bf16_to_f32(x[k + i]) * bf16_to_f32(w[k + i]);
+    for (int i = 0; k + i < K; i++) acc[i] += bf16_to_f32(x[k + i]) * bf16_to_f32(w[k + i]);
+    return sum16(acc);
+}
+
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int MR_, const int NR_) {
-    float acc[MR][NR][16] = {{{0}}};
-    for (int64_t k = 0; k < K; k += 16) {
-        const int n = K - k < 16 ? (int)(K - k) : 16;
-        float wv[NR][16];
-        for (int c = 0; c < NR_; c++) {
-            PREFETCH(w + c * K + k + 8 * 32);
-            for (int i = 0; i < 16; i++) wv[c][i] = i < n ? bf16_to_f32(w[c * K + k + i]) : 0.0f;
-        }
-        for (int r = 0; r < MR_; r++) {
-            float xv[16];
-            for (int i = 0; i < 16; i++) xv[i] = i < n ? bf16_to_f32(x[r * K + k + i]) : 0.0f;
-            for (int c = 0; c < NR_; c++)
-                for (int i = 0; i < 16; i++) acc[r][c][i] += xv[i] * wv[c][i];
-        }
-    }
     for (int r = 0; r < MR_; r++)
-        for (int c = 0; c < NR_; c++) out[r * ldo + c] = sum16(acc[r][c]);
+        for (int c = 0; c < NR_; c++) out[r * ldo + c] = dot_bf16(x + r * K, w + c * K, K);
 }
 
 INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
-    for (int c = 0; c < NC; c++) bf16_tile(x, w + c * K, K, out + c, 1, 1, 1);
+    for (int c = 0; c < NC; c++) out[c] = dot_bf16(x, w + c * K, K);
 }
 
-INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
+/* acc[r] += x[r][0:16] . wv for mr rows (out of line, as dot_bf16) */
+static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], const uint16_t *restrict x, int64_t K,
+                                                 const float *restrict wv, int mr) {
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + i]) * wv[i];
+}
+
+static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn,
+                                              const float *scale, const float *zero, int64_t N, float *out,
+                                              int64_t ldo, const int MR_) {
     float acc[MR][16] = {{0}};
     for (int64_t k = 0; k < K; k += 16) {
         const int64_t g = k / G;
         const float s = scale[g * N], z = zero[g * N];
-        float wv[16];
+        float lo[8], hi[8], wv[16];
         for (int i = 0; i < 8; i++) {
-            const uint8_t b = wn[k / 2 + i];
-            wv[2 * i] = deq((float)((b & 0x0F) - 8), s, z);
-            wv[2 * i + 1] = deq((float)((b >> 4) - 8), s, z);
+            lo[i] = deq((float)((wn[k / 2 + i] & 0x0F) - 8), s, z);
+            hi[i] = deq((float)((wn[k / 2 + i] >> 4) - 8), s, z);
         }
-        for (int r = 0; r < MR_; r++)
-            for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+        for (int i = 0; i < 8; i++) {
+            wv[2 * i] = lo[i];
+            wv[2 * i + 1] = hi[i];
+        }
+        rows_dot16(acc, x + k, K, wv, MR_);
     }
     for (int r = 0; r < MR_; r++) out[r * ldo] = sum16(acc[r]);
 }
@@ -278,6 +307,16 @@ void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, c
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+#ifdef HAVE_COLS
+        if (M == 1) {
+            for (int64_t n = nb * NB; n < n1; n += NC1) {
+                const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
+                if (nc == NC1) w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, NC1);
+                else w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, nc);
+            }
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {

@@ -164,8 +164,16 @@ void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *ou
 #pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = x + t * 2 * n, *u = g + n;
+#if defined(TRITIUM_AVX2)
         for (int64_t i = 0; i < n; i += VL)
             vstore(out + t * n + i, vmul(vround(vsilu(vload(g + i))), vload(u + i)));
+#else /* the same steps element by element: a loop gcc vectorizes, where the vf form did not */
+        for (int64_t i = 0; i < n; i++) {
+            const float a = bf16_to_f32(g[i]);
+            const float sa = bf16_round_finite(a / (1.0f + exp_poly(-a)));
+            out[t * n + i] = f32_to_bf16(sa * bf16_to_f32(u[i]));
+        }
+#endif
     }
 }
 #endif

@@ -3,7 +3,7 @@ once, and runs it (the layer classes in backend/ call this through ops.pack_cpu_
 ops.cpu_linear and hold the returned CpuLinear).
 
 Numerics, by engine dtype:
-- bfloat16 engine, native kernels available (x86 AVX512-BF16, kernels/cpu_native.py): every
+- bfloat16 engine, native kernels available (every path of kernels/cpu_native.py): every
   quantized GEMM reduces each output in float32 in one order fixed by K (cpu_gemm*.c) and the
   result is rounded once to bfloat16 by the layer, so a row is the same bits alone or in any batch.
   The fused kernels (w8a16, w8g, w4) serve small batches; from DEQUANT_MIN_ROWS rows the weight is
@@ -12,12 +12,15 @@ Numerics, by engine dtype:
   Dense bf16 weights use oneDNN (pre-packed) where its result was measured batch-invariant
   (K <= ONEDNN_INVARIANT_MAX_K on this project's CPUs: oneDNN's bf16 GEMM splits K differently
   with M above that, see tests/test_determinism_kernels.py) and the native bf16 GEMM elsewhere,
-  or everywhere with `deterministic` (an engine option: oneDNN is then never used).
+  or everywhere with `deterministic` (an engine option: oneDNN is then never used). oneDNN's and
+  torch's bf16 GEMMs are only fast with bf16 dot products (AVX512-BF16: the avx512 path); on the
+  avx2 and generic paths the native GEMM (bf16 widened to float32 in registers) takes every
+  dense bf16 weight.
 - float32 (and float16) engines: the quantized weight is dequantized once to float32 and the GEMM
   runs and returns float32, as float weights do (so tensor-parallel partial sums are never
   rounded to bfloat16).
-- bfloat16 without the native kernels (another CPU): torch's packed int8 / int4 kernels (fast, but
-  their blocking and bf16 scales depend on the batch; not batch-invariant).
+- bfloat16 without the native kernels (TRITIUM_NATIVE_CPU=0, no C compiler): torch's packed int8 /
+  int4 kernels (their blocking and bf16 scales depend on the batch; not batch-invariant).
 """
 from __future__ import annotations
 
@@ -72,7 +75,8 @@ def pack_dense(weight: torch.Tensor, deterministic: bool) -> Optional[CpuLinear]
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     k = weight.shape[1]
-    if cpu_native.available() and (deterministic or k > ONEDNN_INVARIANT_MAX_K):
+    native = cpu_native.available()
+    if native and (deterministic or k > ONEDNN_INVARIANT_MAX_K or not cpu_native.has_bf16_dot()):
         return CpuLinear("bf16_native", (weight.contiguous(),))
     if _onednn_packing():
         return CpuLinear("onednn", (torch.ops.mkldnn._reorder_linear_weight(weight, None),))

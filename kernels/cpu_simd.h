@@ -111,11 +111,13 @@ INLINE void store_bf16x8(uint16_t *p, __m256 x) {
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
     _mm_storeu_si128((__m128i *)p, packed);
 }
-/* x rounded to bf16, kept as float32 (low 16 bits zero) */
+/* x rounded to bf16, kept as float32 (low 16 bits zero): the bits of bf16_rne_bits, masked in place */
 INLINE __m256 bf16_round8(__m256 x) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_rne_bits(x), 16));
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
-
 /* 16 int8 (k order) -> float32 in the even / odd layout: e lane i = q[2i], o lane i = q[2i + 1]. */
 INLINE void i8x16_eo(const int8_t *p, __m256 *e, __m256 *o) {
     __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
@@ -172,13 +174,23 @@ INLINE __m256 exp256(__m256 x) {
 
 /* A grouped weight's value q * s + z rounded to bfloat16 (portable path; the SIMD paths use one
  * FMA). The fused GEMMs and the conversions to bfloat16 both call it, so they round alike. */
-INLINE float deq(float q, float s, float z) { return bf16_roundf(q * s + z); }
+INLINE float bf16_round_finite(float f) { /* bf16_roundf without the NaN case: vectorizes */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+INLINE float deq(float q, float s, float z) { return bf16_round_finite(q * s + z); }
 
 /* exp for the portable path: the same reduction and polynomial as exp512 / exp256, scalar
  * (the compiler vectorizes loops over it where it can). */
 INLINE float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    /* round to nearest even by adding and subtracting 1.5 * 2^23 (no SSE4.1 roundps needed;
+     * exact for |t| < 2^22, and |t| <= 128 here; IEEE arithmetic, so the compiler keeps both) */
+    const float t = x * 1.44269504088896341f;
+    float n = (t + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
     float p = 1.0f / 720;

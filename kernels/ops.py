@@ -1,7 +1,7 @@
 """Op registry used by the ModelRunner: one function per op, picked per device.
 
 CUDA tensors go to the Triton kernels; CPU tensors to torch (the references or leaner torch
-forms of them) and, for bfloat16 on CPUs with AVX512-BF16, to the native kernels of cpu_native
+forms of them) and, for bfloat16, to the native kernels of cpu_native (every CPU: one build per ISA path)
 (attention of every query row, the element-wise steps, the GEMMs), all batch-invariant: a row's
 bits do not depend on the other rows of a step (docs/determinism.md). CPU linears are packed
 and dispatched in one place, cpu_linear.py (pack_cpu_linear / cpu_linear below).

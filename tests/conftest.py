@@ -73,6 +73,24 @@ def native_bf16(request):
         yield name
 
 
+@pytest.fixture(scope="module", params=CPU_PATHS[:2])
+def native_bf16_x86(request):
+    """native_bf16 for the SmolLM2 engine-level tests, which take minutes per path: the two x86
+    SIMD paths (avx512, avx2). The portable path's batch invariance is covered by the kernel-level
+    and tiny-model tests (test_determinism_kernels.py, test_determinism_models.py), which force
+    every path."""
+    with forced_cpu_path(request.param) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def native_cpu():
+    """The native kernels on the path this host picks by itself (what `tritium serve` runs)."""
+    from tritium.kernels import cpu_native
+    assert cpu_native.available(), "the native CPU kernels did not build (is a C compiler installed?)"
+    return cpu_native.isa()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(family, **overrides) -> checkpoint folder (cached per args)."""

@@ -114,7 +114,8 @@ def test_bench_url_json_against_real_server(served, capsys, tmp_path):
     both systems see the same prompt token counts, and the ratio is the tok/s ratio."""
     engine, srv = served
     res, err = run_json(capsys, "bench", "--url", srv.grpc_url, "--model", NAME, "--engine", engine,
-                        "--concurrency", "1,3", "--json", "--plot", str(tmp_path / "plots"), *SMALL)
+                        "--concurrency", "1,3", "--json", "--plot", str(tmp_path / "plots"), "--bandwidth-mb", "16",
+                        *SMALL)
     wl = make_requests(WorkloadSpec(5, (4, 14), (2, 7), seed=3))
     want = sum(r.max_tokens for r in wl)
     assert set(res["runs"]) == {"tritium-grpc", "in-process"}
@@ -138,6 +139,13 @@ def test_bench_url_json_against_real_server(served, capsys, tmp_path):
     assert sorted(os.listdir(tmp_path / "plots")) == ["itl_cdf.png", "throughput_vs_concurrency.png",
                                                       "ttft_cdf.png"]
     assert "tritium-grpc" in err and "c3" in err  # the table went to stderr
+    from tritium.kernels import cpu_native
+    host = res["host"]  # the host, as measured in this process with its thread count
+    assert host["isa_path"] == cpu_native.isa() and host["memory"]["read_gbs"] > 0 and host["memory"]["buffer_mb"] == 16
+    weights = sum(os.path.getsize(os.path.join(engine, f)) for f in os.listdir(engine) if f.endswith(".safetensors"))
+    assert host["engine_weight_bytes"] == weights > 0
+    assert host["bandwidth_limit_tok_s"] == pytest.approx(host["memory"]["read_gbs"] * 1e9 / weights)
+    assert err.startswith("host: ") or "\nhost: " in err
 
 
 @pytest.mark.slow
@@ -194,7 +202,7 @@ def test_bench_openai_reports_token_count_mismatch(tiny_engine, capsys):
     (["--openai-url", "ftp://h:1"], "--openai-url"), (["--url", "127.0.0.1:1"], "--url"),
     (["--engine", "x", "--request-rate", "0"], "--request-rate"),
     (["--engine", "x", "--prompt-words", "9", "3"], "--prompt-words"),
-    (["--url", "h:1", "--hf-baselines"], "--hf-baselines")])
+    (["--url", "h:1", "--hf-baselines"], "--hf-baselines"), (["--engine", "x", "--bandwidth-mb", "-1"], "--bandwidth-mb")])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     rc = main(["bench", *argv])
     err = capsys.readouterr().err

@@ -65,7 +65,7 @@ def _openai(served) -> str:
     return answer.choices[0].message.content
 
 
-def test_every_route_answers_paris_twice(native_bf16, served):
+def test_every_route_answers_paris_twice(native_cpu, served):
     from tritium.client.triton_client import TritiumClient
     chat = {}
     for route in (_generate_url, _curl, _openai):  # the README's order

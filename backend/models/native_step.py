@@ -58,7 +58,8 @@ def refusal(model) -> Optional[str]:
         return "native CPU kernels unavailable"
     if model.tp is not None:
         return "tensor parallelism"
-    checks = [(m.num_experts, "mixture-of-experts layers"), (m.norm_placement != "pre", f"norm placement {m.norm_placement}"),
+    checks = [(m.num_experts, "mixture-of-experts layers"), (m.kv_lora_rank, "multi-head latent attention"),
+              (m.attention_sinks, "attention sinks"), (m.norm_placement != "pre", f"norm placement {m.norm_placement}"),
               (m.qk_norm != "none", "q/k norms"), (m.attn_logit_softcap is not None, "attention soft-cap"),
               (m.activation != "silu", f"activation {m.activation}"),
               (m.hidden_size % 16 or m.head_dim % 32 or m.intermediate_size % 16, "hidden / head / MLP sizes "
@@ -81,6 +82,12 @@ def refusal(model) -> Optional[str]:
             if why is not None:
                 return f"layers.{layer.idx}.{name}: {why}"
     return None
+
+
+def _probe(model):
+    """The module whose identity says the layers were not re-wrapped since the last check (None
+    for layers without a fused qkv_proj, e.g. multi-head latent attention)."""
+    return getattr(model.layers[0], "qkv_proj", None)
 
 
 class NativeStep:
@@ -108,14 +115,14 @@ class NativeStep:
         asked once; a model whose weights are not packed yet is asked again later)."""
         cached = model.__dict__.get("_native_step", False)
         # kept while the layers hold the same linear modules (LoRA's attach wraps them later)
-        if cached is not False and model.__dict__.get("_native_step_probe") is model.layers[0].qkv_proj:
+        if cached is not False and model.__dict__.get("_native_step_probe") is _probe(model):
             return cached
         why = refusal(model)
         if why is not None and "not packed" in why:
             return None
         step = NativeStep(model) if why is None else None
         model.__dict__["_native_step"] = step
-        model.__dict__["_native_step_probe"] = model.layers[0].qkv_proj
+        model.__dict__["_native_step_probe"] = _probe(model)
         model.__dict__["native_step_refusal"] = why
         return step
 

@@ -1,12 +1,15 @@
 """Batch-1 decode speed of engines (float vs quantized): a benchmark that prints figures.
 
     python -m tritium.client.bench.quant_bench ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3] [--batch 1]
+                                               [--threads N] [--bandwidth-mb 256]
 
 Each round runs every engine in turn (interleaved, so load from other processes hits all of
 them alike): a 32-token prefill of each of --batch sequences, then --tokens greedy decode steps
 of one token per sequence through the model's forward with a paged KV cache; only the decode
-steps are timed. Prints the median decode tokens/s (all sequences) per engine and its ratio to
-the first engine.
+steps are timed. Prints the host first (CPU model, the native kernels' ISA path, cores, memory
+bandwidth with the run's threads: client/bench/host_info.py), then the median decode tokens/s (all
+sequences) per engine, its ratio to the first engine, and its single-stream bandwidth limit (read
+GB/s / the engine's weight bytes).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--bandwidth-mb", type=int, default=256,
+                   help="buffer for the host's memory-bandwidth measurement (default 256 MB; 0 skips it)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,13 +69,20 @@ def main(argv=None) -> int:
         for i, mdl in enumerate(models):
             rates[i].append(decode_tokens_per_second(mdl, args.tokens, batch=args.batch))
     base = statistics.median(rates[0])
+    from tritium.client.bench import host_info
+    host = host_info.host_report(torch.get_num_threads(), args.bandwidth_mb)
+    print(host_info.format_host(host))
     print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}; limit: one stream's tok/s if every weight byte is read "
+          f"once per token at the measured read bandwidth")
     for e, mdl, r in zip(args.engines, models, rates):
         med = statistics.median(r)
         cfg = mdl.cfg
+        nbytes = host_info.engine_weight_bytes(e)
+        lim = host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes) if "memory" in host else None
+        lim_s = f"limit {lim:6.0f} tok/s ({nbytes / 1e6:4.0f} MB)" if lim else ""
         print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
-              f"kv={cfg.kv_cache.dtype:5s} {e}")
+              f"kv={cfg.kv_cache.dtype:5s} {lim_s}  {e}")
     return 0
 
 

@@ -58,6 +58,9 @@ def register(sub) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--bandwidth-mb", type=int, default=256,
+                   help="buffer for the host's memory-bandwidth measurement, printed first and under 'host' "
+                        "in --json (default 256 MB; 0 skips it)")
     e = p.add_argument_group("in-process engine (--engine)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads in this process")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -95,12 +98,16 @@ def run(args: argparse.Namespace) -> int:
                         args.single_stream_words, args.single_stream_tokens, args.warmup,
                         progress=not args.no_progress)
     opts.validate()
+    if args.bandwidth_mb < 0:
+        raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
     targets = make_targets(args)
+    host = measure_host(args)
     try:
         result, raw = run_suite(targets, opts)
     finally:
         for d in targets.values():
             d.close()
+    result["host"] = host
     out = sys.stderr if args.json else sys.stdout
     print_result(result, out)
     if args.plot:
@@ -134,9 +141,31 @@ def make_targets(args) -> dict:
     return targets
 
 
+def measure_host(args) -> dict:
+    """CPU model, ISA path, cores and memory bandwidth (with the in-process thread count), and with
+    --engine the single-stream decode limit that bandwidth sets for its weights."""
+    import torch
+
+    from tritium.client.bench import host_info
+    host = host_info.host_report(torch.get_num_threads(), args.bandwidth_mb)
+    if args.engine and "memory" in host:
+        nbytes = host_info.engine_weight_bytes(args.engine)
+        host["engine_weight_bytes"] = nbytes
+        host["bandwidth_limit_tok_s"] = host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes)
+    return host
+
+
 def print_result(result: dict, out) -> None:
     """The human-readable table, warnings and ratios."""
     from tritium.client.bench.bench_report import HEADER, format_row, warnings_for
+    from tritium.client.bench.host_info import format_host
+    if result.get("host"):
+        print(format_host(result["host"]), file=out)
+        h = result["host"]
+        if h.get("bandwidth_limit_tok_s"):
+            print(f"single-stream limit of the in-process engine: {h['bandwidth_limit_tok_s']:.0f} tok/s (memory "
+                  f"read {h['memory']['read_gbs']:.1f} GB/s / {h['engine_weight_bytes'] / 1e6:.0f} MB of weights "
+                  f"per token)", file=out)
     wl = result["workload"]
     print(f"workload: {wl['num_requests']} requests, prompts {wl['prompt_words'][0]}-{wl['prompt_words'][1]} "
           f"words, outputs {wl['output_tokens'][0]}-{wl['output_tokens'][1]} tokens (seed {wl['seed']}), EOS "

@@ -73,8 +73,8 @@ def register(sub) -> None:
                         "'none' = float)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels only: never oneDNN's bf16 GEMMs, whose K blocking depends on "
-                        "the batch (docs/determinism.md; the default is already invariant on x86 AVX512-BF16 "
-                        "CPUs for K <= 1024); the backend parameter `deterministic` overrides it")
+                        "the batch (docs/determinism.md; the default is already invariant wherever the native "
+                        "CPU kernels run, oneDNN kept only for K <= 1024 on AVX512-BF16); the backend parameter `deterministic` overrides it")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the weights over N tensor-parallel ranks, written as rank0..rank{N-1}.safetensors "
                         "(Megatron-style; see docs/tensor-parallel.md); the runtime then drives N processes (default 1)")

@@ -13,8 +13,13 @@ For each pair (Tritium bf16 vs llama.cpp BF16, int8 vs Q8_0, int4-rtn vs Q4_0):
      favours none; the servers wait idle while another system is measured (their idle CPU is
      measured and printed);
   4. the servers stop (always: try/finally), and the next pair starts.
-It prints one table with every system's figures and the ratios: Tritium / the fastest llama-server,
-tritium serve / in-process (server overhead) and each quantized pair / bf16.
+It prints the host first (CPU model, the ISA path Tritium's kernels take, cores, and the memory
+bandwidth measured with --threads threads, with each engine's single-stream decode limit: read
+GB/s / its weight bytes), then one table with every system's figures and the ratios: Tritium /
+the fastest llama-server, tritium serve / in-process (server overhead) and each quantized pair /
+bf16. `--isa avx2` (or avx512, generic) runs both sides on that instruction set: llama.cpp built
+with GGML_NATIVE=OFF and that ISA's options (client/bench/llamacpp.py), Tritium with
+TRITIUM_CPU_ISA forced; so an AVX2 comparison can be made on an AVX-512 host.
 """
 from __future__ import annotations
 
@@ -46,6 +51,12 @@ def register(sub) -> None:
     p.add_argument("--llama-threads", default="1,2",
                    help="llama-server -t/-tb; a comma list runs one llama-server per value and the ratios use "
                         "the fastest (default 1,2: -t 2 is faster on a quiet host, -t 1 on a busy one; see docs)")
+    p.add_argument("--isa", default="native",
+                   help="instruction set of both sides: native (llama.cpp GGML_NATIVE=ON, Tritium's best path; "
+                        "default), avx512, avx2 or generic (forced: llama.cpp built for it into build-<isa>/, "
+                        "TRITIUM_CPU_ISA set)")
+    p.add_argument("--bandwidth-mb", type=int, default=256,
+                   help="buffer for the memory-bandwidth measurement (default 256 MB; 0 skips it)")
     p.add_argument("--llama-server-args", default="", metavar="ARGS",
                    help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
@@ -82,6 +93,42 @@ def parse_threads(text: str) -> list:
     return values
 
 
+def apply_isa(isa: str) -> None:
+    """Force Tritium's kernels (this process and the tritonserver it starts) onto `isa`'s path."""
+    from tritium.client.bench.llamacpp import check_isa
+    if check_isa(isa) == "native":
+        return
+    from tritium.kernels import cpu_isa, cpu_native
+    can = cpu_isa.runnable()
+    if isa not in can:
+        raise ValueError(f"--isa {isa}: this CPU cannot run it; allowed here: native, {', '.join(can)}")
+    os.environ[cpu_isa.ENV] = isa
+    cpu_native.reset()
+
+
+def host_section(engines: dict, threads: int, bandwidth_mb: int) -> dict:
+    """host_info.host_report plus, per engine, its weight bytes and single-stream decode limit."""
+    from tritium.client.bench import host_info
+    host = host_info.host_report(threads, bandwidth_mb)
+    if "memory" in host:
+        host["engines"] = {}
+        for kind, path in engines.items():
+            nbytes = host_info.engine_weight_bytes(path)
+            host["engines"][kind] = {"weight_bytes": nbytes, "bandwidth_limit_tok_s":
+                                     host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes)}
+    return host
+
+
+def format_host_section(host: dict) -> str:
+    from tritium.client.bench.host_info import format_host
+    lines = [format_host(host)]
+    for kind, e in host.get("engines", {}).items():
+        if e["bandwidth_limit_tok_s"]:
+            lines.append(f"  {kind}: {e['weight_bytes'] / 1e6:.0f} MB of weights, single-stream limit "
+                         f"{e['bandwidth_limit_tok_s']:.0f} tok/s at the measured read bandwidth")
+    return "\n".join(lines)
+
+
 def ensure_engine(kind: str, gguf: str, engines_dir: str, log) -> str:
     """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing."""
     out = os.path.join(engines_dir, kind)
@@ -102,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("repeats", "threads"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.bandwidth_mb < 0:
+        raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    apply_isa(args.isa)
     args.llama_threads = parse_threads(args.llama_threads)
     opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
                         parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
@@ -117,11 +167,13 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.gguf):
         raise FileNotFoundError(f"--gguf {args.gguf}: file not found")
     work = os.path.join(cache_dir(), "compare")
-    src = ensure_llama_cpp(args.llama_cpp_dir, log=log)
-    ggufs = {k: requantize(src, args.gguf, PAIRS[k][1], os.path.join(work, "gguf")) for k in pairs}
+    src = ensure_llama_cpp(args.llama_cpp_dir, log=log, isa=args.isa)
+    ggufs = {k: requantize(src, args.gguf, PAIRS[k][1], os.path.join(work, "gguf"), args.isa) for k in pairs}
     engines = {k: ensure_engine(k, args.gguf, args.engines_dir or os.path.join(work, "engines"), log) for k in pairs}
     import torch
     torch.set_num_threads(args.threads)
+    host = host_section(engines, args.threads, args.bandwidth_mb)
+    print(format_host_section(host), file=out, flush=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     results = {}
     for p_idx, kind in enumerate(pairs):
@@ -129,10 +181,11 @@ def run(args: argparse.Namespace) -> int:
         results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work)
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                   "llama_cpp_dir": src, "gguf": args.gguf, "engines": engines, "threads": args.threads,
+                   "llama_cpp_dir": src, "isa": args.isa, "host": host, "gguf": args.gguf, "engines": engines,
+                   "threads": args.threads,
                    "llama_threads": args.llama_threads,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
-    print(format_table(report), file=out, flush=True)
+    print(format_host_section(host) + "\n" + format_table(report), file=out, flush=True)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     return 0
@@ -157,7 +210,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     many = len(args.llama_threads) > 1
     llamas = {(f"llama-server-t{t}" if many else "llama-server"):
               LlamaServer(src, gguf, parallel=parallel, threads=t, extra_args=shlex.split(args.llama_server_args),
-                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"))
+                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"), isa=args.isa)
               for t in args.llama_threads}
     triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
     inproc = None
