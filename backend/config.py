@@ -23,6 +23,8 @@ BUILD_REPORT_FILE = "build_report.json"
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
                            "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+# EngineConfig.activation_quant: weight-only, or int8 activations (W8A8 / W4A8) on CPU
+ACTIVATION_QUANT = ("none", "int8")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -177,6 +179,9 @@ class QuantConfig:
     # --quantization auto only (provenance): the budget, the measured perplexity increase on the
     # held-out slice, whether it was met, and how many linears took each format.
     budget: dict = field(default_factory=dict)
+    # --activation-quant int8 builds (provenance): SmoothQuant's alpha and how many linears it
+    # smoothed (builder/quant/smoothquant.py); empty when it was not applied.
+    smoothquant: dict = field(default_factory=dict)
 
 
 def _quant_config_from_dict(q: dict) -> QuantConfig:
@@ -226,6 +231,11 @@ class EngineConfig:
     # bf16 GEMMs on CPU): `tritium build --deterministic`, or the backend parameter
     # `deterministic` (docs/determinism.md).
     deterministic: bool = False
+    # "int8": int8 and int4 linears quantize their activations per row and block of 32 to int8
+    # and run integer dot products on CPU (W8A8 / W4A8, kernels/cpu_gemm_i8dot.c); "none":
+    # weight-only. `tritium build --activation-quant int8` (which also applies SmoothQuant), or
+    # the backend parameter `activation_quant` (docs/quantization.md).
+    activation_quant: str = "none"
 
     # ---- JSON round trip -------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -266,6 +276,7 @@ class EngineConfig:
                 build=d.get("build", {}),
                 format_version=version,
                 deterministic=d.get("deterministic", False),
+                activation_quant=d.get("activation_quant", "none"),
             )
         except KeyError as e:
             raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: missing field {e}") from None
@@ -278,6 +289,9 @@ class EngineConfig:
         m = self.model
         if not isinstance(self.deterministic, bool):
             raise EngineFormatError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.activation_quant not in ACTIVATION_QUANT:
+            raise EngineFormatError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, "
+                                    f"got {self.activation_quant!r}")
         if m.architecture not in SUPPORTED_ARCHITECTURES:
             raise EngineFormatError(
                 f"model.architecture {m.architecture!r} is not supported; "
@@ -374,6 +388,18 @@ class EngineConfig:
 
     def weights_file(self, rank: int = 0) -> str:
         return f"rank{rank}.safetensors"
+
+
+def with_activation_quant(cfg: "EngineConfig", mode: Optional[str]) -> "EngineConfig":
+    """cfg with the `activation_quant` option overridden (None: the engine's own setting)."""
+    if mode is None or mode == cfg.activation_quant:
+        return cfg
+    if mode not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("activation_quant: a tensor-parallel engine takes it from its build "
+                         "(tritium build --activation-quant), not as a runtime override")
+    return dataclasses.replace(cfg, activation_quant=mode)
 
 
 def with_deterministic(cfg: "EngineConfig", deterministic: Optional[bool]) -> "EngineConfig":

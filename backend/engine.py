@@ -19,7 +19,7 @@ import torch
 
 from .admission import Admission
 from .block_manager import BlockManager
-from .config import EngineConfig, with_deterministic
+from .config import EngineConfig, with_activation_quant, with_deterministic
 from .errors import RequestError
 from .guided import state as guided
 from .loader import load_engine
@@ -61,6 +61,7 @@ class LLMEngine:
                  model=None, tokenizer=None, draft_engine: Optional["LLMEngine"] = None,
                  thread_policy: Optional[ThreadPolicy] = None,
                  deterministic: Optional[bool] = None,  # None: the engine's own setting
+                 activation_quant: Optional[str] = None,  # None: the engine's own setting
                  lora: Optional[LoRAConfig] = None,
                  gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
         if speculative is not None:
@@ -73,6 +74,7 @@ class LLMEngine:
         if engine_dir is not None:
             config, model, tokenizer = load_engine(engine_dir, device)
         config = with_deterministic(config, deterministic)
+        config = with_activation_quant(config, activation_quant)
         if engine_dir is not None:
             if config.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
                 runner = ParallelRunner(engine_dir, config, model, model_device(model),

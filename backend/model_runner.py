@@ -17,6 +17,7 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
+from .quant import set_activation_quant
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .step_arrays import StepArrays
@@ -86,6 +87,7 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"kv_cache.dtype {cfg.kv_cache.dtype!r} needs layers.N.k_scale/v_scale "
                                  f"in the engine weights; missing for layers {missing[:4]}")
+        set_activation_quant(model, cfg.activation_quant)  # W8A8 / W4A8 or weight-only (backend/quant.py)
         if device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             if cfg.deterministic:
                 _pack_deterministic(model)

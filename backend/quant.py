@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from tritium.kernels import ops
+from tritium.kernels.cpu_linear import ACTIVATION_QUANT
 
 
 class _QuantLinearBase(nn.Module):
     method = ""  # the LayerQuant method this class implements
+    activation_quant = "none"  # "int8": W8A8 / W4A8 on CPU (set_activation_quant)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, layer_quant):
         super().__init__()
@@ -37,7 +39,8 @@ class _QuantLinearBase(nn.Module):
         key = tuple(self._buffers.values())
         if self._packed is None or len(key) != len(self._packed_key) or any(
                 a is not b for a, b in zip(key, self._packed_key)):
-            self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size)
+            self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size,
+                                               activation_quant=self.activation_quant)
             self._packed_key = key
         return self._packed
 
@@ -55,6 +58,17 @@ class _QuantLinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def set_activation_quant(model: nn.Module, mode: str) -> None:
+    """EngineConfig.activation_quant for every int8 / int4 linear of `model` ("none" or "int8");
+    a layer whose mode changes is packed again on its next CPU call."""
+    if mode not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
+    for mod in model.modules():
+        if isinstance(mod, (Int8Linear, Int4Linear)) and mod.activation_quant != mode:
+            mod.activation_quant = mode
+            mod._packed = None
 
 
 def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:

@@ -1,12 +1,14 @@
 """Batch-1 decode speed of engines (float vs quantized): a benchmark that prints figures.
 
     python -m tritium.client.bench.quant_bench ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3] [--batch 1]
+        [--activation-quant none,int8]
 
 Each round runs every engine in turn (interleaved, so load from other processes hits all of
 them alike): a 32-token prefill of each of --batch sequences, then --tokens greedy decode steps
 of one token per sequence through the model's forward with a paged KV cache; only the decode
 steps are timed. Prints the median decode tokens/s (all sequences) per engine and its ratio to
-the first engine.
+the first engine. --activation-quant lists modes (none: weight-only, int8: W8A8 / W4A8
+integer-dot kernels); each engine then runs once per mode, in the same rounds.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
+from tritium.backend.quant import set_activation_quant
 
 from tritium.builder.quant.quant_eval import kv_cache_dtype
 
@@ -51,10 +54,22 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--activation-quant", default=None, metavar="MODES",
+                   help="comma-separated: none, int8; every engine runs once per mode (default: its own setting)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = [load_engine(e, "cpu")[1] for e in args.engines]
+    modes = args.activation_quant.split(",") if args.activation_quant else [None]
+    bad = [m for m in modes if m not in ("none", "int8")]
+    if bad:
+        raise SystemExit(f"--activation-quant: {bad[0]!r} is not one of none, int8")
+    runs = [(e, mode) for e in args.engines for mode in modes]
+    models = []
+    for e, mode in runs:
+        mdl = load_engine(e, "cpu")[1]
+        if mode is not None:
+            set_activation_quant(mdl, mode)
+        models.append(mdl)
     for mdl in models:
         mdl.pack_for_cpu()  # as the engine's ModelRunner does: oneDNN pre-packed bf16 float linears
     for mdl in models:  # warm-up (packing, allocator)
@@ -66,11 +81,11 @@ def main(argv=None) -> int:
     base = statistics.median(rates[0])
     print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}")
-    for e, mdl, r in zip(args.engines, models, rates):
+    for (e, mode), mdl, r in zip(runs, models, rates):
         med = statistics.median(r)
         cfg = mdl.cfg
         print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
-              f"kv={cfg.kv_cache.dtype:5s} {e}")
+              f"kv={cfg.kv_cache.dtype:5s} act={mode or cfg.activation_quant:4s} {e}")
     return 0
 
 

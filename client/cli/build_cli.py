@@ -55,6 +55,15 @@ def register(sub) -> None:
                         "against the float model (default 1024; 0 skips the evaluation)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
+    s = p.add_argument_group("integer-dot activations (docs/quantization.md#integer-dot-w8a8--w4a8)")
+    s.add_argument("--activation-quant", default="none", choices=("none", "int8"),
+                   help="int8: the engine's int8 / int4 linears quantize activations per row and block of 32 to int8 "
+                        "and run integer dot products on CPU (W8A8 / W4A8), after SmoothQuant; none (default): "
+                        "weight-only. The backend parameter / engine option activation_quant overrides it at run time")
+    s.add_argument("--smoothquant-alpha", type=float, default=None, metavar="A",
+                   help="with --activation-quant int8: SmoothQuant's migration strength in [0, 1] (default 0.5)")
+    s.add_argument("--no-smoothquant", dest="smoothquant", action="store_false",
+                   help="with --activation-quant int8: do not smooth activation outliers into the weights")
     a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
     a.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
                    help="required with --quantization auto: the allowed perplexity increase over the float model, "
@@ -130,7 +139,7 @@ def options_from_args(args: argparse.Namespace):
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
                                            "calibration_samples", "exclude_modules", "tensor_parallel_size",
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
-                                           "eval_tokens")
+                                           "eval_tokens", "activation_quant", "smoothquant", "smoothquant_alpha")
              if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
