@@ -13,10 +13,11 @@
  *
  * y[m][n] = r[n] (sum_b xd[m][b] d[n][b] T[m][n][b] + sum_b xd[m][b] S[m][b] z[n][b]), with
  * T = sum_k c_k q_k over block b (exact in int32) and S = sum_k q_k the block's code sum.
- * The integer dot products: AVX-512 VNNI (VPDPBUSD: unsigned weight codes times signed
- * activation codes, the offset taken out by starting each lane at -offset x its four codes'
- * sum), AVX2 (VPMADDUBSW + VPMADDWD; int8 weights through the sign trick so that no pair sum
- * saturates), and portable C the compiler vectorizes. The float sums run in an order fixed by K.
+ * The integer dot products: AVX-512 VNNI (VPDPBUSD: unsigned weight codes u times signed
+ * activation codes, U = T + offset S exact in int32, the offset's share taken out with the zero
+ * term: sum_b xd S (z - offset d)), AVX2 (VPMADDUBSW + VPMADDWD; int8 weights through the sign
+ * trick so that no pair sum saturates, int4 as AVX-512), and portable C the compiler vectorizes.
+ * The float sums run in an order fixed by K.
  * K % 32 == 0.
  */
 #include <math.h>
@@ -56,10 +57,8 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
 
 /* ---------------------------------------------------------------- activation quantization */
 
-/* One row: xq (K) codes, xd (K/32) scales, xs (K/32) code sums; lane (K/4, may be NULL):
- * -off x the sum of each four consecutive codes (the start value of a VPDPBUSD lane). */
-static void quantize_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, int32_t *xs,
-                         int32_t *lane) {
+/* One row: xq (K) codes, xd (K/32) scales, xs (K/32) code sums. */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
     for (int64_t b = 0; b < K / QB; b++) {
         const uint16_t *xb = x + b * QB;
         int8_t *qb = xq + b * QB;
@@ -78,16 +77,13 @@ static void quantize_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, 
         }
         xd[b] = amax / 127.0f;
         xs[b] = s;
-        if (lane)
-            for (int i = 0; i < QB / 4; i++)
-                lane[b * 8 + i] = -off * ((int32_t)qb[4 * i] + qb[4 * i + 1] + qb[4 * i + 2] + qb[4 * i + 3]);
     }
 }
 
 /* The quantization alone (tests compare it with the torch definition). */
 void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, 0, xq + m * K, xd + m * (K / QB), xs + m * (K / QB), NULL);
+        quantize_row(x + m * K, K, xq + m * K, xd + m * (K / QB), xs + m * (K / QB));
 }
 
 /* ---------------------------------------------------------------- per-path block dots */
@@ -109,8 +105,11 @@ INLINE __m256i load_u32(const uint8_t *wn, int64_t k, const int BITS) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
 }
 
-/* out[r] = sum_b xd[r][b] d[b] T[r][b] for MR_ rows (xdx: each block's xd repeated in its 8 lanes). */
-INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xdx, int64_t K, const uint8_t *wn,
+/* out[r] = sum_b xd[r][b] d[b] U[r][b] for MR_ rows, U = sum_k u_k q_k the unsigned codes' dot
+ * (the offset's share, off x S, is taken out with the zero term); xdx: each block's xd repeated
+ * in its 8 lanes. */
+#define UNSIGNED_DOT(bits) 1
+INLINE void dot_rows(const int8_t *xq, const float *xdx, int64_t K, const uint8_t *wn,
                      const uint16_t *dn, float *out, const int BITS, const int MR_) {
     __m512 acc[MR];
     __m256 acc8[MR];
@@ -122,9 +121,9 @@ INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xdx, in
         const __m512 dv = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)dn[b + 1]),
                                                            _mm_set1_epi16((short)dn[b])));
         for (int r = 0; r < MR_; r++) {
-            const __m512i t = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)(lane + r * K4 + k / 4)), w,
+            const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
                                                   _mm512_loadu_si512((const void *)(xq + r * K + k)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(_mm512_loadu_ps(xdx + r * K4 + k / 4), dv),
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dv), _mm512_loadu_ps(xdx + r * K4 + k / 4),
                                      acc[r]);
         }
     }
@@ -133,9 +132,9 @@ INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xdx, in
         const __m256i w = load_u32(wn, k, BITS);
         const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dn[b]));
         for (int r = 0; r < MR_; r++) {
-            const __m256i t = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(lane + r * K4 + k / 4)), w,
+            const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
                                                   _mm256_loadu_si256((const __m256i *)(xq + r * K + k)));
-            acc8[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(_mm256_loadu_ps(xdx + r * K4 + k / 4), dv),
+            acc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_loadu_ps(xdx + r * K4 + k / 4),
                                       acc8[r]);
         }
     }
@@ -161,17 +160,18 @@ static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
 }
 
 #elif defined(I8DOT_AVX2)
+#define UNSIGNED_DOT(bits) ((bits) == 4) /* int8: the sign trick gives T itself */
 INLINE __m256i load_u32(const uint8_t *wn, int64_t k, const int BITS) {
     if (BITS == 8) return _mm256_loadu_si256((const __m256i *)(wn + k));
     const __m128i v = _mm_loadu_si128((const __m128i *)(wn + k / 2)), m4 = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
 }
 
-INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xd, int64_t K, const uint8_t *wn,
+INLINE void dot_rows(const int8_t *xq, const float *xd, int64_t K, const uint8_t *wn,
                      const uint16_t *dn, float *out, const int BITS, const int MR_) {
     __m256 acc[MR];
     for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t K4 = K / 4, KB = K / QB;
+    const int64_t KB = K / QB;
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int64_t k = 0; k < K; k += QB) {
         const int64_t b = k / QB;
@@ -186,8 +186,7 @@ INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xd, int
             if (BITS == 8) {
                 t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, c)), ones);
             } else {
-                t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones),
-                                     _mm256_loadu_si256((const __m256i *)(lane + r * K4 + k / 4)));
+                t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones); /* unsigned codes: U */
             }
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(xd[r * KB + b] * d), acc[r]);
         }
@@ -212,9 +211,9 @@ static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
 }
 
 #else /* portable C */
-INLINE void dot_rows(const int8_t *xq, const int32_t *lane, const float *xd, int64_t K, const uint8_t *wn,
+#define UNSIGNED_DOT(bits) 0
+INLINE void dot_rows(const int8_t *xq, const float *xd, int64_t K, const uint8_t *wn,
                      const uint16_t *dn, float *out, const int BITS, const int MR_) {
-    (void)lane;
     float acc[MR] = {0};
     const int64_t KB = K / QB;
     for (int64_t b = 0; b < KB; b++) {
@@ -263,18 +262,17 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
                        float *y, int64_t M, int64_t N, int64_t K, int64_t bits) {
     const int64_t KB = K / QB, K4 = K / 4;
     const int32_t off = bits == 8 ? 128 : 8;
-    /* scratch: codes, per-lane start values, per-lane scales (AVX-512) or per-block scales, xd x S */
-    const size_t bytes = (size_t)M * (size_t)(K + 4 * K4 + 4 * K4 + 4 * KB + 4 * KB + 4 * KB) + 64;
+    /* scratch: codes, per-lane scales (AVX-512), per-block scales, xd x S, S */
+    const size_t bytes = (size_t)M * (size_t)(K + 4 * K4 + 4 * KB + 4 * KB + 4 * KB) + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem) return -1;
     int8_t *xq = (int8_t *)mem;
-    int32_t *lane = (int32_t *)(mem + (size_t)M * K);
-    float *xdx = (float *)(lane + M * K4);
+    float *xdx = (float *)(mem + (size_t)M * K);
     float *xd = xdx + M * K4;
     float *xz = xd + M * KB;
     int32_t *xs = (int32_t *)(xz + M * KB);
     for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, K, off, xq + m * K, xd + m * KB, xs + m * KB, lane + m * K4);
+        quantize_row(x + m * K, K, xq + m * K, xd + m * KB, xs + m * KB);
         for (int64_t b = 0; b < KB; b++) {
             xz[m * KB + b] = xd[m * KB + b] * (float)xs[m * KB + b];
             for (int i = 0; i < 8; i++) xdx[m * K4 + b * 8 + i] = xd[m * KB + b];
@@ -296,14 +294,15 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
             for (int64_t n = nb * NB; n < n1; n++) {
                 float out[MR];
                 if (bits == 8) {
-#define D8(R) dot_rows(xq + m0 * K, lane + m0 * K4, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 8, R)
+#define D8(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 8, R)
                     DISPATCH(D8, mr)
                 } else {
-#define D4(R) dot_rows(xq + m0 * K, lane + m0 * K4, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 4, R)
+#define D4(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 4, R)
                     DISPATCH(D4, mr)
                 }
                 for (int64_t i = 0; i < mr; i++) {
-                    const float zt = z ? zero_term(xz + (m0 + i) * KB, z + n * KB, KB) : 0.0f;
+                    float zt = z ? zero_term(xz + (m0 + i) * KB, z + n * KB, KB) : 0.0f;
+                    if (UNSIGNED_DOT(bits)) zt -= (float)off * zero_term(xz + (m0 + i) * KB, d + n * KB, KB);
                     y[(m0 + i) * N + n] = (out[i] + zt) * r[n];
                 }
             }
