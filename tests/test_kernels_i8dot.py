@@ -1,7 +1,8 @@
-"""The integer-dot W8A8 / W4A8 GEMM (kernels/cpu_gemm_i8dot.c) on every ISA path against the
-torch reference written from the definition (kernels/i8dot_pack.i8dot_gemm_ref: activations
-quantized per 32-block, exact integer block dots, rescaled), odd shapes, and batch invariance.
-Fresh random shapes and data every run; the seed is in each failure message."""
+"""The integer-dot W8A8 / W4A8 GEMM (kernels/cpu_gemm_i8dot.c) on every ISA path (forced with
+TRITIUM_CPU_ISA by the cpu_path fixture; test ids name the path) against the torch reference
+written from the definition (kernels/i8dot_pack.i8dot_gemm_ref: activations quantized per
+32-block, exact integer block dots, rescaled), odd shapes, and batch invariance. Fresh random
+shapes and data every run; the seed is in each failure message."""
 from __future__ import annotations
 
 import random
@@ -9,8 +10,8 @@ import random
 import pytest
 import torch
 
+from tritium.kernels import cpu_native
 from tritium.kernels import i8dot_pack as ip
-from tests.kernel_isa import PATHS, isa_kernels
 
 
 def _case(rng, bits):
@@ -33,10 +34,9 @@ def _case(rng, bits):
     return x, ip.repack(codes, scales, zeros, group, bits)
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_i8dot_gemm_matches_reference(path, bits):
-    kern = isa_kernels(path)
+def test_i8dot_gemm_matches_reference(cpu_path, bits):
+    path, kern = cpu_path, cpu_native
     for _ in range(6):
         seed = random.randrange(1 << 30)
         rng = random.Random(seed)
@@ -62,7 +62,8 @@ def test_i8dot_gemm_matches_reference(path, bits):
 def test_i8dot_close_to_weight_only(bits):
     """The activation rounding costs about what int8 per-32 rounding should: relative error
     around 1/254 of each block's range, far from a wrong result."""
-    kern = isa_kernels(PATHS[0])
+    kern = cpu_native
+    assert kern.available()
     torch.manual_seed(0)
     n, k = 64, 512
     codes = torch.randint(-128, 128, (n, k)) if bits == 8 else torch.randint(-8, 8, (n, k))

@@ -137,9 +137,9 @@ def test_runtime_option_turns_it_on_and_off(engines):
         options_from_params({"activation_quant": "int4"})
 
 
-def test_layer_rows_are_batch_invariant():
+def test_layer_rows_are_batch_invariant(cpu_path):
     """W8A8 / W4A8 linears give a row the same bits alone, in a decode batch or in a prefill
-    (one kernel for every row count)."""
+    (one kernel for every row count), on every CPU path."""
     from types import SimpleNamespace
     from tritium.kernels.quant_layouts import pack_int4
     torch.manual_seed(3)

@@ -43,8 +43,7 @@ def main(argv=None) -> int:
     if not cpu_native.available():
         print("native CPU kernels unavailable here (TRITIUM_NATIVE_CPU=0, no compiler or an unsupported CPU)")
         return 0
-    isa = cpu_native.isa() if hasattr(cpu_native, "isa") else "avx512"
-    print(f"ISA path {isa}, torch threads {torch.get_num_threads()}, {args.reps} reps, medians")
+    print(f"ISA path {cpu_native.isa()}, torch threads {torch.get_num_threads()}, {args.reps} reps, medians")
     torch.manual_seed(0)
     for method in ("int8", "int4"):
         packs = {mode: [] for mode in ("none", "int8")}
