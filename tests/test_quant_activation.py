@@ -174,3 +174,19 @@ def test_bad_flags_fail_before_work(tiny_checkpoint, tmp_path, capsys, argv, mes
     rc = main(["build", tiny_checkpoint("llama", **DIMS), "-o", str(out), "--quiet"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and not out.exists() and re.search(message, err), err
+
+
+def test_eval_cli_activation_quant(engines, capsys, tmp_path):
+    """`tritium eval --activation-quant int8` scores the engine's W8A8 numerics (recorded in the
+    JSON), and they differ from its weight-only numerics on the same text."""
+    from tritium.client.cli.main import main
+    qdir, fdir = engines(quantization="int8"), engines()
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    res = {}
+    for mode in ("none", "int8"):
+        assert main(["eval", "--engine", qdir, "--reference", fdir, "--text", str(text), "--num-tokens", "120",
+                     "--json", "--activation-quant", mode]) == 0
+        res[mode] = json.loads(capsys.readouterr().out)
+        assert res[mode]["activation_quant"] == mode and 0 <= res[mode]["mean_kl"] < 0.1
+    assert res["int8"]["perplexity"] != res["none"]["perplexity"]
