@@ -179,9 +179,7 @@ class QuantConfig:
     # --quantization auto only (provenance): the budget, the measured perplexity increase on the
     # held-out slice, whether it was met, and how many linears took each format.
     budget: dict = field(default_factory=dict)
-    # --activation-quant int8 builds (provenance): SmoothQuant's alpha and how many linears it
-    # smoothed (builder/quant/smoothquant.py); empty when it was not applied.
-    smoothquant: dict = field(default_factory=dict)
+    smoothquant: dict = field(default_factory=dict)  # provenance: SmoothQuant's alpha, linears smoothed
 
 
 def _quant_config_from_dict(q: dict) -> QuantConfig:
@@ -231,10 +229,8 @@ class EngineConfig:
     # bf16 GEMMs on CPU): `tritium build --deterministic`, or the backend parameter
     # `deterministic` (docs/determinism.md).
     deterministic: bool = False
-    # "int8": int8 and int4 linears quantize their activations per row and block of 32 to int8
-    # and run integer dot products on CPU (W8A8 / W4A8, kernels/cpu_gemm_i8dot.c); "none":
-    # weight-only. `tritium build --activation-quant int8` (which also applies SmoothQuant), or
-    # the backend parameter `activation_quant` (docs/quantization.md).
+    # "int8": int8 / int4 linears run W8A8 / W4A8 integer-dot kernels on CPU, "none": weight-only
+    # (`tritium build --activation-quant`, backend parameter activation_quant; docs/quantization.md)
     activation_quant: str = "none"
 
     # ---- JSON round trip -------------------------------------------------------------
@@ -388,18 +384,6 @@ class EngineConfig:
 
     def weights_file(self, rank: int = 0) -> str:
         return f"rank{rank}.safetensors"
-
-
-def with_activation_quant(cfg: "EngineConfig", mode: Optional[str]) -> "EngineConfig":
-    """cfg with the `activation_quant` option overridden (None: the engine's own setting)."""
-    if mode is None or mode == cfg.activation_quant:
-        return cfg
-    if mode not in ACTIVATION_QUANT:
-        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
-    if cfg.tensor_parallel_size > 1:
-        raise ValueError("activation_quant: a tensor-parallel engine takes it from its build "
-                         "(tritium build --activation-quant), not as a runtime override")
-    return dataclasses.replace(cfg, activation_quant=mode)
 
 
 def with_deterministic(cfg: "EngineConfig", deterministic: Optional[bool]) -> "EngineConfig":

@@ -19,7 +19,7 @@ import torch
 
 from .admission import Admission
 from .block_manager import BlockManager
-from .config import EngineConfig, with_activation_quant, with_deterministic
+from .config import EngineConfig, with_deterministic
 from .errors import RequestError
 from .guided import state as guided
 from .loader import load_engine
@@ -29,6 +29,7 @@ from .lora.setup import enable_lora, resolve_request_lora
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
 from .placement import bind_thread, check_utilization, model_device
+from .quant import with_activation_quant
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestOutput, Sequence, SequenceStatus

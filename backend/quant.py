@@ -15,11 +15,16 @@ On CUDA they call ops.linear_w4a16 / linear_w8a16 / linear_fp8.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 from torch import nn
 
 from tritium.kernels import ops
 from tritium.kernels.cpu_linear import ACTIVATION_QUANT
+
+from .config import EngineConfig
 
 
 class _QuantLinearBase(nn.Module):
@@ -69,6 +74,18 @@ def set_activation_quant(model: nn.Module, mode: str) -> None:
         if isinstance(mod, (Int8Linear, Int4Linear)) and mod.activation_quant != mode:
             mod.activation_quant = mode
             mod._packed = None
+
+
+def with_activation_quant(cfg: EngineConfig, mode: Optional[str]) -> EngineConfig:
+    """cfg with the `activation_quant` option overridden (None: the engine's own setting)."""
+    if mode is None or mode == cfg.activation_quant:
+        return cfg
+    if mode not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("activation_quant: a tensor-parallel engine takes it from its build "
+                         "(tritium build --activation-quant), not as a runtime override")
+    return dataclasses.replace(cfg, activation_quant=mode)
 
 
 def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:

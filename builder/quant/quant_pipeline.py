@@ -41,7 +41,7 @@ from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
-from .smoothquant import DEFAULT_ALPHA, smooth_engine_tensors
+from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -129,13 +129,7 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
         if len(text) < calib.MIN_CALIBRATION_CHARS:
             raise ValueError(f"--calibration-text {o.calibration_text}: calibration text too short "
                              f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
-    if o.activation_quant not in ("none", "int8"):
-        raise ValueError(f"--activation-quant {o.activation_quant!r} not supported; allowed: none, int8")
-    if o.activation_quant == "int8" and not (o.quantization == "int8" or o.quantization.startswith("int4")):
-        raise ValueError(f"--activation-quant int8 runs int8 / int4 weights on integer dot products: it needs "
-                         f"--quantization int8, int4-rtn, int4-awq or int4-gptq, got {o.quantization}")
-    if not isinstance(o.smoothquant_alpha, (int, float)) or not 0.0 <= o.smoothquant_alpha <= 1.0:
-        raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {o.smoothquant_alpha!r}")
+    check_activation_options(o)
     if cfg is not None and o.quantization != "none":
         plan_layers(cfg, o)  # raises if a layer's input dim takes no group size
 
@@ -207,8 +201,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     fp8_gptq = any(lq.method == "fp8" and not lq.asymmetric for lq in plan.values())
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None and fp8_gptq)
     float_tensors, smooth_report = tensors, None
-    if o.activation_quant == "int8" and o.smoothquant and plan:
-        tensors, smooth_report = _smooth(cfg, tensors, tokenizer, o, plan, model_factory)
+    if o.activation_quant == "int8" and o.smoothquant and plan:  # SmoothQuant on the float weights first
+        tensors, smooth_report = smooth_engine_tensors(
+            cfg, tensors, lambda: _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o),
+            plan, o.smoothquant_alpha, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
     if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):
@@ -235,23 +231,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears")})
     report = _report(o, float_tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
     if o.activation_quant != "none":
-        report["activation_quant"] = o.activation_quant
-        report["smoothquant"] = smooth_report or "off"
+        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or "off")
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, float_tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report
-
-
-def _smooth(cfg, tensors, tokenizer, o: QuantOptions, plan: dict, model_factory):
-    """SmoothQuant (smoothquant.py) over the calibration set: (smoothed float tensors, report)."""
-    if tokenizer is None:
-        raise ValueError("SmoothQuant (--activation-quant int8) needs calibration text and the source's tokenizer; "
-                         "pass --no-smoothquant to quantize activations without it")
-    runner, info = _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o)
-    progress = LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress)
-    new, report = smooth_engine_tensors(cfg, tensors, runner, plan, o.smoothquant_alpha, progress)
-    report["calibration"] = info
-    return new, report
 
 
 def _calibration_runner(model, tokenizer, o: QuantOptions):

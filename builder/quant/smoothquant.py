@@ -87,13 +87,28 @@ def smooth_layer(cfg, i: int, new: Dict[str, torch.Tensor], x_amax: Dict[str, to
     return report
 
 
+def check_activation_options(o) -> None:
+    """--activation-quant / --smoothquant-alpha of a build (QuantOptions); ValueError names the flag."""
+    if o.activation_quant not in ("none", "int8"):
+        raise ValueError(f"--activation-quant {o.activation_quant!r} not supported; allowed: none, int8")
+    if o.activation_quant == "int8" and not (o.quantization == "int8" or o.quantization.startswith("int4")):
+        raise ValueError(f"--activation-quant int8 runs int8 / int4 weights on integer dot products: it needs "
+                         f"--quantization int8, int4-rtn, int4-awq or int4-gptq, got {o.quantization}")
+    if not isinstance(o.smoothquant_alpha, (int, float)) or not 0.0 <= o.smoothquant_alpha <= 1.0:
+        raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {o.smoothquant_alpha!r}")
+
+
 def smooth_engine_tensors(cfg, tensors: Dict[str, torch.Tensor], runner, plan: dict, alpha: float,
                           progress=None) -> Tuple[Dict[str, torch.Tensor], dict]:
     """SmoothQuant over every layer: runner is a calibration.LayerwiseRunner over the float model
-    of `tensors`; the linears smoothed are those `plan` quantizes to int8 or int4. Returns (new
-    tensors, report)."""
+    of `tensors`, or a function returning (runner, calibration provenance) (the build's
+    calibration set); the linears smoothed are those `plan` quantizes to int8 or int4. Returns
+    (new tensors, report)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {alpha}")
+    info = None
+    if callable(runner):
+        runner, info = runner()
     new = dict(tensors)
     layers: dict = {}
     for i in range(cfg.model.num_layers):
@@ -115,4 +130,5 @@ def smooth_engine_tensors(cfg, tensors: Dict[str, torch.Tensor], runner, plan: d
         layers.update(smooth_layer(cfg, i, new, amax, alpha, targets))
         if progress is not None:
             progress.done(i)
-    return new, {"alpha": alpha, "linears": len(layers), "layers": layers}
+    report = {"alpha": alpha, "linears": len(layers), "layers": layers}
+    return new, report if info is None else {**report, "calibration": info}
