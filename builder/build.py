@@ -58,7 +58,7 @@ class BuildOptions:
     auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
     auto_candidates: Optional[str] = None      # --quantization auto: e.g. "int4,int8,none"
     activation_quant: str = "none"   # EngineConfig.activation_quant ("int8": W8A8 / W4A8, SmoothQuant first)
-    smoothquant: bool = True         # --no-smoothquant turns it off
+    smoothquant: Optional[bool] = None  # False: --no-smoothquant; None: smoothquant.smoothquant_applies
     smoothquant_alpha: Optional[float] = None  # None: smoothquant.DEFAULT_ALPHA
     progress: bool = True
 
@@ -113,7 +113,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     # KVCacheConfig, report dict). `opts` is this BuildOptions.
     from .quant.quant_auto import validate_auto_args
     validate_auto_args(opts)  # refuses the auto flags without --quantization auto, too
-    if opts.activation_quant != "int8" and (opts.smoothquant_alpha is not None or not opts.smoothquant):
+    if opts.activation_quant != "int8" and (opts.smoothquant_alpha is not None or opts.smoothquant is False):
         raise ValueError("--smoothquant-alpha / --no-smoothquant need --activation-quant int8")
     if opts.activation_quant == "int8" and opts.quantization == "auto":
         raise ValueError("--activation-quant int8 is not available with --quantization auto (its budget is "

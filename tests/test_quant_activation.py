@@ -92,7 +92,9 @@ def test_activation_quant_engine_matches_fake_quant_oracle(engines, method):
     qdir = engines(quantization=method, activation_quant="int8")
     with open(os.path.join(qdir, "engine.json")) as f:
         raw = json.load(f)
-    assert raw["activation_quant"] == "int8" and raw["quantization"]["smoothquant"]["alpha"] == 0.5
+    # SmoothQuant by default for int8 weights only (smoothquant.smoothquant_applies)
+    assert raw["activation_quant"] == "int8"
+    assert raw["quantization"]["smoothquant"] == ({"alpha": 0.5, "linears": 4 * raw["model"]["num_layers"]} if method == "int8" else {})
     cfg, model, _ = load_engine(qdir, "cpu")
     names = [n for n, lq in EngineConfig.load(qdir).quantization.layers.items()
              if lq.method in ("int8", "int4") and n.startswith("layers.")]
@@ -190,3 +192,15 @@ def test_eval_cli_activation_quant(engines, capsys, tmp_path):
         res[mode] = json.loads(capsys.readouterr().out)
         assert res[mode]["activation_quant"] == mode and 0 <= res[mode]["mean_kl"] < 0.1
     assert res["int8"]["perplexity"] != res["none"]["perplexity"]
+
+
+def test_smoothquant_default_per_weight_format():
+    """SmoothQuant by default for int8 weights, not for int4 (measured: it migrates outliers into
+    4-bit groups), forced by --smoothquant-alpha, never with --no-smoothquant."""
+    from tritium.builder.quant.quant_pipeline import QuantOptions
+    from tritium.builder.quant.smoothquant import smoothquant_applies
+    assert smoothquant_applies(QuantOptions(quantization="int8", activation_quant="int8"))
+    assert not smoothquant_applies(QuantOptions(quantization="int4-rtn", activation_quant="int8"))
+    assert smoothquant_applies(QuantOptions(quantization="int4-rtn", activation_quant="int8", smoothquant_alpha=0.2))
+    assert not smoothquant_applies(QuantOptions(quantization="int8", activation_quant="int8", smoothquant=False))
+    assert not smoothquant_applies(QuantOptions(quantization="int8"))

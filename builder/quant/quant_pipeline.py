@@ -41,7 +41,7 @@ from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
-from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors
+from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors, smoothquant_applies
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -72,11 +72,10 @@ class QuantOptions:
     layer_plan: Optional[dict] = None
     head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
     kv_offsets: str = "mean"  # quantized KV cache: kv_scales.KV_OFFSET_METHODS
-    # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant (smoothquant.py) first unless
-    # --no-smoothquant, with --smoothquant-alpha
+    # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant first (smoothquant.smoothquant_applies)
     activation_quant: str = "none"
-    smoothquant: bool = True
-    smoothquant_alpha: float = DEFAULT_ALPHA
+    smoothquant: Optional[bool] = None
+    smoothquant_alpha: Optional[float] = None
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -201,10 +200,10 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     fp8_gptq = any(lq.method == "fp8" and not lq.asymmetric for lq in plan.values())
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None and fp8_gptq)
     float_tensors, smooth_report = tensors, None
-    if o.activation_quant == "int8" and o.smoothquant and plan:  # SmoothQuant on the float weights first
+    if smoothquant_applies(o) and plan:  # SmoothQuant on the float weights first
         tensors, smooth_report = smooth_engine_tensors(
             cfg, tensors, lambda: _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o),
-            plan, o.smoothquant_alpha, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
+            plan, o.smoothquant_alpha or DEFAULT_ALPHA, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
     if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):

@@ -58,11 +58,12 @@ def register(sub) -> None:
     s = p.add_argument_group("integer-dot activations (docs/quantization.md#integer-dot-w8a8--w4a8)")
     s.add_argument("--activation-quant", default="none", choices=("none", "int8"),
                    help="int8: the engine's int8 / int4 linears quantize activations per row and block of 32 to int8 "
-                        "and run integer dot products on CPU (W8A8 / W4A8), after SmoothQuant; none (default): "
+                        "and run integer dot products on CPU (W8A8 / W4A8), int8 weights after SmoothQuant; none (default): "
                         "weight-only. The backend parameter / engine option activation_quant overrides it at run time")
     s.add_argument("--smoothquant-alpha", type=float, default=None, metavar="A",
-                   help="with --activation-quant int8: SmoothQuant's migration strength in [0, 1] (default 0.5)")
-    s.add_argument("--no-smoothquant", dest="smoothquant", action="store_false",
+                   help="with --activation-quant int8: SmoothQuant's migration strength in [0, 1] (default 0.5); "
+                        "given, SmoothQuant also runs for int4 weights (off for them by default)")
+    s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
                    help="with --activation-quant int8: do not smooth activation outliers into the weights")
     a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
     a.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
