@@ -208,6 +208,7 @@ class QuantConfig:
     # --quantization auto only (provenance): the budget, the measured perplexity increase on the
     # held-out slice, whether it was met, and how many linears took each format.
     budget: dict = field(default_factory=dict)
+    smoothquant: dict = field(default_factory=dict)  # provenance: SmoothQuant's alpha, linears smoothed
 
 
 def _quant_config_from_dict(q: dict) -> QuantConfig:
@@ -253,6 +254,7 @@ class EngineConfig:
     # bf16 GEMMs on CPU): `tritium build --deterministic`, or the backend parameter
     # `deterministic` (docs/determinism.md).
     deterministic: bool = False
+    activation_quant: str = "none"  # "int8": W8A8 / W4A8 integer-dot linears on CPU (docs/quantization.md)
 
     # ---- JSON round trip -------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -293,6 +295,7 @@ class EngineConfig:
                 build=d.get("build", {}),
                 format_version=version,
                 deterministic=d.get("deterministic", False),
+                activation_quant=d.get("activation_quant", "none"),
             )
         except KeyError as e:
             raise EngineFormatError(f"{ENGINE_CONFIG_FILE}: missing field {e}") from None
@@ -305,6 +308,8 @@ class EngineConfig:
         m = self.model
         if not isinstance(self.deterministic, bool):
             raise EngineFormatError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.activation_quant not in ("none", "int8"):  # weight-only, or W8A8 / W4A8 on CPU
+            raise EngineFormatError(f"activation_quant must be none or int8, got {self.activation_quant!r}")
         if m.architecture not in SUPPORTED_ARCHITECTURES:
             raise EngineFormatError(
                 f"model.architecture {m.architecture!r} is not supported; "

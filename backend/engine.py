@@ -30,6 +30,7 @@ from .lora.setup import enable_lora, resolve_request_lora
 from .model_runner import ModelRunner, num_blocks_for_budget
 from .parallel.runner import ParallelRunner
 from .placement import bind_thread, check_utilization, model_device
+from .quant import with_activation_quant
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestOutput, Sequence, SequenceStatus
@@ -64,6 +65,7 @@ class LLMEngine:
                  model=None, tokenizer=None, draft_engine: Optional["LLMEngine"] = None,
                  thread_policy: Optional[ThreadPolicy] = None,
                  deterministic: Optional[bool] = None,  # None: the engine's own setting
+                 activation_quant: Optional[str] = None,  # None: the engine's own setting
                  lora: Optional[LoRAConfig] = None,
                  gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1,
                  device_step: Optional[DeviceStepOptions] = None):
@@ -77,6 +79,7 @@ class LLMEngine:
         if engine_dir is not None:
             config, model, tokenizer = load_engine(engine_dir, device)
         config = with_deterministic(config, deterministic)
+        config = with_activation_quant(config, activation_quant)
         if engine_dir is not None:
             if config.tensor_parallel_size > 1:  # rank 0 of N: starts the workers (parallel/runner.py)
                 runner = ParallelRunner(engine_dir, config, model, model_device(model),

@@ -81,6 +81,10 @@ OPTIONS = (
                  "(default 0.85; docs/serving.md#placement)", lo=0, hi=1),
     EngineOption("deterministic", "bool", "--deterministic",
                  "batch-invariant numerics (docs/determinism.md; default: the engine's own setting)"),
+    EngineOption("activation_quant", "str", "--activation-quant",
+                 "int8: int8 / int4 linears quantize activations per 32-block and use integer dot products on "
+                 "CPU (W8A8 / W4A8); none: weight-only numerics (default: the engine's own setting; "
+                 "docs/quantization.md)", choices=("none", "int8")),
     EngineOption("device_sampling", "bool", "--device-sampling",
                  "sample on the model's device, only token ids and logprobs copied back (default: true on "
                  "CUDA, false on CPU; docs/serving.md#the-device-step)"),
@@ -205,7 +209,8 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that leaves a
     core to the frontend, a bounded queue); otherwise torch's thread count stays as it is."""
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                               "device", "threads_per_rank", "deterministic", "gpu_memory_utilization")
+                               "device", "threads_per_rank", "deterministic", "gpu_memory_utilization",
+                               "activation_quant")
           if k in opts}
     if "device_sampling" in opts or "cuda_graphs" in opts:
         kw["device_step"] = DeviceStepOptions(device_sampling=opts.get("device_sampling"),

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from .config import EngineConfig, EngineFormatError
 from .models.decoder import DecoderLM
 from .parallel_layout import local_config
+from .quant import set_activation_quant
 
 
 def default_device() -> torch.device:
@@ -56,6 +57,7 @@ def load_engine(engine_dir: str, device: Optional[str] = None, rank: int = 0
         for attr in ("k_scale", "v_scale", "k_offset", "v_offset"):
             if getattr(layer, attr) is not None:
                 setattr(layer, attr, getattr(layer, attr).to(dev))
+    set_activation_quant(model, cfg.activation_quant)
     # Quantized linears convert their stored layout to the device's kernel layout here
     # (e.g. torch's packed CPU int4 format), once, at load.
     for mod in model.modules():

@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
+from .quant import set_activation_quant
 from .decode_graphs import StaticDecode
 from .device_step import DeviceStepOptions, StepBuffers, build_metadata
 from .sampler import Sampler
@@ -121,6 +122,7 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"kv_cache.dtype {cfg.kv_cache.dtype!r} needs layers.N.k_scale/v_scale "
                                  f"in the engine weights; missing for layers {missing[:4]}")
+        set_activation_quant(model, cfg.activation_quant)  # W8A8 / W4A8 or weight-only (backend/quant.py)
         if device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             if cfg.deterministic:
                 _pack_deterministic(model)

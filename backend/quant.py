@@ -19,14 +19,21 @@ On CUDA they call ops.linear_w4a16 / linear_w8a16 / linear_fp8.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 from torch import nn
 
 from tritium.kernels import ops
+from tritium.kernels.cpu_linear import ACTIVATION_QUANT
+
+from .config import EngineConfig
 
 
 class _QuantLinearBase(nn.Module):
     method = ""  # the LayerQuant method this class implements
+    activation_quant = "none"  # "int8": W8A8 / W4A8 on CPU (set_activation_quant)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, layer_quant):
         super().__init__()
@@ -41,7 +48,8 @@ class _QuantLinearBase(nn.Module):
         key = tuple(self._buffers.values())
         if self._packed is None or len(key) != len(self._packed_key) or any(
                 a is not b for a, b in zip(key, self._packed_key)):
-            self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size)
+            self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size,
+                                               activation_quant=self.activation_quant)
             self._packed_key = key
         return self._packed
 
@@ -59,6 +67,29 @@ class _QuantLinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def set_activation_quant(model: nn.Module, mode: str) -> None:
+    """EngineConfig.activation_quant for every int8 / int4 linear of `model` ("none" or "int8");
+    a layer whose mode changes is packed again on its next CPU call."""
+    if mode not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
+    for mod in model.modules():
+        if isinstance(mod, (Int8Linear, Int4Linear)) and mod.activation_quant != mode:
+            mod.activation_quant = mode
+            mod._packed = None
+
+
+def with_activation_quant(cfg: EngineConfig, mode: Optional[str]) -> EngineConfig:
+    """cfg with the `activation_quant` option overridden (None: the engine's own setting)."""
+    if mode is None or mode == cfg.activation_quant:
+        return cfg
+    if mode not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {mode!r}")
+    if cfg.tensor_parallel_size > 1:
+        raise ValueError("activation_quant: a tensor-parallel engine takes it from its build "
+                         "(tritium build --activation-quant), not as a runtime override")
+    return dataclasses.replace(cfg, activation_quant=mode)
 
 
 def _register_group_params(mod: nn.Module, layer_quant, what: str) -> None:

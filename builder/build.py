@@ -59,6 +59,9 @@ class BuildOptions:
     max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant/quant_auto.py)
     auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
     auto_candidates: Optional[str] = None      # --quantization auto: e.g. "int4,int8,none"
+    activation_quant: str = "none"   # EngineConfig.activation_quant ("int8": W8A8 / W4A8, SmoothQuant first)
+    smoothquant: Optional[bool] = None  # False: --no-smoothquant; None: smoothquant.smoothquant_applies
+    smoothquant_alpha: Optional[float] = None  # None: smoothquant.DEFAULT_ALPHA
     progress: bool = True
 
     def validate(self) -> None:
@@ -117,7 +120,12 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     # KVCacheConfig, report dict). `opts` is this BuildOptions.
     from .quant.quant_auto import validate_auto_args
     validate_auto_args(opts)  # refuses the auto flags without --quantization auto, too
-    if opts.quantization != "none" or opts.kv_cache_dtype != "auto":
+    if opts.activation_quant != "int8" and (opts.smoothquant_alpha is not None or opts.smoothquant is False):
+        raise ValueError("--smoothquant-alpha / --no-smoothquant need --activation-quant int8")
+    if opts.activation_quant == "int8" and opts.quantization == "auto":
+        raise ValueError("--activation-quant int8 is not available with --quantization auto (its budget is "
+                         "measured weight-only); give --quantization int8 or int4-*")
+    if opts.quantization != "none" or opts.kv_cache_dtype != "auto" or opts.activation_quant != "none":
         from .quant.quant_pipeline import validate_quant_args
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
@@ -134,6 +142,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         raise ValueError(f"--max-seq-len {max_seq} exceeds the model's context "
                          f"({m.max_position_embeddings} positions)")
     cfg = EngineConfig(model=m, dtype=opts.dtype, deterministic=bool(opts.deterministic),
+                       activation_quant=opts.activation_quant,
                        limits=Limits(opts.max_batch_size, max_seq, opts.block_size),
                        build={"source": os.path.abspath(opts.source), "tool": f"tritium {TOOL_VERSION}",
                               "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

@@ -21,6 +21,12 @@ Numerics, by engine dtype:
   rounded to bfloat16).
 - bfloat16 without the native kernels (TRITIUM_NATIVE_CPU=0, no C compiler): torch's packed int8 /
   int4 kernels (their blocking and bf16 scales depend on the batch; not batch-invariant).
+- activation_quant "int8" (an engine option, docs/quantization.md#integer-dot-w8a8--w4a8): int8
+  and int4 linears run the integer-dot kernel (cpu_gemm_i8dot.c; W8A8 / W4A8: activations
+  quantized per row and block of 32) for every row count, so a row's result is the same alone,
+  in a batch or in a prefill; the weight is repacked once (i8dot_pack.repack) and no weight-only
+  copy is kept. Where the kernel cannot run (no native library, K or the group size not a
+  multiple of 32) the layer keeps its weight-only kernel.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cpu_native
+from . import i8dot_pack
 from .int8pack_guard import int8pack_mm_safe
 from .quant_layouts import dequantize_grouped, dequantize_int4, pack_int4 as pack_nibbles, unpack_int4
 
@@ -92,9 +99,20 @@ def _onednn_packing() -> bool:
         return False
 
 
-def pack_int8(qweight, scales, zeros, group_size, dtype: torch.dtype) -> CpuLinear:
+ACTIVATION_QUANT = ("none", "int8")  # the engine option's values: weight-only, or W8A8 / W4A8
+
+
+def _i8dot_ok(k: int, group_size: Optional[int], activation_quant: str) -> bool:
+    if activation_quant not in ACTIVATION_QUANT:
+        raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANT)}, got {activation_quant!r}")
+    return activation_quant == "int8" and i8dot_pack.repackable(k, group_size) and cpu_native.available()
+
+
+def pack_int8(qweight, scales, zeros, group_size, dtype: torch.dtype, activation_quant: str = "none") -> CpuLinear:
     """int8 per-channel (scales (N,)) or grouped (scales / zeros (K//G, N)) weights."""
     k = qweight.shape[1]
+    if _i8dot_ok(k, group_size, activation_quant):
+        return CpuLinear("i8dot", (i8dot_pack.repack(qweight, scales, zeros, group_size, 8),))
     if dtype != torch.bfloat16:
         w = (dequantize_grouped(qweight, scales, zeros, group_size, torch.float32) if group_size is not None
              else qweight.float() * scales.float()[:, None])
@@ -156,20 +174,18 @@ def pack_fp8(qweight, scales, zeros, group_size, dtype: torch.dtype) -> CpuLinea
     return CpuLinear("fp8_scaled", (qweight, scales.float().contiguous()))
 
 
-def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype) -> CpuLinear:
+def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype,
+              activation_quant: str = "none") -> CpuLinear:
     """int4 layout of gemm_ref.w4a16_gemm_ref; act-order (g_idx) input channels permuted once so
     that every group is contiguous (x is permuted the same way per call)."""
     k = 2 * qweight.shape[1]
+    if _i8dot_ok(k, group_size, activation_quant):
+        q, perm = _int4_codes(qweight, g_idx, group_size, k)
+        return CpuLinear("i8dot", (i8dot_pack.repack(q - 8, scales, zeros, group_size, 4),), group_size, perm)
     if dtype != torch.bfloat16:
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))
-    q = unpack_int4(qweight).to(torch.int32)
-    perm = None
-    if g_idx is not None:
-        perm = torch.argsort(g_idx.long(), stable=True)
-        if not torch.equal(g_idx.long()[perm], torch.arange(k) // group_size):
-            raise ValueError("int4 layer: g_idx must assign exactly group_size channels to each group")
-        q = q[:, perm].contiguous()
+    q, perm = _int4_codes(qweight, g_idx, group_size, k)
     if _native(k, group_size):
         return CpuLinear("int4_native", (pack_nibbles(q), scales.float().contiguous(), zeros.float().contiguous()),
                          group_size, perm)
@@ -182,6 +198,19 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
         return CpuLinear("dense_bf16", (w,))
 
 
+def _int4_codes(qweight, g_idx, group_size: int, k: int):
+    """Codes 0..15 (N, K) int32 with act-order channels permuted so each group is contiguous, and
+    the permutation (None without g_idx)."""
+    q = unpack_int4(qweight).to(torch.int32)
+    perm = None
+    if g_idx is not None:
+        perm = torch.argsort(g_idx.long(), stable=True)
+        if not torch.equal(g_idx.long()[perm], torch.arange(k) // group_size):
+            raise ValueError("int4 layer: g_idx must assign exactly group_size channels to each group")
+        q = q[:, perm].contiguous()
+    return q, perm
+
+
 def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     """x (M, K) @ W^T for a packed weight: float32 (M, N) from the native and float32 kinds,
     the compute dtype from the others; the caller rounds once to the engine dtype."""
@@ -190,6 +219,8 @@ def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
         x = x[:, p.perm]
     if p.kind == "dense_f32":
         return torch.nn.functional.linear(x.float(), p.tensors[0])
+    if p.kind == "i8dot":
+        return cpu_native.i8dot_gemm(x, p.tensors[0])
     if p.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.tensors[0], None, "none", [], "")
     if p.kind == "bf16_native":

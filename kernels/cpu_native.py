@@ -27,7 +27,8 @@ from . import cpu_isa
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c",
-                                                 "cpu_decode_layer.c")]
+                                                 "cpu_decode_layer.c",
+                                                 "cpu_gemm_i8dot.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -65,6 +66,10 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.restype = None
     lib.tritium_w8g_gemm.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
+    lib.tritium_i8dot_gemm.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]
+    lib.tritium_i8dot_gemm.restype = ctypes.c_int
+    lib.tritium_q8_quantize.argtypes = [p, i64, i64, p, p, p]
+    lib.tritium_q8_quantize.restype = None
     lib.tritium_int8g_to_bf16.argtypes = [p, p, p, i64, i64, i64, p]
     lib.tritium_int8g_to_bf16.restype = None
     lib.tritium_int8_to_bf16.argtypes = [p, i64, p]
@@ -146,6 +151,36 @@ def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
     _lib().tritium_w4_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(),
                            xb.shape[0], n, k, group_size)
+    return y
+
+
+def q8_quantize(x: torch.Tensor):
+    """The integer-dot kernels' activation quantization (kernels/cpu_gemm_i8dot.c) of x (M, K),
+    K % 32 == 0, rounded to bfloat16 first: (codes int8 (M, K), scales float32 (M, K // 32),
+    code sums int32 (M, K // 32))."""
+    m, k = x.shape
+    assert k % _ALIGN == 0
+    xb = _check(x, k)
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // _ALIGN, dtype=torch.float32)
+    s = torch.empty(m, k // _ALIGN, dtype=torch.int32)
+    _lib().tritium_q8_quantize(xb.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    return q, d, s
+
+
+def i8dot_gemm(x: torch.Tensor, w) -> torch.Tensor:
+    """W8A8 / W4A8: x (M, K) @ W^T -> float32 (M, N), x quantized per row and block of 32 to int8,
+    integer dot products; w an i8dot_pack.I8DotWeight (the layout and the definition are there)."""
+    n, k = w.shape
+    xb = _check(x, k)
+    assert w.codes.dtype == torch.uint8 and w.codes.is_contiguous() and w.d.dtype == torch.float16
+    assert w.codes.shape == ((n, k) if w.bits == 8 else (n, k // 2)) and w.r.dtype == torch.float32
+    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+    rc = _lib().tritium_i8dot_gemm(xb.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(),
+                                   w.z.data_ptr() if w.z is not None else None, w.r.data_ptr(), y.data_ptr(),
+                                   xb.shape[0], n, k, w.bits)
+    if rc != 0:
+        raise MemoryError(f"i8dot_gemm: no memory for the quantized activations of {tuple(xb.shape)}")
     return y
 
 

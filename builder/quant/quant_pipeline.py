@@ -42,6 +42,7 @@ from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
+from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors, smoothquant_applies
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -73,6 +74,10 @@ class QuantOptions:
     layer_plan: Optional[dict] = None
     head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
     kv_offsets: str = "mean"  # quantized KV cache: kv_scales.KV_OFFSET_METHODS
+    # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant first (smoothquant.smoothquant_applies)
+    activation_quant: str = "none"
+    smoothquant: Optional[bool] = None
+    smoothquant_alpha: Optional[float] = None
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -132,6 +137,7 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
         if len(text) < calib.MIN_CALIBRATION_CHARS:
             raise ValueError(f"--calibration-text {o.calibration_text}: calibration text too short "
                              f"({len(text)} characters, need at least {calib.MIN_CALIBRATION_CHARS})")
+    check_activation_options(o)
     if cfg is not None and o.quantization != "none":
         plan_layers(cfg, o)  # raises if a layer's input dim takes no group size
 
@@ -202,6 +208,11 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     # exact there: the error GPTQ would feed back is zero).
     fp8_gptq = any(lq.method == "fp8" and not lq.asymmetric for lq in plan.values())
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None and fp8_gptq)
+    float_tensors, smooth_report = tensors, None
+    if smoothquant_applies(o) and plan:  # SmoothQuant on the float weights first
+        tensors, smooth_report = smooth_engine_tensors(
+            cfg, tensors, lambda: _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o),
+            plan, o.smoothquant_alpha or DEFAULT_ALPHA, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
     if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):
@@ -224,9 +235,13 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                        layouts={k: v for k, v in layouts.items() if k in used},
                        calibration=calibration_info)
     kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype, rotation=kv_rotation)
-    report = _report(o, tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
+    if smooth_report is not None:
+        qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears")})
+    report = _report(o, float_tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
+    if o.activation_quant != "none":
+        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or "off")
     if tokenizer is not None and o.eval_tokens:
-        report["eval"] = _eval_vs_float(cfg, tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
+        report["eval"] = _eval_vs_float(cfg, float_tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report
 
 
@@ -359,6 +374,9 @@ def _eval_vs_float(cfg, float_tensors, q_tensors, qcfg, kvcfg, tokenizer, o, mod
     ref = _float_model(cfg, float_tensors, model_factory)
     qmodel = (model_factory or DecoderLM)(dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg))
     qmodel.load_engine_weights(q_tensors)
+    if o.activation_quant != "none":
+        from tritium.backend.quant import set_activation_quant
+        set_activation_quant(qmodel, o.activation_quant)
     result = evaluate_held_out(qmodel.eval(), ref, tokenizer, o.eval_tokens, progress=o.progress)
     if o.layer_plan is not None:
         # --quantization auto checks its budget on the worst of the budget mix's domains

@@ -1,7 +1,7 @@
 """Batch-1 decode speed of engines (float vs quantized): a benchmark that prints figures.
 
     python -m tritium.client.bench.quant_bench ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3] [--batch 1]
-                                               [--threads N] [--bandwidth-mb 256]
+                                               [--threads N] [--bandwidth-mb 256] [--activation-quant none,int8]
 
 Each round runs every engine in turn (interleaved, so load from other processes hits all of
 them alike): a 32-token prefill of each of --batch sequences, then --tokens greedy decode steps
@@ -10,6 +10,8 @@ steps are timed. Prints the host first (CPU model, the native kernels' ISA path,
 bandwidth with the run's threads: client/bench/host_info.py), then the median decode tokens/s (all
 sequences) per engine, its ratio to the first engine, and its single-stream bandwidth limit (read
 GB/s / the engine's weight bytes).
+--activation-quant lists modes (none: weight-only, int8: W8A8 / W4A8 integer-dot kernels); each
+engine then runs once per mode, in the same rounds.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
+from tritium.backend.quant import set_activation_quant
 
 from tritium.builder.quant.quant_eval import kv_cache_dtype
 
@@ -56,10 +59,22 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--bandwidth-mb", type=int, default=256,
                    help="buffer for the host's memory-bandwidth measurement (default 256 MB; 0 skips it)")
+    p.add_argument("--activation-quant", default=None, metavar="MODES",
+                   help="comma-separated: none, int8; every engine runs once per mode (default: its own setting)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = [load_engine(e, "cpu")[1] for e in args.engines]
+    modes = args.activation_quant.split(",") if args.activation_quant else [None]
+    bad = [m for m in modes if m not in ("none", "int8")]
+    if bad:
+        raise SystemExit(f"--activation-quant: {bad[0]!r} is not one of none, int8")
+    runs = [(e, mode) for e in args.engines for mode in modes]
+    models = []
+    for e, mode in runs:
+        mdl = load_engine(e, "cpu")[1]
+        if mode is not None:
+            set_activation_quant(mdl, mode)
+        models.append(mdl)
     for mdl in models:
         mdl.pack_for_cpu()  # as the engine's ModelRunner does: oneDNN pre-packed bf16 float linears
     for mdl in models:  # warm-up (packing, allocator)
@@ -75,14 +90,14 @@ def main(argv=None) -> int:
     print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}; limit: one stream's tok/s if every weight byte is read "
           f"once per token at the measured read bandwidth")
-    for e, mdl, r in zip(args.engines, models, rates):
+    for (e, mode), mdl, r in zip(runs, models, rates):
         med = statistics.median(r)
         cfg = mdl.cfg
         nbytes = host_info.engine_weight_bytes(e)
         lim = host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes) if "memory" in host else None
         lim_s = f"limit {lim:6.0f} tok/s ({nbytes / 1e6:4.0f} MB)" if lim else ""
         print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
-              f"kv={cfg.kv_cache.dtype:5s} {lim_s}  {e}")
+              f"kv={cfg.kv_cache.dtype:5s} act={mode or cfg.activation_quant:4s} {lim_s}  {e}")
     return 0
 
 

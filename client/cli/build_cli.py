@@ -56,6 +56,16 @@ def register(sub) -> None:
                         "against the float model (default 1024; 0 skips the evaluation)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
+    s = p.add_argument_group("integer-dot activations (docs/quantization.md#integer-dot-w8a8--w4a8)")
+    s.add_argument("--activation-quant", default="none", choices=("none", "int8"),
+                   help="int8: the engine's int8 / int4 linears quantize activations per row and block of 32 to int8 "
+                        "and run integer dot products on CPU (W8A8 / W4A8), int8 weights after SmoothQuant; none (default): "
+                        "weight-only. The backend parameter / engine option activation_quant overrides it at run time")
+    s.add_argument("--smoothquant-alpha", type=float, default=None, metavar="A",
+                   help="with --activation-quant int8: SmoothQuant's migration strength in [0, 1] (default 0.5); "
+                        "given, SmoothQuant also runs for int4 weights (off for them by default)")
+    s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
+                   help="with --activation-quant int8: do not smooth activation outliers into the weights")
     p.add_argument("--embedding-quantization", default=None, choices=SUPPORTED_EMBEDDING_QUANTIZATION,
                    help="the embedding / LM head of a quantized build: int8 (symmetric groups of 32, float16 "
                         "scales), int4 (asymmetric groups of 32), none (float), or auto (default: int8 per row in "
@@ -136,7 +146,7 @@ def options_from_args(args: argparse.Namespace):
                                            "calibration_samples", "exclude_modules", "embedding_quantization",
                                            "tensor_parallel_size",
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
-                                           "eval_tokens")
+                                           "eval_tokens", "activation_quant", "smoothquant", "smoothquant_alpha")
              if hasattr(args, k)}
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,

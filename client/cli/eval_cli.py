@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--add-bos", action="store_true", help="prepend the BOS token")
     p.add_argument("--json", action="store_true", help='print {"perplexity", "tokens", ...} as JSON')
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--activation-quant", default=None, choices=("none", "int8"),
+                   help="--engine's int8 / int4 linears: int8 = W8A8 / W4A8 integer-dot kernels on CPU, none = "
+                        "weight-only (default: the engine's own setting; docs/quantization.md)")
     p.set_defaults(func=run)
 
 
@@ -53,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
     from tritium.builder.quant.quant_eval import encode_text, evaluate
 
     cfg, model, tokenizer = load_engine(args.engine, args.device)
+    activation_quant = args.activation_quant or cfg.activation_quant
+    if args.activation_quant is not None:
+        from tritium.backend.quant import set_activation_quant
+        set_activation_quant(model, args.activation_quant)
     if tokenizer is None:
         raise ValueError(f"--engine {args.engine}: engine has no tokenizer.json")
     reference = None
@@ -71,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     ids = encode_text(tokenizer, text, args.num_tokens, args.add_bos, cfg.model.bos_token_id)
     res = evaluate(model, ids, reference=reference, progress=not args.json)
     res.update(engine=args.engine, text=args.text or f"domain:{domain}",
-               quantization=cfg.quantization.method, kv_cache_dtype=cfg.kv_cache.dtype)
+               quantization=cfg.quantization.method, kv_cache_dtype=cfg.kv_cache.dtype,
+               activation_quant=activation_quant)
     res["weight_bytes"] = _weight_bytes(args.engine, cfg)
     if args.reference:
         res["reference"] = args.reference

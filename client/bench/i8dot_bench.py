@@ -1,0 +1,72 @@
+"""Weight-only vs integer-dot (W8A8 / W4A8) CPU linears on a model's shapes: a benchmark that
+prints figures.
+
+    python -m tritium.client.bench.i8dot_bench [--rows 1,16] [--reps 200] [--threads N]
+
+For SmolLM2-135M's four linears of a layer (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536), int8 as the engine's default build of that model stores them (asymmetric groups of 32)
+and int4-rtn (groups of 32), each weight packed by kernels/cpu_linear.py twice: activation_quant
+none (the weight-only kernels) and int8 (cpu_gemm_i8dot.c). The calls are interleaved (so load from
+other processes hits both alike) and the median time of the four linears together is printed per
+row count, with the ratio weight-only / integer-dot (above 1: integer-dot faster), and the best
+of the repetitions (other processes only ever add time, so on a busy host the best is the steadier
+figure), with the ISA path the native library was built for.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tritium.kernels import cpu_native, ops
+
+SHAPES = (("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536))
+
+
+def _buffers(method: str, n: int, k: int, g: int = 32) -> dict:
+    if method == "int8":
+        return {"qweight": torch.randint(-128, 128, (n, k), dtype=torch.int8),
+                "scales": torch.rand(k // g, n) / 50 + 1e-3, "zeros": torch.randn(k // g, n) / 50}
+    return {"qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+            "scales": torch.rand(k // g, n) / 10 + 1e-3, "zeros": torch.randn(k // g, n) / 10}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,16", help="comma-separated row counts (default 1,16)")
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_native.available():
+        print("native CPU kernels unavailable here (TRITIUM_NATIVE_CPU=0, no compiler or an unsupported CPU)")
+        return 0
+    print(f"ISA path {cpu_native.isa()}, torch threads {torch.get_num_threads()}, {args.reps} reps: median | best")
+    torch.manual_seed(0)
+    for method in ("int8", "int4"):
+        packs = {mode: [] for mode in ("none", "int8")}
+        for _, n, k in SHAPES:
+            b = _buffers(method, n, k)
+            for mode in packs:
+                packs[mode].append((k, ops.pack_cpu_linear(method, b, torch.bfloat16, 32, activation_quant=mode)))
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, _, k in SHAPES}
+            times = {mode: [] for mode in packs}
+            for _ in range(args.reps):
+                for mode, ps in packs.items():
+                    t0 = time.perf_counter()
+                    for k, pk in ps:
+                        ops.cpu_linear(xs[k], pk)
+                    times[mode].append(time.perf_counter() - t0)
+            wo, i8 = (statistics.median(times[mode]) * 1e6 for mode in ("none", "int8"))
+            bwo, bi8 = (min(times[mode]) * 1e6 for mode in ("none", "int8"))
+            print(f"{method} rows {m:3d}: weight-only {wo:8.1f} us  integer-dot {i8:8.1f} us  ratio {wo / i8:5.2f}x"
+                  f"  | best of {args.reps}: {bwo:8.1f} us  {bi8:8.1f} us  ratio {bwo / bi8:5.2f}x  (one layer's 4 linears)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

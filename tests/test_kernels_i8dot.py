@@ -1,0 +1,99 @@
+"""The integer-dot W8A8 / W4A8 GEMM (kernels/cpu_gemm_i8dot.c) on every ISA path (forced with
+TRITIUM_CPU_ISA by the cpu_path fixture; test ids name the path) against the torch reference
+written from the definition (kernels/i8dot_pack.i8dot_gemm_ref: activations quantized per
+32-block, exact integer block dots, rescaled), odd shapes, and batch invariance. Fresh random
+shapes and data every run; the seed is in each failure message."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tritium.kernels import cpu_native
+from tritium.kernels import i8dot_pack as ip
+
+
+def _case(rng, bits):
+    m, n, k = rng.randint(1, 21), rng.choice([1, 3, 16, 37, 70]), 32 * rng.randint(1, 13)
+    if bits == 8:
+        group = rng.choice([None, 32, 64, 96])
+        codes = torch.randint(-128, 128, (n, k))
+    else:
+        group = rng.choice([32, 64, 128])
+        codes = torch.randint(-8, 8, (n, k))
+    if group is not None and k % group:
+        group = 32
+    shape = (n,) if group is None else (k // group, n)
+    scales = torch.rand(shape) / 40 + 1e-4
+    zeros = torch.randn(shape) / 20 if group is not None and rng.random() < 0.7 else None
+    x = torch.randn(m, k) * rng.choice([0.05, 1.0, 30.0])
+    x[:, rng.randrange(k)] *= 50  # an outlier channel
+    if m > 1:
+        x[rng.randrange(m), :32] = 0  # an all-zero block: scale 0, codes 0
+    return x, ip.repack(codes, scales, zeros, group, bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_i8dot_gemm_matches_reference(cpu_path, bits):
+    path, kern = cpu_path, cpu_native
+    for _ in range(6):
+        seed = random.randrange(1 << 30)
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        x, w = _case(rng, bits)
+        where = f"path={path} seed={seed} x={tuple(x.shape)} w={w.shape} bits={bits} zeros={w.z is not None}"
+        q, d = ip.quantize_q8_ref(x)
+        kq, kd, ks = kern.q8_quantize(x)
+        assert torch.equal(kq, q) and torch.equal(kd, d), f"activation codes differ from the definition: {where}"
+        assert torch.equal(ks, q.view(q.shape[0], -1, 32).sum(dim=2, dtype=torch.int32)), where
+        got = kern.i8dot_gemm(x, w).double()
+        ref = ip.i8dot_gemm_ref(x, w)
+        # exact integer dots: only float32 rescaling and summation order differ
+        xhat = q.view(q.shape[0], -1, 32).double() * d.double()[:, :, None]
+        tol = 2e-6 * (xhat.view(x.shape).abs() @ ip.dequantize(w).abs().t()) + 1e-30
+        assert ((got - ref).abs() <= tol).all(), f"{where}: max err {(got - ref).abs().max().item():.3g}"
+        # a row alone gives the bits it gets inside the batch
+        for r in {0, x.shape[0] - 1, x.shape[0] // 2}:
+            assert torch.equal(kern.i8dot_gemm(x[r:r + 1], w)[0], got[r].float()), f"{where}: row {r}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_i8dot_close_to_weight_only(bits):
+    """The activation rounding costs about what int8 per-32 rounding should: relative error
+    around 1/254 of each block's range, far from a wrong result."""
+    kern = cpu_native
+    assert kern.available()
+    torch.manual_seed(0)
+    n, k = 64, 512
+    codes = torch.randint(-128, 128, (n, k)) if bits == 8 else torch.randint(-8, 8, (n, k))
+    w = ip.repack(codes, torch.rand(k // 32, n) / 40 + 1e-3, torch.randn(k // 32, n) / 50, 32, bits)
+    x = torch.randn(5, k)
+    exact = x.to(torch.bfloat16).double() @ ip.dequantize(w).t()
+    got = kern.i8dot_gemm(x, w).double()
+    rel = (got - exact).norm() / exact.norm()
+    assert 1e-4 < rel < 2e-2, f"relative error {rel:.3g} of W{bits}A8 against the unquantized activations"
+
+
+def test_repack_is_exact_and_checks_its_input():
+    """dequantize(repack(c, s, z)) = c s + z up to float16 rounding of s / r and z / r (r a power of
+    two), exact for bfloat16 per-channel scales (the int8 layout's)."""
+    torch.manual_seed(1)
+    n, k = 24, 128
+    c = torch.randint(-128, 128, (n, k))
+    s = (torch.rand(n) / 30 + 1e-5).to(torch.bfloat16).float()
+    w = ip.repack(c, s, None, None, 8)
+    assert w.z is None and torch.equal(ip.dequantize(w), c.double() * s.double()[:, None])
+    s4, z4 = torch.rand(k // 64, n) / 10, torch.randn(k // 64, n)
+    c4 = torch.randint(-8, 8, (n, k))
+    w4 = ip.repack(c4, s4, z4, 64, 4)
+    assert torch.equal(ip.signed_codes(w4), c4.to(torch.int32))
+    exact = c4.double() * s4.double().t().repeat_interleave(64, 1) + z4.double().t().repeat_interleave(64, 1)
+    assert ((ip.dequantize(w4) - exact).abs() <= 2 ** -11 * (c4.abs().double() * s4.double().t().repeat_interleave(64, 1)
+                                                              + z4.double().abs().t().repeat_interleave(64, 1))).all()
+    with pytest.raises(ValueError, match="codes must lie"):
+        ip.repack(c4 * 3, s4, z4, 64, 4)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ip.repack(torch.zeros(4, 48, dtype=torch.int32), torch.ones(4), None, None, 8)
+    with pytest.raises(ValueError, match="group parameters"):
+        ip.repack(c4, s4.t(), None, 64, 4)
