@@ -31,14 +31,11 @@ class LoRALinear(nn.Module):
 
 def attach(model: nn.Module, manager) -> int:
     """Wrap the adapter-capable linears of every decoder layer (idempotent). Returns how many."""
-    from .adapter import FUSED_PARTS, part_shapes
-    shapes = part_shapes(manager.model_cfg)
     n = 0
     for idx, layer in enumerate(model.layers):
         for name in module_names():
             mod = getattr(layer, name, None)
-            parts = FUSED_PARTS[name]
-            want = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+            want = manager.linear_shape(name)  # this rank's part under tensor parallelism
             base = getattr(mod, "base", mod)
             have = (getattr(base, "in_features", None), getattr(base, "out_features", None))
             if mod is None or (None not in have and have != want):

@@ -68,7 +68,8 @@ def parse_adapter_list(text: str, option: str = "lora_adapters") -> Dict[str, st
 
 
 class LoRAManager:
-    def __init__(self, model_cfg, config: LoRAConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model_cfg, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 shard: Optional[Dict[str, Tuple[str, torch.Tensor]]] = None):
         self.model_cfg = model_cfg
         self.config = config.validate()
         self.paths: Dict[str, str] = dict(config.adapters)
@@ -76,14 +77,19 @@ class LoRAManager:
         self.max_cpu_loras = config.max_cpu_loras or max(config.max_loras, len(self.paths))
         self.max_lora_rank = config.max_lora_rank
         self.device, self.dtype = device, dtype
+        # A tensor-parallel rank's part of each engine linear (lora/tp.py): name -> ("out", rows)
+        # for column-parallel linears (B keeps those rows), ("in", cols) for row-parallel ones (A
+        # keeps those columns); None: whole linears.
+        self.shard = shard
+        self.record_loads = False  # rank 0 of a TP engine: remember slot loads to send to the workers
+        self.pending_loads: List[Tuple[int, LoRAAdapter]] = []
+        self.row_slots: Optional[List[int]] = None  # the step's row -> slot (-1: base), with self.batch
         self._lock = threading.Lock()  # host cache: admission threads and the engine loop
         self._host: "OrderedDict[str, LoRAAdapter]" = OrderedDict()
-        shapes = part_shapes(model_cfg)
         self.stacks: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(model_cfg.num_layers):
             for name in module_names():
-                parts = FUSED_PARTS[name]
-                k, n = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+                k, n = self.linear_shape(name)
                 r = fused_rank_capacity(name, self.max_lora_rank)
                 self.stacks[(layer, name)] = (torch.zeros(self.max_loras, r, k, dtype=dtype, device=device),
                                               torch.zeros(self.max_loras, r, n, dtype=dtype, device=device))
@@ -169,27 +175,52 @@ class LoRAManager:
         c["generated_tokens"] += generated_tokens
 
     # ------------------------------------------------------------------ device slots and steps
+    def linear_shape(self, name: str) -> Tuple[int, int]:
+        """(in, out) features of engine linear `name` on this rank."""
+        parts = FUSED_PARTS[name]
+        shapes = part_shapes(self.model_cfg)
+        k, n = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+        if self.shard is not None:
+            kind, idx = self.shard[name]
+            k, n = (k, len(idx)) if kind == "out" else (len(idx), n)
+        return k, n
+
     def _slot_for(self, adapter: LoRAAdapter, keep: set) -> int:
         for s, d in enumerate(self.slot_digest):
             if d == adapter.digest:
                 self._slot_lru.move_to_end(s)
                 return s
         victim = next(s for s in self._slot_lru if self.slot_digest[s] not in keep)
-        for key, (a_stack, b_stack) in self.stacks.items():
-            a_stack[victim].zero_()
-            b_stack[victim].zero_()
+        self.load_slot(victim, adapter.modules, adapter.digest)
+        if self.record_loads:
+            self.pending_loads.append((victim, adapter))
+        return victim
+
+    def load_slot(self, slot: int, modules: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]],
+                  digest: Optional[bytes]) -> None:
+        """Copy an adapter's modules (full-size fused A (R, in), B (out, R)) into device slot
+        `slot`, each cut to this rank's part of its linear."""
+        for a_stack, b_stack in self.stacks.values():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
         ranks = {}
-        for key, (a, b) in adapter.modules.items():
+        for key, (a, b) in modules.items():
+            if self.shard is not None:
+                kind, idx = self.shard[key[1]]
+                a, b = (a, b[idx]) if kind == "out" else (a[:, idx], b)
             a_stack, bt_stack = self.stacks[key]
             r = a.shape[0]
-            a_stack[victim, :r].copy_(a)
-            bt_stack[victim, :r].copy_(b.t())
+            a_stack[slot, :r].copy_(a)
+            bt_stack[slot, :r].copy_(b.t())
             ranks[key] = r
-        self.slot_digest[victim], self.slot_ranks[victim] = adapter.digest, ranks
+        self.slot_digest[slot], self.slot_ranks[slot] = digest, ranks
         self._cut.clear()
-        self._slot_lru.move_to_end(victim)
+        self._slot_lru.move_to_end(slot)
         self.num_loads += 1
-        return victim
+
+    def take_loads(self) -> List[Tuple[int, LoRAAdapter]]:
+        out, self.pending_loads = self.pending_loads, []
+        return out
 
     def begin_step(self, seqs, num_new_tokens) -> None:
         """Put the step's adapters in device slots and group its rows by slot (rows follow
@@ -200,7 +231,7 @@ class LoRAManager:
             if ad is not None:
                 adapters[ad.digest] = ad
         if not adapters:
-            self.batch = None
+            self.batch, self.row_slots = None, None
             return
         assert len(adapters) <= self.max_loras, "the scheduler admitted more adapters than max_loras"
         slots = {d: self._slot_for(ad, set(adapters)) for d, ad in adapters.items()}
@@ -208,6 +239,11 @@ class LoRAManager:
         for seq, n in zip(seqs, num_new_tokens):
             ad = seq.request.lora
             row_slots.extend([None if ad is None else slots[ad.digest]] * n)
+        self.begin_rows(row_slots)
+
+    def begin_rows(self, row_slots: List[Optional[int]]) -> None:
+        """The next forward's rows use these slots (None: the base model); a TP worker's step."""
+        self.row_slots = [-1 if s is None else s for s in row_slots]
         self.batch = LoRASegments.from_row_slots(row_slots, self.device)
 
     def begin_single(self, adapter: LoRAAdapter, num_rows: int) -> None:
@@ -217,6 +253,7 @@ class LoRAManager:
 
     def end_step(self) -> None:
         self.batch = None
+        self.row_slots = None
 
     def apply(self, key: Tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base linear's output) += this step's LoRA delta for linear `key`."""
