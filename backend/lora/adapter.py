@@ -4,7 +4,9 @@ LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021) add
 W x the delta scale * B (A x), A: (r, in), B: (out, r). Tritium fuses q/k/v into `qkv_proj` and
 gate/up into `gate_up_proj`; the delta of a fused linear is the concatenation of its parts'
 deltas, so its A stacks the parts' A rows and its B is block-diagonal (part p's B in its output
-rows and its own rank columns; a part without an adapter contributes no rows). The scale is
+rows and its own rank columns; a part without an adapter contributes no rows). A checkpoint that
+fuses them itself (Phi-3's `qkv_proj` / `gate_up_proj`, in the engine's row order) has PEFT
+adapters on the fused linear: their A and B are the engine module's as they are. The scale is
 folded into B once, at load.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 # Engine linear -> its parts in HF / PEFT module names, in the fused row order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-PART_TO_FUSED = {p: f for f, parts in FUSED_PARTS.items() for p in parts}
+# Linears a checkpoint may hold already fused (Phi-3): an adapter on one is the engine module's.
+WHOLE = ("qkv_proj", "gate_up_proj")
+PART_TO_FUSED = {**{p: f for f, parts in FUSED_PARTS.items() for p in parts}, **{w: w for w in WHOLE}}
 SUPPORTED_TARGETS = tuple(PART_TO_FUSED)
 DEFAULT_MAX_LORA_RANK = 16  # as vLLM; max_lora_rank sizes the device slots
 
@@ -29,7 +33,8 @@ def part_shapes(model_cfg) -> Dict[str, Tuple[int, int]]:
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     return {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
             "o_proj": (q, m.hidden_size), "gate_proj": (m.hidden_size, m.intermediate_size),
-            "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size)}
+            "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size),
+            "qkv_proj": (m.hidden_size, q + 2 * kv), "gate_up_proj": (m.hidden_size, 2 * m.intermediate_size)}
 
 
 @dataclass
@@ -66,6 +71,10 @@ def fuse(model_cfg, parts: Dict[Tuple[int, str], PartWeights]) -> Dict[Tuple[int
     out = {}
     for layer in sorted({lay for lay, _ in parts}):
         for fused, names in FUSED_PARTS.items():
+            whole = parts.get((layer, fused)) if fused in WHOLE else None
+            if whole is not None:  # already fused in the checkpoint (Phi-3)
+                out[(layer, fused)] = (whole.a.float().clone(), whole.b.float() * whole.scale)
+                continue
             present = [(n, parts[(layer, n)]) for n in names if (layer, n) in parts]
             if not present:
                 continue
@@ -105,6 +114,11 @@ def check_parts(who: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights], 
                              f"(raise max_lora_rank)")
         if not (torch.isfinite(p.a).all() and torch.isfinite(p.b).all()):
             raise ValueError(f"{who}: layers.{layer}.{name} holds NaN or infinite weights")
+        if name in WHOLE:
+            both = [n for n in FUSED_PARTS[name] if (layer, n) in parts]
+            if both:
+                raise ValueError(f"{who}: layers.{layer} has weights for {name} and for its parts {both}; "
+                                 f"give one or the other")
 
 
 def make_adapter(key: str, source: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights],
