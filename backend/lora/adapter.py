@@ -27,6 +27,20 @@ SUPPORTED_TARGETS = tuple(PART_TO_FUSED)
 DEFAULT_MAX_LORA_RANK = 16  # as vLLM; max_lora_rank sizes the device slots
 
 
+MLP_LINEARS = ("gate_up_proj", "down_proj")
+
+
+def is_sparse(model_cfg, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is a mixture of experts (its experts take no adapter)."""
+    return bool(getattr(model_cfg, "num_experts", 0)) and layer not in getattr(model_cfg, "dense_layers", ())
+
+
+def adapted_linears(model_cfg, layer: int) -> List[str]:
+    """The engine linears of a layer that take adapters: all four, or the attention's alone on a
+    mixture-of-experts layer."""
+    return [n for n in module_names() if not (n in MLP_LINEARS and is_sparse(model_cfg, layer))]
+
+
 def part_shapes(model_cfg) -> Dict[str, Tuple[int, int]]:
     """(in_features, out_features) of every part, from the engine's ModelConfig."""
     m = model_cfg
@@ -103,6 +117,10 @@ def check_parts(who: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights], 
         if not 0 <= layer < model_cfg.num_layers:
             raise ValueError(f"{who}: has weights for layer {layer}, but the engine's model has "
                              f"{model_cfg.num_layers} layers (an adapter for another base model?)")
+        if PART_TO_FUSED[name] in MLP_LINEARS and is_sparse(model_cfg, layer):
+            raise ValueError(f"{who}: has weights for layers.{layer}.{name}, but layer {layer} is a mixture-of-experts "
+                             f"layer: adapters on its experts are not supported (only the attention projections "
+                             f"q/k/v/o, and the MLP of dense layers)")
         k, n = shapes[name]
         r = p.a.shape[0]
         if p.a.dim() != 2 or p.b.dim() != 2 or tuple(p.a.shape) != (r, k) or tuple(p.b.shape) != (n, r):

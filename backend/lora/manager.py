@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from tritium.kernels.lora_ref import LoRASegments, lora_add_grouped
-from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, check_name, fused_rank_capacity, module_names, \
+from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, adapted_linears, check_name, fused_rank_capacity, \
     optional_int, part_shapes, FUSED_PARTS
 from ..errors import RequestError
 from .peft_folder import load_peft_adapter
@@ -88,7 +88,7 @@ class LoRAManager:
         self._host: "OrderedDict[str, LoRAAdapter]" = OrderedDict()
         self.stacks: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(model_cfg.num_layers):
-            for name in module_names():
+            for name in adapted_linears(model_cfg, layer):  # no MLP stacks on a mixture-of-experts layer
                 k, n = self.linear_shape(name)
                 r = fused_rank_capacity(name, self.max_lora_rank)
                 self.stacks[(layer, name)] = (torch.zeros(self.max_loras, r, k, dtype=dtype, device=device),

@@ -14,9 +14,6 @@ def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
     each step's rows by adapter and the scheduler keep at most max_loras adapters per step."""
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"lora must be a LoRAConfig, got {type(config).__name__}")
-    if getattr(engine.config.model, "num_experts", 0):
-        raise ValueError("LoRA adapters are not supported on mixture-of-experts models yet "
-                         f"({engine.config.model.architecture}: num_experts {engine.config.model.num_experts})")
     model = engine.runner.model
     shard = lora_shard(engine.config, 0, model) if engine.config.tensor_parallel_size > 1 else None
     manager = LoRAManager(engine.config.model, config, engine.device, model.dtype, shard=shard)
