@@ -1,4 +1,4 @@
-/* Paged decode attention for x86 CPUs with AVX512-BF16: one new token per sequence, bfloat16
+/* Paged decode attention on every path of cpu_simd.h: one new token per sequence, bfloat16
  * q and KV cache, read in place from the cache blocks through the block table (no gather copy).
  *
  * For query head h of a decode row with context positions [lo, len):
@@ -13,11 +13,14 @@
  * block_tables (B, table_stride) int32. Any D (the last 32 / 16 lanes of a head masked);
  * Hq <= MAXH, Hq * D <= MAXQD.
  *
+ * AVX512-BF16 scores keys with VDPBF16PS and exp512; AVX2 and the portable path convert q to
+ * float32 once per row and widen each key and value to float32 (8 lanes with FMA on AVX2, 16
+ * portable lanes elsewhere), with the same chunked online softmax (exp256 / exp_poly).
+ *
  * Prefill rows use this kernel too (a query token at position p is a row over keys [lo, p]): a
  * row's result depends only on its query and its keys, in chunks of CHUNK counted from lo, never
  * on the other rows of the step (batch invariance).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -27,6 +30,7 @@
 #define MAXQD 8192   /* query heads x head_dim */
 #define CHUNK 64
 
+#if defined(TRITIUM_AVX512)
 /* One decode row, every head: the keys of a position are contiguous over the KV heads in the
  * cache (Hkv * D values), so the row's cache lines are read once, in order, for all heads. */
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -114,6 +118,124 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
         for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * DP + d] * inv);
     }
 }
+
+#else
+#if defined(TRITIUM_AVX2)
+/* q (float32) . k (bf16) over D: 8 lanes over blocks of 8, a fixed tree, then the D % 8 tail. */
+INLINE float dot_qk(const float *q, const uint16_t *k, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    const int64_t D8 = D / 8 * 8;
+    for (int64_t d = 0; d < D8; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), bf16x8_to_f32(k + d), acc);
+    float s = hsum8(acc);
+    for (int64_t d = D8; d < D; d++) s += q[d] * bf16_to_f32(k[d]);
+    return s;
+}
+/* o += p v over D */
+INLINE void axpy_v(float *o, float p, const uint16_t *v, int64_t D) {
+    const __m256 vp = _mm256_set1_ps(p);
+    const int64_t D8 = D / 8 * 8;
+    for (int64_t d = 0; d < D8; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vp, bf16x8_to_f32(v + d), _mm256_loadu_ps(o + d)));
+    for (int64_t d = D8; d < D; d++) o[d] += p * bf16_to_f32(v[d]);
+}
+/* s[j] = exp(s[j] - mx) for j < n; returns their sum (8 lanes, fixed tree, then the tail) */
+INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t j = 0; j < n8; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float t = hsum8(sum);
+    for (int64_t j = n8; j < n; j++) {
+        s[j] = exp_poly(s[j] - mx);
+        t += s[j];
+    }
+    return t;
+}
+#else
+INLINE float dot_qk(const float *q, const uint16_t *k, int64_t D) {
+    float acc[16] = {0};
+    const int64_t D16 = D / 16 * 16;
+    for (int64_t d = 0; d < D16; d += 16)
+        for (int i = 0; i < 16; i++) acc[i] += q[d + i] * bf16_to_f32(k[d + i]);
+    float s = sum16(acc);
+    for (int64_t d = D16; d < D; d++) s += q[d] * bf16_to_f32(k[d]);
+    return s;
+}
+INLINE void axpy_v(float *o, float p, const uint16_t *v, int64_t D) {
+    for (int64_t d = 0; d < D; d++) o[d] += p * bf16_to_f32(v[d]);
+}
+INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
+    float t = 0.0f;
+    for (int64_t j = 0; j < n; j++) s[j] = exp_poly(s[j] - mx);
+    for (int64_t j = 0; j < n; j++) t += s[j];
+    return t;
+}
+#endif
+
+/* One decode row, every head, as the AVX-512 kernel: GQA groups read each key and value once. */
+static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
+                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
+    const int64_t grp = hq / hkv, row = hkv * D;
+    float qf[MAXQD], o[MAXQD], m[MAXH], l[MAXH], s[MAXH][CHUNK];
+    for (int64_t d = 0; d < hq * D; d++) {
+        qf[d] = bf16_to_f32(q[d]);
+        o[d] = 0.0f;
+    }
+    for (int64_t r = 0; r < hq; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t j0 = lo; j0 < len; j0 += CHUNK) {
+        const int64_t nj = len - j0 < CHUNK ? len - j0 : CHUNK;
+        for (int64_t j = 0; j < nj; j++) {
+            const int64_t pos = j0 + j;
+            const uint16_t *kp = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+            if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
+                const int64_t p4 = pos + 4;
+                const uint16_t *nk = k_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row;
+                for (int64_t b = 0; b < row; b += 32) PREFETCH(nk + b);
+            }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g = 0; g < grp; g++) {
+                    const int64_t r = h * grp + g;
+                    const float sc = dot_qk(qf + r * D, kp + h * D, D) * scale;
+                    s[r][j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
+                }
+        }
+        for (int64_t r = 0; r < hq; r++) {
+            float mx = m[r];
+            for (int64_t j = 0; j < nj; j++) mx = s[r][j] > mx ? s[r][j] : mx;
+            const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
+            l[r] = l[r] * corr + exp_sub_sum(s[r], nj, mx);
+            m[r] = mx;
+            for (int64_t d = 0; d < D; d++) o[r * D + d] *= corr;
+        }
+        for (int64_t j = 0; j < nj; j++) {
+            const int64_t pos = j0 + j;
+            const uint16_t *vp = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+            if (j + 4 < nj) {
+                const int64_t p4 = pos + 4;
+                const uint16_t *nv = v_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row;
+                for (int64_t b = 0; b < row; b += 32) PREFETCH(nv + b);
+            }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g = 0; g < grp; g++) {
+                    const int64_t r = h * grp + g;
+                    axpy_v(o + r * D, s[r][j], vp + h * D, D);
+                }
+        }
+    }
+    for (int64_t r = 0; r < hq; r++) {
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
+    }
+}
+#endif
 
 /* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]). */
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

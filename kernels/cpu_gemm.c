@@ -1,15 +1,18 @@
-/* Weight-only int8 GEMM for x86 CPUs with AVX512-BF16: y (M, N) = x (M, K) (q * scale)^T.
+/* Weight-only int8 GEMMs: y (M, N) = x (M, K) (q * scale)^T, and the int8 / int4 -> bfloat16
+ * conversions that feed tritium_bf16_gemm (cpu_gemm_bf16.c) for big batches.
  *
  * x bfloat16 (M, K), q int8 (N, K) with a float32 scale per output channel, y float32.
- * Each block of 32 weights is converted once to bfloat16 (exact: int8 values) and multiplies
- * up to MR rows of x with VDPBF16PS (32 products per instruction, float32 sums), so a batch's
- * rows share the conversion. torch's _weight_int8pack_mm dequantizes to float32 and uses
- * float32 FMAs: faster for one row, about 1.5x slower from 8 rows on (measured on SmolLM2's
- * shapes), so the runtime calls this kernel for batches of at least 8 rows.
- * Requires K % 32 == 0; the Python side checks and falls back to torch.
+ * Each block of weights is converted once and multiplies up to MR rows of x, so a batch's rows
+ * share the conversion. Every output is reduced in the order of tritium_bf16_gemm on the same
+ * path (cpu_gemm_bf16.c): a weight dequantized to bfloat16 first and multiplied there gives the
+ * same bits as these fused kernels, so a layer may switch between them by batch size.
+ *   avx512: 32 weights per step to bfloat16, VDPBF16PS (32 products, float32 sums).
+ *   avx2:   16 weights per step widened to float32 in the even / odd layout of cpu_simd.h, FMA.
+ *   generic: 16 float32 lanes per step in portable C (lane i takes k = 16 j + i).
+ * torch's _weight_int8pack_mm is faster for one row on AVX512-BF16 hosts, about 1.5x slower
+ * from 8 rows on (measured on SmolLM2's shapes). Requires K % 32 == 0 (the Python side checks).
  * Threads: OpenMP over blocks of output channels, on the runtime torch itself uses.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -18,16 +21,34 @@
 #define MR 8   /* rows of x per pass: MR partial + MR total accumulators stay in registers */
 #define NB 16  /* output channels per parallel work item */
 
+/* Dequantized weight values, shared by the fused kernels and the conversions (so both round the
+ * same way): grouped int8 q * s + z in float32 (one FMA on the SIMD paths, a product and a sum on
+ * the portable one), rounded to bfloat16. */
+#if defined(TRITIUM_AVX512)
 static inline __m512bh cvt_i8x32_bf16(__m256i w8) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w8)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w8, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo); /* low 16 lanes from lo: k order kept */
 }
 
+/* 32 int8 (k order) -> bf16(q * s + z) */
+INLINE __m512bh deq_i8x32(__m256i q, __m512 s, __m512 z) {
+    __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+    __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* 16 bytes of nibbles (k = 2j low, 2j + 1 high) -> 32 int8 values q - 8, in k order. */
+static inline __m256i nibbles_to_i8x32(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight),
+                            _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight));
+}
+
 /* One output channel n for MR_ rows of x (a compile-time count, so the accumulators live in
  * registers): out[r] = sum_k x[r][k] w[n][k]. */
-#define INLINE static inline __attribute__((always_inline))
-
 INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
     __m512 acc[MR];
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
@@ -38,6 +59,132 @@ INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, 
     }
     for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+/* Group-wise scales: each block of 32 weights is dequantized once, w = q * scale[g] + zero[g]
+ * in float32 rounded to bfloat16 (the rounding of the prefill path, tritium_int8g_to_bf16), and
+ * multiplies MR_ rows of x with VDPBF16PS: the same inner loop as w8_rows. pn: this channel's
+ * (scale, zero) pairs, or scales only when NZ == 1, contiguous over groups. */
+INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
+                     const int NZ, float *out, const int MR_) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
+        const __m512 s = _mm512_set1_ps(pn[0]), z = _mm512_set1_ps(NZ == 2 ? pn[1] : 0.0f);
+        for (int64_t k = g0; k < g0 + G; k += 32) {
+            __m512bh wv = deq_i8x32(_mm256_loadu_si256((const __m256i *)(wn + k)), s, z);
+            for (int r = 0; r < MR_; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
+        }
+    }
+    for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* 32 weights of a grouped int8 row from k on -> bf16 */
+INLINE void int8g_block(const int8_t *q, float s, float z, uint16_t *out) {
+    _mm512_storeu_si512((void *)out, (__m512i)deq_i8x32(_mm256_loadu_si256((const __m256i *)q),
+                                                        _mm512_set1_ps(s), _mm512_set1_ps(z)));
+}
+INLINE void int8_block(const int8_t *q, uint16_t *out) {
+    _mm512_storeu_si512((void *)out, (__m512i)cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)q)));
+}
+/* 32 int4 weights (16 bytes of nibbles) -> bf16((q - 8) * s + z) */
+INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
+    _mm512_storeu_si512((void *)out, (__m512i)deq_i8x32(nibbles_to_i8x32(b), _mm512_set1_ps(s), _mm512_set1_ps(z)));
+}
+
+#elif defined(TRITIUM_AVX2)
+INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 we, wo;
+        i8x16_eo(wn + k, &we, &wo);
+        for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
+    }
+    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
+}
+
+INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
+                     const int NZ, float *out, const int MR_) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
+        const __m256 s = _mm256_set1_ps(pn[0]), z = _mm256_set1_ps(NZ == 2 ? pn[1] : 0.0f);
+        for (int64_t k = g0; k < g0 + G; k += 16) {
+            __m256 we, wo;
+            i8x16_eo(wn + k, &we, &wo);
+            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
+            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
+            for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
+        }
+    }
+    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
+}
+
+INLINE void int8g_block(const int8_t *q, float s, float z, uint16_t *out) {
+    const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+    for (int h = 0; h < 32; h += 16) {
+        __m256 e, o;
+        i8x16_eo(q + h, &e, &o);
+        store_eo_bf16(out + h, _mm256_fmadd_ps(e, vs, vz), _mm256_fmadd_ps(o, vs, vz));
+    }
+}
+INLINE void int8_block(const int8_t *q, uint16_t *out) {
+    for (int h = 0; h < 32; h += 16) {
+        __m256 e, o;
+        i8x16_eo(q + h, &e, &o);
+        store_eo_bf16(out + h, e, o);
+    }
+}
+INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
+    const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+    for (int h = 0; h < 32; h += 16) {
+        __m256 e, o;
+        i4x16_eo(b + h / 2, &e, &o);
+        store_eo_bf16(out + h, _mm256_fmadd_ps(e, vs, vz), _mm256_fmadd_ps(o, vs, vz));
+    }
+}
+
+#else /* portable C: 16 float32 lanes, lane i takes k = 16 j + i; sum16 at the end */
+INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
+    float acc[MR][16] = {{0}};
+    for (int64_t k = 0; k < K; k += 16) {
+        float wv[16];
+        for (int i = 0; i < 16; i++) wv[i] = (float)wn[k + i];
+        for (int r = 0; r < MR_; r++)
+            for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+    }
+    for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);
+}
+
+INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
+                     const int NZ, float *out, const int MR_) {
+    float acc[MR][16] = {{0}};
+    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
+        const float s = pn[0], z = NZ == 2 ? pn[1] : 0.0f;
+        for (int64_t k = g0; k < g0 + G; k += 16) {
+            float wv[16];
+            for (int i = 0; i < 16; i++) wv[i] = deq((float)wn[k + i], s, z);
+            for (int r = 0; r < MR_; r++)
+                for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + k + i]) * wv[i];
+        }
+    }
+    for (int r = 0; r < MR_; r++) out[r] = sum16(acc[r]);
+}
+
+INLINE void int8g_block(const int8_t *q, float s, float z, uint16_t *out) {
+    for (int i = 0; i < 32; i++) out[i] = f32_to_bf16(deq((float)q[i], s, z));
+}
+INLINE void int8_block(const int8_t *q, uint16_t *out) {
+    for (int i = 0; i < 32; i++) out[i] = f32_to_bf16((float)q[i]);
+}
+INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
+    for (int i = 0; i < 16; i++) {
+        out[2 * i] = f32_to_bf16(deq((float)((b[i] & 0x0F) - 8), s, z));
+        out[2 * i + 1] = f32_to_bf16(deq((float)((b[i] >> 4) - 8), s, z));
+    }
+}
+#endif
 
 #define DISPATCH(CALL, mr)                                   \
     switch (mr) {                                            \
@@ -64,28 +211,6 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
             }
         }
     }
-}
-
-/* Group-wise scales: each block of 32 weights is dequantized once, w = q * scale[g] + zero[g]
- * in float32 rounded to bfloat16 (the rounding of the prefill path, tritium_int8g_to_bf16), and
- * multiplies MR_ rows of x with VDPBF16PS: the same inner loop as w8_rows. pn: this channel's
- * (scale, zero) pairs, or scales only when NZ == 1, contiguous over groups. */
-INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
-                     const int NZ, float *out, const int MR_) {
-    __m512 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
-        const __m512 s = _mm512_set1_ps(pn[0]), z = _mm512_set1_ps(NZ == 2 ? pn[1] : 0.0f);
-        for (int64_t k = g0; k < g0 + G; k += 32) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(wn + k));
-            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-            __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-            for (int r = 0; r < MR_; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
-        }
-    }
-    for (int r = 0; r < MR_; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
 /* y (M, N) float32 = x (M, K) bf16 @ bf16(q * scale[n][k / G] + zero[n][k / G])^T; params
@@ -119,42 +244,25 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, i
 void tritium_int8g_to_bf16(const int8_t *w, const float *scale, const float *zero, int64_t N, int64_t K,
                            int64_t G, uint16_t *out) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k += 32) {
             const int64_t g = k / G;
-            const __m512 s = _mm512_set1_ps(scale[g * N + n]);
-            const __m512 z = _mm512_set1_ps(zero ? zero[g * N + n] : 0.0f);
-            __m256i q = _mm256_loadu_si256((const __m256i *)(w + n * K + k));
-            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-            _mm512_storeu_si512((void *)(out + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            int8g_block(w + n * K + k, scale[g * N + n], zero ? zero[g * N + n] : 0.0f, out + n * K + k);
         }
-    }
 }
 
 /* w (N, K) int8 -> out (N, K) bfloat16, exact (|q| <= 127 has 7 significant bits). */
 void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
     const int64_t whole = n / 32 * 32;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < whole; i += 32)
-        _mm512_storeu_si512((void *)(out + i), (__m512i)cvt_i8x32_bf16(_mm256_loadu_si256((const __m256i *)(w + i))));
-    for (int64_t i = whole; i < n; i++) { /* tail: int8 -> float32 -> bf16, exact */
-        out[i] = f32_to_bf16((float)w[i]);
-    }
-}
-
-/* 16 bytes of nibbles (k = 2j low, 2j + 1 high) -> 32 int8 values q - 8, in k order. */
-static inline __m256i nibbles_to_i8x32(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_set_m128i(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight),
-                            _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight));
+    for (int64_t i = 0; i < whole; i += 32) int8_block(w + i, out + i);
+    for (int64_t i = whole; i < n; i++) out[i] = f32_to_bf16((float)w[i]); /* tail: exact */
 }
 
 /* int4 weight -> bfloat16 (N, K): w = (q - 8) * scale[g] + zero[g] in float32, rounded to nearest
  * even; q from w4 (N, K/2) uint8, low nibble = even k; scale, zero (K/G, N) float32; g = g_idx[k]
- * when g_idx is given (act-order), else k / G (then G % 32 == 0 takes the vector path). */
+ * when g_idx is given (act-order), else k / G (then G % 32 == 0 takes the block path, which
+ * rounds as the fused tritium_w4_gemm does). */
 void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *zero, const int32_t *g_idx,
                           int64_t N, int64_t K, int64_t G, uint16_t *out) {
 #pragma omp parallel for schedule(static)
@@ -163,11 +271,7 @@ void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *ze
         if (!g_idx && G % 32 == 0) {
             for (int64_t k = 0; k < K; k += 32) {
                 const int64_t g = k / G;
-                const __m512 s = _mm512_set1_ps(scale[g * N + n]), z = _mm512_set1_ps(zero[g * N + n]);
-                __m256i q = nibbles_to_i8x32(wn + k / 2);
-                __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-                __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-                _mm512_storeu_si512((void *)(out + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                int4_block(wn + k / 2, scale[g * N + n], zero[g * N + n], out + n * K + k);
             }
             continue;
         }

@@ -6,8 +6,9 @@
  * multiples of 16 (the Python side checks). Every row is computed the same way whatever the
  * number of rows (batch invariance: prefill rows and decode rows take this one path); rows are
  * spread over OpenMP threads only from GLUE_PARALLEL_ROWS rows on (small steps stay on one).
+ * Paths (cpu_simd.h): 16 float32 lanes on AVX-512, 8 on AVX2 (bf16 widened with shifts, FMA where
+ * the AVX-512 code has one), portable C elsewhere; the same roundings on every path.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 
 #define GLUE_PARALLEL_ROWS 32
 
+#if defined(TRITIUM_AVX512)
 static inline void store_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, f32x16_to_bf16(x)); }
 
 /* res_out = bf16(x + res) (x itself when res is NULL);
@@ -83,3 +85,87 @@ void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *ou
         }
     }
 }
+
+#else
+#if defined(TRITIUM_AVX2)
+#define VL 8
+typedef __m256 vf;
+INLINE vf vload(const uint16_t *p) { return bf16x8_to_f32(p); }
+INLINE void vstore(uint16_t *p, vf x) { store_bf16x8(p, x); }
+INLINE vf vround(vf x) { return bf16_round8(x); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vset(float f) { return _mm256_set1_ps(f); }
+INLINE vf vsilu(vf a) { return _mm256_div_ps(a, _mm256_add_ps(vset(1.0f), exp256(_mm256_sub_ps(vset(0.0f), a)))); }
+INLINE float vsum(vf a) { return hsum8(a); }
+#else /* portable: 16-lane float32 arrays in a struct, loops the compiler vectorizes */
+#define VL 16
+typedef struct { float v[16]; } vf;
+INLINE vf vload(const uint16_t *p) { vf r; for (int i = 0; i < 16; i++) r.v[i] = bf16_to_f32(p[i]); return r; }
+INLINE void vstore(uint16_t *p, vf x) { for (int i = 0; i < 16; i++) p[i] = f32_to_bf16(x.v[i]); }
+INLINE vf vround(vf x) { for (int i = 0; i < 16; i++) x.v[i] = bf16_roundf(x.v[i]); return x; }
+INLINE vf vadd(vf a, vf b) { for (int i = 0; i < 16; i++) a.v[i] += b.v[i]; return a; }
+INLINE vf vmul(vf a, vf b) { for (int i = 0; i < 16; i++) a.v[i] *= b.v[i]; return a; }
+INLINE vf vfma(vf a, vf b, vf c) { for (int i = 0; i < 16; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+INLINE vf vset(float f) { vf r; for (int i = 0; i < 16; i++) r.v[i] = f; return r; }
+INLINE vf vsilu(vf a) { for (int i = 0; i < 16; i++) a.v[i] = a.v[i] / (1.0f + exp_poly(-a.v[i])); return a; }
+INLINE float vsum(vf a) { return sum16(a.v); }
+#endif
+
+/* The same steps as the AVX-512 code above, VL lanes at a time (H, D / 2, n multiples of 16). */
+void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps,
+                               int64_t T, int64_t H, uint16_t *out, uint16_t *res_out) {
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * H;
+        uint16_t *rr = res_out + t * H;
+        vf ss = vset(0.0f);
+        for (int64_t i = 0; i < H; i += VL) {
+            vf r = vload(xr + i);
+            if (res) r = vround(vadd(r, vload(res + t * H + i)));
+            vstore(rr + i, r);
+            ss = vfma(r, r, ss);
+        }
+        const vf inv = vset(1.0f / sqrtf(vsum(ss) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += VL) {
+            vf n = vround(vmul(vload(rr + i), inv));
+            vstore(out + t * H + i, vmul(n, vload(w + i)));
+        }
+    }
+}
+
+static inline void rope_head(const uint16_t *x, const uint16_t *cos, const uint16_t *ssin, int64_t D,
+                             uint16_t *y) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i += VL) {
+        vf xv = vload(x + i);
+        vf sw = vload(x + (i < half ? i + half : i - half));
+        vf a = vround(vmul(xv, vload(cos + i)));
+        vstore(y + i, vfma(sw, vload(ssin + i), a));
+    }
+}
+
+void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *ssin,
+                                const int64_t *slot, int64_t T, int64_t hq, int64_t hkv, int64_t D,
+                                uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache) {
+    const int64_t row = (hq + 2 * hkv) * D;
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *src = qkv + t * row, *c = cos + t * D, *s = ssin + t * D;
+        for (int64_t h = 0; h < hq; h++) rope_head(src + h * D, c, s, D, q_out + (t * hq + h) * D);
+        uint16_t *kd = k_cache + slot[t] * hkv * D, *vd = v_cache + slot[t] * hkv * D;
+        for (int64_t h = 0; h < hkv; h++) rope_head(src + (hq + h) * D, c, s, D, kd + h * D);
+        memcpy(vd, src + (hq + hkv) * D, (size_t)(hkv * D) * sizeof(uint16_t));
+    }
+}
+
+void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *out) {
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = x + t * 2 * n, *u = g + n;
+        for (int64_t i = 0; i < n; i += VL)
+            vstore(out + t * n + i, vmul(vround(vsilu(vload(g + i))), vload(u + i)));
+    }
+}
+#endif

@@ -3,86 +3,55 @@ batch-invariant bfloat16 and int4 GEMMs (cpu_gemm_bf16.c), paged
 decode attention over a bfloat16 KV cache (cpu_decode_attention.c), and the bfloat16 element-wise
 steps between a layer's GEMMs (cpu_glue.c).
 
-On an x86 CPU with AVX512-BF16 the library is compiled on first use into the Tritium cache
-($TRITIUM_CACHE or ~/.cache/tritium, `native/`, keyed by the source's hash and the compiler) and
-loaded with ctypes; it runs on the OpenMP runtime torch has already loaded, so torch's thread
-count applies. Anywhere else (no compiler, another CPU, TRITIUM_NATIVE_CPU=0) `available()` is
-False and the quantized layers keep torch's packed kernels. The references these kernels are
+The sources are compiled on first use for the instruction-set path this host runs best, or the
+one TRITIUM_CPU_ISA forces (avx512 / avx2 / generic, kernels/cpu_isa.py), into the Tritium cache
+($TRITIUM_CACHE or ~/.cache/tritium, `native/`, keyed by the sources' hash, compiler and flags) and
+loaded with ctypes; they run on the OpenMP runtime torch has already loaded, so torch's thread
+count applies. `isa()` names the path. Without a compiler, off Linux or with TRITIUM_NATIVE_CPU=0
+`available()` is False and the layers keep torch's kernels. The references these kernels are
 tested against are gemm_ref.w8a16_gemm_ref and attention_ref.paged_attention_ref.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Optional
 
 import torch
 
+from . import cpu_isa
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
-_FLAGS = ["-O3", "-march=x86-64-v4", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 
 def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_dir() -> str:
-    d = os.environ.get("TRITIUM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tritium")
-    return os.path.join(d, "native")
-
-
-def _build(cc: str) -> str:
-    src = b""
-    for path in _SRCS + _HEADERS:
-        with open(path, "rb") as f:
-            src += f.read()
-    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    out = os.path.join(_cache_dir(), f"tritium_cpu-{key}.so")
-    if os.path.exists(out):
-        return out
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, *_SRCS, "-lm", "-o", tmp], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: concurrent first uses never load half a file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    return cpu_isa.cpu_flags()
 
 
 @functools.lru_cache(maxsize=None)
 def _lib() -> Optional[ctypes.CDLL]:
     if os.environ.get("TRITIUM_NATIVE_CPU", "1") in ("0", "false", "False"):
         return None
-    if sys.platform != "linux" or not {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags():
+    path = cpu_isa.select()  # raises on a bad TRITIUM_CPU_ISA, whatever else holds
+    if sys.platform != "linux":
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
     try:
-        lib = ctypes.CDLL(_build(cc))
+        lib = ctypes.CDLL(cpu_isa.build(cc, path, _SRCS, _HEADERS))
     except (OSError, subprocess.SubprocessError) as e:
-        print(f"tritium: native CPU GEMMs unavailable ({type(e).__name__}: {e}); using torch's kernels",
+        print(f"tritium: native CPU kernels ({path}) unavailable ({type(e).__name__}: {e}); using torch's kernels",
               file=sys.stderr)
         return None
+    lib.tritium_isa = path
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.tritium_w8a16_gemm.argtypes = [p, p, p, p, i64, i64, i64]
     lib.tritium_w8a16_gemm.restype = None
@@ -112,6 +81,24 @@ def _lib() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """Whether the native kernels can run here (builds them on the first call)."""
     return _lib() is not None
+
+
+def isa() -> str:
+    """The path whose kernels run ("avx512", "avx2", "generic"; kernels/cpu_isa.py), or "none"
+    when the native kernels are off (TRITIUM_NATIVE_CPU=0, no compiler, not Linux)."""
+    lib = _lib()
+    return lib.tritium_isa if lib is not None else "none"
+
+
+def has_bf16_dot() -> bool:
+    """Whether the path multiplies bf16 pairs in hardware (AVX512-BF16): only there are oneDNN's
+    and torch's bf16 GEMMs fast; elsewhere the native GEMMs (bf16 widened to float32) take them."""
+    return isa() == "avx512"
+
+
+def reset() -> None:
+    """Forget the loaded path so the next call selects again (tests that force TRITIUM_CPU_ISA)."""
+    _lib.cache_clear()
 
 
 def supports(in_features: int) -> bool:

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints and engines (built once per session), SmolLM2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -27,17 +28,49 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def native_bf16():
-    """Batch-invariant bfloat16 numerics come from the native AVX512-BF16 kernels
-    (kernels/cpu_native.py). On a CPU without avx512_bf16 the runtime falls back to torch, whose
-    GEMMs and attention are not batch-invariant: such tests are skipped there with this reason
-    (reported by `pytest -ra`), never silently. On a CPU that has the ISA the kernels must build."""
+CPU_PATHS = ("avx512", "avx2", "generic")  # kernels/cpu_isa.py, best first
+
+
+def _force_cpu_path(mp, name: str) -> None:
+    """Run the native CPU kernels of path `name` (TRITIUM_CPU_ISA) until mp is undone; a path
+    this host cannot run is skipped with the reason (reported by `pytest -ra`), never silently."""
+    from tritium.kernels import cpu_isa, cpu_native
+    can = cpu_isa.runnable()
+    if name not in can:
+        pytest.skip(f"this CPU cannot run the {name} native path (it runs {', '.join(can)}; "
+                    f"{name} needs {', '.join(sorted(cpu_isa.NEEDS[name]))})")
+    mp.setenv("TRITIUM_CPU_ISA", name)
+    mp.delenv("TRITIUM_NATIVE_CPU", raising=False)
+    cpu_native.reset()
+    assert cpu_native.available(), f"the {name} native kernels did not build (is a C compiler installed?)"
+    assert cpu_native.isa() == name
+
+
+@contextlib.contextmanager
+def forced_cpu_path(name: str):
     from tritium.kernels import cpu_native
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
-        pytest.skip("this CPU has no AVX512-BF16: batch-invariant bf16 kernels exist only for "
-                    "AVX512-BF16 so far (AVX2 / generic paths: docs/determinism.md)")
-    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
+    with pytest.MonkeyPatch.context() as mp:
+        _force_cpu_path(mp, name)
+        try:
+            yield name
+        finally:
+            cpu_native.reset()  # the next call selects again, under the restored environment
+
+
+@pytest.fixture(params=CPU_PATHS)
+def cpu_path(request):
+    """Each test that takes it runs once per native CPU path (test ids name the path)."""
+    with forced_cpu_path(request.param) as name:
+        yield name
+
+
+@pytest.fixture(scope="module", params=CPU_PATHS)
+def native_bf16(request):
+    """Batch-invariant bfloat16 numerics come from the native kernels (kernels/cpu_native.py),
+    which exist on every path: the module's tests run once per path, forced with TRITIUM_CPU_ISA
+    (ids name it). A path the host cannot run is skipped with the reason."""
+    with forced_cpu_path(request.param) as name:
+        yield name
 
 
 @pytest.fixture(scope="session")

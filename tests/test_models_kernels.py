@@ -57,15 +57,12 @@ def test_softcap_must_be_positive():
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs,window", [(8, 2, 64, 16, None), (4, 1, 32, 4, 7)])
-def test_native_cpu_decode_softcap_matches_float64(hq, hkv, d, bs, window):
-    """The native AVX512-BF16 decode kernel (kernels/cpu_decode_attention.c) with a soft-cap, on
-    decode rows of a bf16 cache, against cap * tanh(s / cap) attention written out in float64."""
+def test_native_cpu_decode_softcap_matches_float64(hq, hkv, d, bs, window, cpu_path):
+    """The native decode kernel of each CPU path (kernels/cpu_decode_attention.c) with a soft-cap,
+    on decode rows of a bf16 cache, against cap * tanh(s / cap) attention written out in float64."""
     from tritium.kernels import cpu_native
     from tritium.kernels.attention_metadata import AttentionMetadata
     from tritium.kernels.attention_cpu import paged_attention_cpu
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_native._cpu_flags():
-        pytest.skip("CPU without AVX512-BF16: soft-capped decode rows use paged_attention_ref here")
-    assert cpu_native.available(), "the CPU has AVX512-BF16 but the native kernels did not build"
     rng, seed = new_rng()
     seq_lens = [rng.randint(1, 60) for _ in range(6)]
     need = [-(-s // bs) for s in seq_lens]
@@ -78,6 +75,7 @@ def test_native_cpu_decode_softcap_matches_float64(hq, hkv, d, bs, window):
     vc = torch.randn(len(perm), bs, hkv, d).to(torch.bfloat16)
     q = torch.randn(len(seq_lens), hq, d).to(torch.bfloat16)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, bs)
+    assert cpu_native.decode_supported(q, kc, None) and cpu_native.isa() == cpu_path
     cap, scale = rng.uniform(0.5, 3.0), d ** -0.5
     out = paged_attention_cpu(q, kc, vc, meta, scale, window, softcap=cap)
     for b, (slen, table) in enumerate(zip(seq_lens, tables)):
