@@ -10,7 +10,8 @@
   On CPU each linear also keeps its stacks cut to the largest rank loaded (contiguous, rebuilt
   when a slot changes), so the batched GEMMs skip the capacity's zero padding.
 - begin_step() groups the step's rows by slot (LoRASegments); every wrapped linear
-  (layer.LoRALinear) then adds its delta: the Triton SGMV kernel on CUDA, the grouped GEMMs on CPU.
+  (layer.LoRALinear) then adds its delta: the Triton SGMV kernel on CUDA, on CPU the native kernel
+  (kernels/cpu_lora.c: every row of the step in one call) or else the grouped GEMMs.
 A request holds its adapter object, so evicting it from the host cache never breaks a running one.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tritium.kernels.lora_ref import LoRASegments, lora_add_grouped
+from tritium.kernels.lora_cpu import lora_add_cpu
+from tritium.kernels.lora_ref import LoRASegments
 from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, adapted_linears, check_name, fused_rank_capacity, \
     optional_int, part_shapes, FUSED_PARTS
 from ..errors import RequestError
@@ -84,6 +86,7 @@ class LoRAManager:
         self.record_loads = False  # rank 0 of a TP engine: remember slot loads to send to the workers
         self.pending_loads: List[Tuple[int, LoRAAdapter]] = []
         self.row_slots: Optional[List[int]] = None  # the step's row -> slot (-1: base), with self.batch
+        self.slot_ids: Optional[torch.Tensor] = None
         self._lock = threading.Lock()  # host cache: admission threads and the engine loop
         self._host: "OrderedDict[str, LoRAAdapter]" = OrderedDict()
         self.stacks: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -244,16 +247,17 @@ class LoRAManager:
     def begin_rows(self, row_slots: List[Optional[int]]) -> None:
         """The next forward's rows use these slots (None: the base model); a TP worker's step."""
         self.row_slots = [-1 if s is None else s for s in row_slots]
+        self.slot_ids = torch.tensor(self.row_slots, dtype=torch.int64)  # the native CPU kernel's rows
         self.batch = LoRASegments.from_row_slots(row_slots, self.device)
 
     def begin_single(self, adapter: LoRAAdapter, num_rows: int) -> None:
         """Every one of the next forward's num_rows rows uses `adapter` (tests, scoring)."""
         slot = self._slot_for(adapter, {adapter.digest})
-        self.batch = LoRASegments.from_row_slots([slot] * num_rows, self.device)
+        self.begin_rows([slot] * num_rows)
 
     def end_step(self) -> None:
         self.batch = None
-        self.row_slots = None
+        self.row_slots = self.slot_ids = None
 
     def apply(self, key: Tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base linear's output) += this step's LoRA delta for linear `key`."""
@@ -263,10 +267,12 @@ class LoRAManager:
             a_stack, bt_stack = self.stacks[key]
             return lora_add_sgmv(y, x.contiguous(), a_stack, bt_stack, seg)
         if key not in self._cut:
-            r = max(ranks.get(key, 0) for ranks in self.slot_ranks)
+            ranks = [r.get(key, 0) for r in self.slot_ranks]
             a_stack, bt_stack = self.stacks[key]
-            self._cut[key] = (a_stack[:, :r].contiguous(), bt_stack[:, :r].contiguous()) if r else None
+            r = max(ranks)
+            self._cut[key] = (a_stack[:, :r].contiguous(), bt_stack[:, :r].contiguous(),
+                              torch.tensor(ranks, dtype=torch.int64)) if r else None
         cut = self._cut[key]
         if cut is None:  # no loaded adapter touches this linear
             return y
-        return lora_add_grouped(y, x.to(cut[0].dtype), cut[0], cut[1], seg)
+        return lora_add_cpu(y, x.to(cut[0].dtype), cut[0], cut[1], seg, self.slot_ids, cut[2])
