@@ -179,7 +179,7 @@ static int lora_rows(const void *x, void *y, const void *a, const void *bt, cons
         if (i == 0 || slots[order[i]] != slots[order[i - 1]] || i - block[nb - 1] == RB) block[nb++] = i;
     block[nb] = m;
     for (int64_t b = 0; b < nb; b++) work += (block[b + 1] - block[b]) * ranks[slots[order[block[b]]]] * (k + n);
-#pragma omp parallel for schedule(static) if (nb > 1 && work >= (1 << 17))
+#pragma omp parallel for schedule(static) if (nb > 1 && work >= (1 << 22))
     for (int64_t b = 0; b < nb; b++) {
         float t[RB][LORA_MAX_RANK];
         const void *xs[RB];

@@ -1,6 +1,6 @@
 """The CPU multi-LoRA delta: the native kernel (cpu_lora.c) where it runs, else the grouped GEMMs.
 
-`lora_add_cpu(y, x, a_stack, bt_stack, seg, row_slots, ranks)` adds every row's delta to y in
+`BoundLoRA(a_stack, bt_stack, ranks).add(y, x, seg, row_slots)` (or `lora_add_cpu`) adds every row's delta to y in
 place (layouts in lora_ref.py; ranks (S,) int64: the rank each slot uses on this linear). The
 native kernel takes all rows of the step in one call (shrink, expand and the add to y in one
 pass, no gather, scatter or padding), rows grouped by slot so a weight load serves several rows,
@@ -16,13 +16,6 @@ from . import cpu_native
 from .lora_ref import LoRASegments, lora_add_grouped
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def native_ok(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, bt_stack: torch.Tensor) -> bool:
-    return (x.dtype == y.dtype == a_stack.dtype == bt_stack.dtype and x.dtype in NATIVE_DTYPES
-            and x.dim() == 2 and y.dim() == 2 and x.is_contiguous() and y.is_contiguous()
-            and a_stack.is_contiguous() and bt_stack.is_contiguous() and not x.is_cuda
-            and cpu_native.available())
 
 
 def lora_add_native(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, bt_stack: torch.Tensor,
@@ -44,9 +37,34 @@ def lora_add_native(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, bt_
     return y
 
 
+class BoundLoRA:
+    """One linear's stacks (cut to the largest rank in use) bound to the native kernel, so a
+    step's call passes only x, y and the rows' slots (the engine calls it for every adapted
+    linear of every step). None of it applies where the native kernel does not: see `usable`."""
+
+    def __init__(self, a_stack: torch.Tensor, bt_stack: torch.Tensor, ranks: torch.Tensor):
+        self.a, self.bt, self.ranks = a_stack.contiguous(), bt_stack.contiguous(), ranks.to(torch.int64).contiguous()
+        s, r, self.k = self.a.shape
+        self.n = self.bt.shape[2]
+        self.dtype = self.a.dtype
+        self.lib = cpu_native._lib() if (self.dtype in NATIVE_DTYPES and self.bt.dtype == self.dtype
+                                         and not self.a.is_cuda and r <= 1024) else None
+        self._args = (self.a.data_ptr(), self.bt.data_ptr(), self.ranks.data_ptr())
+        self._shape = (self.k, self.n, s, r, int(self.dtype == torch.bfloat16))
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, seg: LoRASegments, row_slots: torch.Tensor) -> torch.Tensor:
+        """y += the step's delta in place (returns y): the native kernel, else the grouped GEMMs."""
+        if (self.lib is not None and x.dtype == self.dtype and y.dtype == self.dtype and x.dim() == 2
+                and x.is_contiguous() and y.is_contiguous() and x.shape[1] == self.k and y.shape[1] == self.n):
+            rc = self.lib.tritium_lora_add(x.data_ptr(), y.data_ptr(), *self._args, row_slots.data_ptr(),
+                                           x.shape[0], *self._shape)
+            if rc != 0:
+                raise ValueError(f"native LoRA kernel failed (code {rc})")
+            return y
+        return lora_add_grouped(y, x.to(self.dtype), self.a, self.bt, seg)
+
+
 def lora_add_cpu(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, bt_stack: torch.Tensor,
                  seg: LoRASegments, row_slots: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
     """y += the step's delta in place (returns y): the native kernel, else the grouped GEMMs."""
-    if native_ok(y, x, a_stack, bt_stack) and a_stack.shape[1] <= 1024:
-        return lora_add_native(y, x, a_stack, bt_stack, row_slots, ranks)
-    return lora_add_grouped(y, x.to(a_stack.dtype), a_stack, bt_stack, seg)
+    return BoundLoRA(a_stack, bt_stack, ranks).add(y, x, seg, row_slots)

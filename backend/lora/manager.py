@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tritium.kernels.lora_cpu import lora_add_cpu
+from tritium.kernels.lora_cpu import BoundLoRA
 from tritium.kernels.lora_ref import LoRASegments
 from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, adapted_linears, check_name, fused_rank_capacity, \
     optional_int, part_shapes, FUSED_PARTS
@@ -96,7 +96,7 @@ class LoRAManager:
                 r = fused_rank_capacity(name, self.max_lora_rank)
                 self.stacks[(layer, name)] = (torch.zeros(self.max_loras, r, k, dtype=dtype, device=device),
                                               torch.zeros(self.max_loras, r, n, dtype=dtype, device=device))
-        self._cut: Dict[Tuple[int, str], Optional[Tuple[torch.Tensor, torch.Tensor]]] = {}  # CPU: rank-cut stacks
+        self._cut: Dict[Tuple[int, str], Optional[BoundLoRA]] = {}  # CPU: stacks cut to the largest rank in use
         self.slot_digest: List[Optional[bytes]] = [None] * self.max_loras
         self.slot_ranks: List[Dict[Tuple[int, str], int]] = [{} for _ in range(self.max_loras)]
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((s, None) for s in range(self.max_loras))
@@ -270,9 +270,8 @@ class LoRAManager:
             ranks = [r.get(key, 0) for r in self.slot_ranks]
             a_stack, bt_stack = self.stacks[key]
             r = max(ranks)
-            self._cut[key] = (a_stack[:, :r].contiguous(), bt_stack[:, :r].contiguous(),
-                              torch.tensor(ranks, dtype=torch.int64)) if r else None
+            self._cut[key] = BoundLoRA(a_stack[:, :r], bt_stack[:, :r], torch.tensor(ranks)) if r else None
         cut = self._cut[key]
         if cut is None:  # no loaded adapter touches this linear
             return y
-        return lora_add_cpu(y, x.to(cut[0].dtype), cut[0], cut[1], seg, self.slot_ids, cut[2])
+        return cut.add(y, x, seg, self.slot_ids)
