@@ -11,18 +11,24 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .config_moe import SUPPORTED_ROUTER_SCORING, SUPPORTED_ROUTER_TOPK, validate_mla, validate_moe, validate_routing  # noqa: F401
 from .parallel_layout import TensorParallelError, layout_from_config
 
 # Bump when the on-disk layout changes; readers accept every version <= this one.
 # 2: the model-family fields of ModelConfig / RopeConfig (all defaulted, so version-1 files of
 #    Llama / Mistral / Qwen2 load unchanged; an older runtime refuses a version-2 file by number).
-ENGINE_FORMAT_VERSION = 2
+# 3: group scales / zeros of int8 / fp8 layers stored as float16 (bfloat16 past float16's range),
+#    per-row int8 scales as bfloat16 where exact, and the embedding of int8 / fp8 builds stored
+#    as int8 in groups of 32 (kernels/quant_layouts.py). Readers take any of float32 / float16 /
+#    bfloat16 for these tensors, so version-1/2 engines (float32) load and compute unchanged.
+ENGINE_FORMAT_VERSION = 3
 ENGINE_CONFIG_FILE = "engine.json"
 BUILD_REPORT_FILE = "build_report.json"
 
 # One declaration each in backend/models/families.py (which checks that the two lists agree).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
-                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+                           "granite", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe",
+                           "deepseek_v2", "deepseek_v3", "gpt_oss")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a layer's RMSNorms sit: "pre" (Llama: before attention and before the MLP), "sandwich"
 # (Gemma 2/3: before and after each), "post" (OLMo 2: after each, none before).
@@ -38,10 +44,12 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 # quantization.method of an engine built from a pre-quantized checkpoint (builder/prequant/);
 # not a --quantization choice: the source's own format is in quantization.imported.
 IMPORTED_QUANTIZATION = "imported"
+# `tritium build --embedding-quantization`: how a quantized build stores the embedding / LM head
+# (builder/quant/quant_plan.py; "auto" depends on --quantization).
+SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
-# How an MoE router turns its logits into expert weights: softmax over all experts, then top-k.
-SUPPORTED_ROUTER_SCORING = ("softmax",)
+# How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
 
 
 class EngineFormatError(ValueError):
@@ -121,6 +129,29 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen2-MoE has one)
     shared_expert_gate: bool = False  # shared expert output times sigmoid(x . w) (Qwen2-MoE)
     dense_layers: tuple = ()  # layers that keep the dense MLP (mlp_only_layers, decoder_sparse_step)
+    # DeepSeek routing (models/moe_routing.py): router_topk one of SUPPORTED_ROUTER_TOPK; the
+    # correction bias is the engine tensor layers.{i}.router.correction_bias.
+    router_topk: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_correction_bias: bool = False
+    kv_lora_rank: int = 0  # multi-head latent attention (models/mla.py, config_moe.py); 0 = none
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # ---- gpt-oss (families/gpt_oss.py) -------------------------------------------------------
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax (layers.{i}.sinks)
+    router_bias: bool = False  # the router linear has a bias
+    # Router order: False = softmax over all experts then top-k; True = top-k of the logits, then
+    # a softmax over those k (gpt-oss).
+    router_topk_then_softmax: bool = False
+    expert_bias: bool = False  # each expert's gate_up and down projections carry biases
+    # Experts' clamped SwiGLU (gpt-oss): gate <= limit, -limit <= up <= limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate); None = the plain `activation`.
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -157,7 +188,7 @@ class LayerQuant:
     # x - head_input_mean (float32 (hidden,)) and head_mean_logits (float32 (vocab,), the mean
     # input's logits from the float weights) is added to its output (int4-awq; builder/quant/quant_head.py).
     centred: bool = False
-    # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) float32 is stored beside
+    # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
     asymmetric: bool = False
 
@@ -190,16 +221,12 @@ def _quant_config_from_dict(q: dict) -> QuantConfig:
 @dataclass(frozen=True)
 class KVCacheConfig:
     dtype: str = "auto"  # "auto" = the engine dtype; "fp8" (E4M3) or "int8" with per-head scales
-    # "hadamard": K (after RoPE and k_offset) and V are stored multiplied by the normalized
-    # Hadamard matrix of order head_dim, the query is rotated alike and the attention output
-    # rotated back (backend/models/kv_rotation.py). Exact in real arithmetic; it spreads the
-    # few large channels over all of them before the cache rounds them.
+    # "hadamard": K (after RoPE and k_offset) and V stored times the normalized Hadamard matrix
+    # of order head_dim, the query rotated alike, the output rotated back (models/kv_rotation.py).
     rotation: str = "none"
-    # Per-layer, per-KV-head scales are stored in the weights file as
-    # layers.{i}.k_scale / layers.{i}.v_scale (float32, shape (num_kv_heads,)) when quantized,
-    # and optionally layers.{i}.k_offset / v_offset (float32, (num_kv_heads, head_dim)),
-    # subtracted from K (after RoPE) / V before they are stored; attention is unchanged (softmax
-    # ignores a per-query shift of the scores; v_offset is added back to the attention output).
+    # Quantized: per-layer, per-KV-head layers.{i}.k_scale / v_scale (float32 (num_kv_heads,)),
+    # optionally k_offset / v_offset (float32 (num_kv_heads, head_dim)) subtracted from K (after
+    # RoPE) / V before they are stored (softmax ignores the shift; v_offset is added back).
 
 
 @dataclass(frozen=True)
@@ -316,7 +343,8 @@ class EngineConfig:
         bad = [i for i in m.nope_layers if not 0 <= i < m.num_layers]
         if bad:
             raise EngineFormatError(f"model.nope_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
-        self._validate_moe()
+        validate_moe(self, EngineFormatError)
+        validate_mla(m, self.kv_cache, EngineFormatError)
         if m.rotary_dim is not None and not (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0):
             raise EngineFormatError(f"model.rotary_dim {m.rotary_dim} must be even and in (0, head_dim {m.head_dim}]")
         tp = self.tensor_parallel_size
@@ -331,27 +359,6 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len", "block_size"):
             if getattr(lim, name) <= 0:
                 raise EngineFormatError(f"limits.{name} must be > 0")
-
-    def _validate_moe(self) -> None:
-        m = self.model
-        if m.num_experts == 0:
-            return
-        if m.router_scoring not in SUPPORTED_ROUTER_SCORING:
-            raise EngineFormatError(f"model.router_scoring {m.router_scoring!r} is not supported; supported: "
-                                    f"{', '.join(SUPPORTED_ROUTER_SCORING)}")
-        if not 0 < m.num_experts_per_tok <= m.num_experts:
-            raise EngineFormatError(f"model.num_experts_per_tok {m.num_experts_per_tok} must be in "
-                                    f"[1, num_experts {m.num_experts}]")
-        if m.moe_intermediate_size <= 0:
-            raise EngineFormatError(f"model.moe_intermediate_size must be > 0, got {m.moe_intermediate_size}")
-        bad = [i for i in m.dense_layers if not 0 <= i < m.num_layers]
-        if bad:
-            raise EngineFormatError(f"model.dense_layers entry {bad[0]} is not a layer index (0..{m.num_layers - 1})")
-        quantized = [k for k, lq in self.quantization.layers.items()
-                     if ".experts." in k and getattr(lq, "method", "none") != "none"]
-        if self.tensor_parallel_size > 1 and quantized:
-            raise EngineFormatError(f"tensor_parallel_size > 1 with quantized experts ({quantized[0]}) is not "
-                                    f"supported; allowed: float experts, or tensor_parallel_size 1")
 
     # ---- files -------------------------------------------------------------------------
     def save(self, engine_dir: str) -> None:

@@ -20,6 +20,7 @@ import torch
 from .admission import Admission
 from .block_manager import BlockManager
 from .config import EngineConfig, with_deterministic
+from .device_step import DeviceStepOptions
 from .errors import RequestError
 from .guided import state as guided
 from .loader import load_engine
@@ -51,6 +52,8 @@ class LLMEngine:
     LLMEngine whose loaded model proposes, instead of loading speculative.draft_engine_dir).
     thread_policy: torch threads per step (None: torch's thread count as it is).
     lora: serve LoRA adapters per request, mixed in one batch (docs/lora.md).
+    device_step: device sampling, staged inputs, static decode buffers / CUDA graphs
+    (device_step.DeviceStepOptions; default: each on for CUDA, off for CPU; docs/serving.md).
     """
 
     def __init__(self, engine_dir: Optional[str] = None, num_kv_blocks: Optional[int] = None,
@@ -62,7 +65,8 @@ class LLMEngine:
                  thread_policy: Optional[ThreadPolicy] = None,
                  deterministic: Optional[bool] = None,  # None: the engine's own setting
                  lora: Optional[LoRAConfig] = None,
-                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1):
+                 gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1,
+                 device_step: Optional[DeviceStepOptions] = None):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         if gpu_memory_utilization is not None:
@@ -110,7 +114,8 @@ class LLMEngine:
             self.block_manager = BlockManager(num_kv_blocks, self.block_size, enable_prefix_caching)
             self.scheduler = Scheduler(self.block_manager, max_num_seqs or config.limits.max_batch_size,
                                        max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
-            self.runner = runner or ModelRunner(config, model, num_kv_blocks, self.device)
+            self.runner = runner or ModelRunner(config, model, num_kv_blocks, self.device,
+                                                step_options=device_step or DeviceStepOptions())
             self.admission = Admission(config, tokenizer, self.scheduler.max_num_seqs, num_kv_blocks)
             self.thread_policy = thread_policy
             self.speculator: Optional[Speculator] = None if speculative is None else make_speculator(

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional
 
+from .device_step import DeviceStepOptions
 from .lora.adapter import DEFAULT_MAX_LORA_RANK
 from .lora.manager import DEFAULT_MAX_LORAS, LoRAConfig, parse_adapter_list
 from .speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, METHODS, SpeculativeConfig
@@ -80,6 +81,12 @@ OPTIONS = (
                  "(default 0.85; docs/serving.md#placement)", lo=0, hi=1),
     EngineOption("deterministic", "bool", "--deterministic",
                  "batch-invariant numerics (docs/determinism.md; default: the engine's own setting)"),
+    EngineOption("device_sampling", "bool", "--device-sampling",
+                 "sample on the model's device, only token ids and logprobs copied back (default: true on "
+                 "CUDA, false on CPU; docs/serving.md#the-device-step)"),
+    EngineOption("cuda_graphs", "bool", "--cuda-graphs",
+                 "decode steps on static buffers per batch bucket, captured as CUDA graphs at load (default: "
+                 "true on CUDA, false on CPU, where true runs the same buffers eagerly)"),
     EngineOption("max_queue_size", "int", "--max-queue-size",
                  f"waiting requests beyond which new ones fail as overloaded "
                  f"(server default {DEFAULT_MAX_QUEUE_SIZE})"),
@@ -200,6 +207,9 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                                "device", "threads_per_rank", "deterministic", "gpu_memory_utilization")
           if k in opts}
+    if "device_sampling" in opts or "cuda_graphs" in opts:
+        kw["device_step"] = DeviceStepOptions(device_sampling=opts.get("device_sampling"),
+                                              cuda_graphs=opts.get("cuda_graphs"))
     spec = speculative_config(opts, base_dir)
     if spec is not None:
         kw["speculative"] = spec

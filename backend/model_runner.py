@@ -1,7 +1,8 @@
 """ModelRunner: owns the KV pool, turns a SchedulerOutput into one forward pass, samples.
 
 KV pool: per layer a (k_cache, v_cache) pair, each (num_blocks, block_size, num_kv_heads,
-head_dim), in the engine dtype, or float8_e4m3fn / int8 when the engine's kv_cache.dtype says
+head_dim) (multi-head latent attention: one (num_blocks, block_size, 1, kv_lora_rank +
+qk_rope_head_dim) latent cache and an empty view of it), in the engine dtype, or float8_e4m3fn / int8 when the engine's kv_cache.dtype says
 so (the model's layers then carry k_scale / v_scale). The pool is zero-filled: padded reads of
 never-written slots must be finite, or a masked attention score could still turn into NaN.
 """
@@ -15,9 +16,13 @@ import torch
 from tritium.kernels import ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
+from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
+from .decode_graphs import StaticDecode
+from .device_step import DeviceStepOptions, StepBuffers, build_metadata
 from .sampler import Sampler
+from .sampler_device import DeviceSampler
 from .scheduler import SchedulerOutput
 from .step_arrays import StepArrays
 
@@ -34,7 +39,23 @@ def kv_bytes_per_block(cfg: EngineConfig) -> int:
     """Bytes of one block across all layers, K and V."""
     m = cfg.model
     elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
-    return 2 * m.num_layers * cfg.limits.block_size * m.num_kv_heads * m.head_dim * elem
+    return m.num_layers * cfg.limits.block_size * kv_cache_token_values(m) * elem
+
+
+def kv_bytes_per_token(cfg: EngineConfig) -> int:
+    """KV-cache bytes one token takes over all layers: 2 Hkv D per layer, or under multi-head latent
+    attention (kv_lora_rank + qk_rope_head_dim), times the cache dtype's size."""
+    return kv_bytes_per_block(cfg) // cfg.limits.block_size
+
+
+def alloc_kv_layer(cfg: EngineConfig, num_blocks: int, dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (k_cache, v_cache); under MLA (latent_cache, an empty view of it)."""
+    m, bs = cfg.model, cfg.limits.block_size
+    if m.kv_lora_rank:
+        latent = torch.zeros((num_blocks, bs, 1, kv_cache_token_values(m)), dtype=dtype, device=device)
+        return latent, latent[..., :0]
+    shape = (num_blocks, bs, m.num_kv_heads, m.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memory_bytes: Optional[int]) -> int:
@@ -66,12 +87,27 @@ def _pack_deterministic(model) -> None:
         model.packed_head = pack_for_cpu(head, deterministic=True)
 
 
+def _graphable(model) -> bool:
+    """Static decode buffers need a model whose step has no host-side routing: not a
+    mixture-of-experts model (per-expert token counts) and not a tensor-parallel rank."""
+    return getattr(model, "tp", None) is None and not any(getattr(layer, "sparse", False)
+                                                          for layer in getattr(model, "layers", ()))
+
+
 class ModelRunner:
-    """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step."""
+    """Runs DecoderLM over the scheduled batch and samples the sequences that completed a step.
+
+    step_options (device_step.DeviceStepOptions): sampling on the device (run() then returns
+    logits on the device for sample()), staged inputs, static decode buffers / CUDA graphs
+    (docs/serving.md#the-device-step). None: staged inputs on CUDA only, host sampling, no graphs
+    (what the draft engine and tensor-parallel ranks use)."""
 
     def __init__(self, cfg: EngineConfig, model, num_blocks: int, device: torch.device,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, step_options: Optional[DeviceStepOptions] = None):
         # cfg: this rank's config (parallel_layout.local_config); vocab_size: the full model's.
+        if step_options is None:
+            step_options = DeviceStepOptions(device_sampling=False, cuda_graphs=False)
+        opts = self.step_options = step_options.resolve(device)
         self.cfg = cfg
         self.vocab_size = vocab_size or cfg.model.vocab_size
         self.model = model
@@ -79,7 +115,6 @@ class ModelRunner:
         self.block_size = cfg.limits.block_size
         self.num_blocks = num_blocks
         m = cfg.model
-        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         dtype = kv_cache_dtype(cfg)
         if dtype in (torch.float8_e4m3fn, torch.int8):
             missing = [i for i, layer in enumerate(model.layers) if layer.k_scale is None]
@@ -90,11 +125,19 @@ class ModelRunner:
             if cfg.deterministic:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
+        static = opts.cuda_graphs and _graphable(model)
+        # Static decode: one scratch block past the block manager's, where padding rows write.
+        self.scratch_block: Optional[int] = num_blocks if static else None
         self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(m.num_layers)]
-        self.sampler = Sampler()
+            alloc_kv_layer(cfg, num_blocks + int(static), dtype, device) for _ in range(m.num_layers)]
+        self.sampler = DeviceSampler() if opts.device_sampling else Sampler()
         self.lora = None  # LoRAManager when the engine serves adapters (backend/lora)
+        self.buffers = StepBuffers(device) if opts.staged else None
+        self.static_decode: Optional[StaticDecode] = None
+        if static:
+            self.static_decode = StaticDecode(self, opts.max_graph_batch or cfg.limits.max_batch_size,
+                                              use_graphs=device.type == "cuda")
+            self.static_decode.capture()  # CUDA: warm-up + one graph per bucket, at load
 
     # ------------------------------------------------------------------ batch
     def _copy_blocks(self, copies) -> None:
@@ -143,7 +186,13 @@ class ModelRunner:
         return self.inputs(self.prepare_arrays(sched))
 
     def inputs(self, a: StepArrays):
-        """Device tensors and AttentionMetadata from a step's host arrays."""
+        """Device tensors and AttentionMetadata from a step's host arrays; the rows that need
+        logits as a device tensor (staged) or a host list."""
+        if self.buffers is not None:
+            ids, pos, slots, qsl, lens, tables, rows = self.buffers.upload(a)
+            meta = build_metadata(a, slots, qsl, lens, tables, self.cfg.deterministic)
+            meta.cpu_plan = ops.attention_plan(meta)  # CPU: attention state; Triton: meta.split
+            return ids, pos, meta, rows
         dev = self.device
         query_lens = np.diff(a.query_start_loc).tolist()
         seq_lens = a.seq_lens.tolist()
@@ -181,14 +230,27 @@ class ModelRunner:
         """The forward pass over prepared arrays (every tensor-parallel rank runs this; ranks other
         than 0 get None back)."""
         self._copy_blocks(arrays.block_copies)
+        if self.static_decode is not None:
+            bucket = self.static_decode.bucket_for(arrays, self.lora is not None)
+            if bucket is not None:
+                return self._logits_out(self.static_decode.run(arrays, bucket))
         input_ids, positions, meta, logit_rows = self.inputs(arrays)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not logit_rows:
-            return torch.empty(0, self.vocab_size)
+        if len(logit_rows) == 0:
+            return torch.empty(0, self.vocab_size, device=self.device if self.step_options.device_sampling else "cpu")
         # Only the last token of a finished prompt or a decode needs the LM head.
-        rows = torch.tensor(logit_rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])
-        return None if logits is None else logits.float().cpu()
+        if isinstance(logit_rows, torch.Tensor):
+            rows = hidden if logit_rows.shape[0] == hidden.shape[0] and arrays.logit_rows[-1] == len(logit_rows) - 1 \
+                else hidden.index_select(0, logit_rows)
+        else:
+            rows = hidden[torch.tensor(logit_rows, device=hidden.device)]
+        return self._logits_out(self.model.compute_logits(rows))
+
+    def _logits_out(self, logits: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """float32 logits: on the device for the device sampler, else on the host."""
+        if logits is None:
+            return None
+        return logits.float() if self.step_options.device_sampling else logits.float().cpu()
 
     def sample(self, logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[dict]]]:
         with torch.inference_mode():

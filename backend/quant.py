@@ -1,12 +1,16 @@
 """Quantized linear layers (weight-only INT8 / FP8 / INT4); models.linear.make_linear picks them by method.
 
 Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
-    int8: qweight int8 (N, K), scales float32 (N,)
-    fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,)
-    int8 / fp8 with LayerQuant.group_size: scales float32 (K//G, N), zeros float32 (K//G, N) when
+    int8: qweight int8 (N, K), scales (N,)
+    fp8:  qweight float8_e4m3fn (N, K), scales (N,)
+    int8 / fp8 with LayerQuant.group_size: scales (K//G, N), zeros (K//G, N) when
           LayerQuant.asymmetric
-    int4: qweight uint8 (N, K//2), scales/zeros (K//G, N) stored float16, held float32, optional g_idx int32 (K,)
+    int4: qweight uint8 (N, K//2), scales/zeros (K//G, N), optional g_idx int32 (K,)
     bias (engine dtype, optional) for all.
+Scales and zeros keep the dtype the engine stores (float16 or bfloat16 since engine format 3,
+float32 in older and imported engines; DecoderLM.load_engine_weights): the CPU packing widens
+them to float32 once (the native kernels read float32 parameters), the Triton GEMMs read them
+as stored and widen each load to float32.
 On CPU the layers hand their buffers once (lazily, on the first call after a load or a device
 move) to tritium.kernels.ops.pack_cpu_linear, which picks the kernel and its weight layout
 (kernels/cpu_linear.py: batch-invariant native kernels in bfloat16 engines, float32 GEMMs in

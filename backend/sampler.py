@@ -14,8 +14,9 @@ Each row of the batch carries its own SamplingParams. Processing order, per row:
      p < min_p * p_max); the survivors are renormalized by the softmax;
   6. draw with the exponential race: argmax_i p_i / E_i, E_i ~ Exp(1) i.i.d., is a sample of
      Categorical(p) (the Gumbel-max trick in exponential form). Each seeded sequence draws its
-     E from its own torch.Generator, one vocabulary-sized draw per token, so its tokens depend
-     only on its seed and its own history, never on the rest of the batch.
+     E from its own counter-based SeedStream (random_stream.py), one vocabulary-sized draw per
+     token, so its tokens depend only on its seed and its own history, never on the rest of the
+     batch, and are the same numbers on CPU and GPU (sampler_device.py samples on the device).
 Logprobs are the model's raw log-softmax (step 0 logits, before any of the above), the same
 numbers a user can recompute from the model alone; for a constrained row (step 0: the grammar's
 mask, backend/guided/) they are those of the constrained distribution.
@@ -27,6 +28,7 @@ from typing import List, Optional, Sequence as Seq, Tuple
 import torch
 
 from .guided.state import mask_logits
+from .random_stream import SeedStream
 
 NEG_INF = float("-inf")
 
@@ -125,15 +127,19 @@ def probabilities(x: torch.Tensor, params: Seq) -> torch.Tensor:
     return xs.softmax(dim=-1)
 
 
-def exponential_noise(vocab: int, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One vocabulary-sized Exp(1) draw, from the sequence's own generator when it has one."""
-    return torch.empty(vocab).exponential_(generator=generator)
+def exponential_noise(vocab: int, generator, device="cpu") -> torch.Tensor:
+    """One vocabulary-sized Exp(1) draw, from the sequence's own stream when it has one (a
+    SeedStream; a torch.Generator is taken too), else from torch's default generator."""
+    if isinstance(generator, SeedStream):
+        return generator.exponential(vocab, device)
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
-def draw(weights: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+def draw(weights: torch.Tensor, generator) -> int:
     """Step 6 for one row: a sample of Categorical(weights / sum) by the exponential race
     (weights need not be normalized)."""
-    return int((weights / exponential_noise(weights.shape[-1], generator).clamp_min(1e-20)).argmax())
+    noise = exponential_noise(weights.shape[-1], generator, weights.device)
+    return int((weights / noise.clamp_min(1e-20)).argmax())
 
 
 class Sampler:

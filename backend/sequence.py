@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .bad_words import BadWordsIndex
+from .random_stream import SeedStream
 from .sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -31,7 +32,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One token stream: the prompt plus the tokens generated so far for sample `index`."""
 
-    def __init__(self, request: "Request", index: int, generator: Optional[torch.Generator]):
+    def __init__(self, request: "Request", index: int, generator: Optional[SeedStream]):
         self.seq_id = next(_seq_counter)
         self.request = request
         self.index = index
@@ -167,8 +168,7 @@ class Request:
             if params.seed is not None:
                 # Sample i draws from its own stream, seeded (seed + i): the tokens depend only on
                 # the seed and the sequence, never on what else shares the batch.
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(params.seed + i)
+                gen = SeedStream(params.seed + i)
             self.seqs.append(Sequence(self, i, gen))
 
     @property

@@ -23,11 +23,12 @@ from tritium.backend.config import (BUILD_REPORT_FILE, SUPPORTED_DTYPES, EngineC
                                     QuantConfig)
 
 from .convert import CheckpointError, hf_to_engine_tensors
+from .convert_mla import check_mla_build
 from .convert_moe import check_moe_build
 from tritium.backend.parallel_layout import plan_layout
 
 from .output_dir import check_output_dir, new_build_dir, replace_dir
-from .report import component_bytes, write_json
+from .report import component_bytes, kv_cache_report, size_report, write_json
 from .tp_shard import shard_engine_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +52,7 @@ class BuildOptions:
     calibration_text: Optional[str] = None
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
+    embedding_quantization: Optional[str] = None  # None: auto (builder/quant/quant_plan.py)
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)
@@ -70,6 +72,11 @@ class BuildOptions:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        emb = self.embedding_quantization
+        if emb is not None and emb != "auto" and self.quantization in ("none", "auto"):
+            raise ValueError(f"--embedding-quantization {emb} needs --quantization int8, fp8, int4-rtn, int4-awq "
+                             f"or int4-gptq" + (" (--quantization auto picks the embedding's format itself)"
+                                                if self.quantization == "auto" else ""))
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two (e.g. 16 or 32), got {self.block_size}")
 
@@ -114,9 +121,12 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         from .quant.quant_pipeline import validate_quant_args
         validate_quant_args(opts)
     ckpt = open_checkpoint(opts.source, opts.allow_pickle)
-    imported = _detect_import(ckpt, opts)  # a pre-quantized source (builder/prequant/), or None
+    # gpt-oss's MXFP4 experts are imported as stored by the family's converter (convert_gpt_oss.py)
+    mxfp4 = _mxfp4_source(ckpt)
+    imported = None if mxfp4 is not None else _detect_import(ckpt, opts)  # a pre-quantized source, or None
     m = ckpt.model_config
-    check_moe_build(m, opts, imported)
+    check_moe_build(m, opts, imported, mxfp4 is not None)
+    check_mla_build(m, opts)
     if opts.tensor_parallel_size > 1:  # fail before any work when the model cannot be split
         plan_layout(m, opts.tensor_parallel_size)
     max_seq = opts.max_seq_len or min(m.max_position_embeddings, 2048)
@@ -150,7 +160,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
         tensors, qcfg, kvcfg, quant_report = quantize(cfg, tensors, opts)
         cfg = dataclasses.replace(cfg, quantization=qcfg, kv_cache=kvcfg)
     elif imported is None:
-        cfg = dataclasses.replace(cfg, quantization=QuantConfig())
+        from .convert_gpt_oss import mxfp4_quant_config
+        cfg = dataclasses.replace(cfg, quantization=QuantConfig() if mxfp4 is None else mxfp4_quant_config(m, mxfp4))
     source_hash = sha256_files(ckpt.source_files(), opts.progress)
     cfg = dataclasses.replace(cfg, build={**cfg.build, "source_sha256": source_hash})
     shards = [tensors]
@@ -175,6 +186,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "parameters": int(sum(t.numel() for n, t in tensors.items()
                                       if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset", "v_offset")))),
                 "bytes": component_bytes(tensors),
+                "size": size_report(tensors, m.tie_word_embeddings),
                 "float_bytes": float_bytes,
                 "build_seconds": round(time.time() - t0, 3),
                 "source": os.path.abspath(opts.source),
@@ -185,6 +197,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 **({"rank_bytes": [sum(t.numel() * t.element_size() for t in sh.values()) for sh in shards]}
                    if len(shards) > 1 else {}),
                 "tokenizer_files": tok_files,
+                "kv_cache": kv_cache_report(cfg),
                 **({"quantization_report": quant_report} if quant_report else {}),
             }
             write_json(os.path.join(tmp, BUILD_REPORT_FILE), report)
@@ -207,6 +220,16 @@ def _detect_import(ckpt, opts: BuildOptions):
     if spec is not None:
         check_import_options(opts, spec, opts.source)
     return spec
+
+
+def _mxfp4_source(ckpt):
+    """config.json's quantization_config when the source is an MXFP4 gpt-oss checkpoint (a
+    safetensors folder, or a GGUF file whose experts are MXFP4: gguf_moe.py), else None."""
+    raw = getattr(ckpt, "raw_config", None) or getattr(ckpt, "hf_config", None)
+    if not isinstance(raw, dict):
+        return None
+    from .convert_gpt_oss import mxfp4_source
+    return mxfp4_source(raw, os.path.join(getattr(ckpt, "path", ""), "config.json"))
 
 
 def _write_tokenizer(ckpt, engine_dir: str):

@@ -12,6 +12,7 @@ import torch
 from tritium.backend.config import ModelConfig
 from tritium.backend.models.families import FAMILIES
 
+from .convert_mla import mla_layer_tensors
 from .convert_moe import moe_layer_tensors
 
 
@@ -55,7 +56,9 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
         if qk_shapes is not None:
             yield f"layers.{i}.q_norm.weight", norm(p + "self_attn.q_norm.weight", qk_shapes[0])
             yield f"layers.{i}.k_norm.weight", norm(p + "self_attn.k_norm.weight", qk_shapes[1])
-        if fam.fused_qkv:
+        if m.kv_lora_rank:  # multi-head latent attention (DeepSeek)
+            yield from mla_layer_tensors(m, fam, i, g)
+        elif fam.fused_qkv:
             yield f"layers.{i}.qkv_proj.weight", g(p + "self_attn.qkv_proj.weight", (qd + 2 * kvd, h))
         else:
             yield f"layers.{i}.qkv_proj.weight", torch.cat([
@@ -66,11 +69,22 @@ def hf_to_engine_tensors(m: ModelConfig, get: Callable[[str], torch.Tensor], has
                                                 else torch.cat([g(p + "self_attn.q_proj.bias", (qd,)),
                                                                 g(p + "self_attn.k_proj.bias", (kvd,)),
                                                                 g(p + "self_attn.v_proj.bias", (kvd,))], 0))
-        yield f"layers.{i}.o_proj.weight", g(p + "self_attn.o_proj.weight", (h, qd))
+        if not m.kv_lora_rank:
+            yield f"layers.{i}.o_proj.weight", g(p + "self_attn.o_proj.weight", (h, qd))
         if m.o_proj_bias:
             yield f"layers.{i}.o_proj.bias", g(p + "self_attn.o_proj.bias", (h,))
-        if m.sparse(i):
-            yield from moe_layer_tensors(m, fam, i, g)
+        if m.attention_sinks:  # gpt-oss: sinks, router and experts (convert_gpt_oss.py)
+            from .convert_gpt_oss import gpt_oss_layer_tensors
+            yield from gpt_oss_layer_tensors(m, i, g, lambda n, shape: _expect(n, get(n), shape, source), has)
+        elif m.sparse(i):
+            for name, t in moe_layer_tensors(m, fam, i, g):
+                if name.endswith(".router.weight") and fam.float32_router:  # as stored, then float32
+                    t = _expect(p + f"{fam.moe_block}.gate.weight", get(p + f"{fam.moe_block}.gate.weight"),
+                                (m.num_experts, h), source).float()
+                yield name, t
+            if m.router_correction_bias:  # kept float32: it decides which experts run
+                name = p + f"{fam.moe_block}.gate.e_score_correction_bias"
+                yield f"layers.{i}.router.correction_bias", _expect(name, get(name), (m.num_experts,), source).float()
         elif fam.fused_gate_up:  # Phi-3 stores [gate; up] rows, the engine's order
             yield f"layers.{i}.gate_up_proj.weight", g(p + "mlp.gate_up_proj.weight", (2 * inter, h))
         else:

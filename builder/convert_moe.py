@@ -27,9 +27,10 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
         g(f"{p}experts.{e}.{down}.weight", (h, inter)) for e in range(e_n)])
     si = m.shared_expert_intermediate_size
     if si:
+        s = p + fam.shared_expert_name + "."
         yield f"layers.{i}.shared_expert.gate_up_proj.weight", torch.cat([
-            g(p + "shared_expert.gate_proj.weight", (si, h)), g(p + "shared_expert.up_proj.weight", (si, h))], 0)
-        yield f"layers.{i}.shared_expert.down_proj.weight", g(p + "shared_expert.down_proj.weight", (h, si))
+            g(s + "gate_proj.weight", (si, h)), g(s + "up_proj.weight", (si, h))], 0)
+        yield f"layers.{i}.shared_expert.down_proj.weight", g(s + "down_proj.weight", (h, si))
         if m.shared_expert_gate:
             yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
 
@@ -38,10 +39,19 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
 MOE_QUANTIZATION = ("none", "int8", "int4-rtn")
 
 
-def check_moe_build(m: ModelConfig, opts, imported) -> None:
-    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag)."""
+def check_moe_build(m: ModelConfig, opts, imported, mxfp4: bool = False) -> None:
+    """Refuse, before any work, what the engine cannot do with experts yet (ValueError naming the flag).
+    mxfp4: the source is an MXFP4 gpt-oss checkpoint (experts imported as stored)."""
     if not m.num_experts:
         return
+    if mxfp4 and opts.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size}: the MXFP4 experts of an MXFP4 "
+                         f"checkpoint are not split across ranks yet; allowed: --tensor-parallel-size 1 (or a "
+                         f"float checkpoint)")
+    if mxfp4 and (opts.quantization != "none" or opts.kv_cache_dtype != "auto"):
+        raise ValueError(f"--quantization {opts.quantization} / --kv-cache-dtype {opts.kv_cache_dtype}: an MXFP4 "
+                         f"checkpoint's experts are imported as stored (MXFP4); allowed: --quantization none "
+                         f"--kv-cache-dtype auto")
     if opts.tensor_parallel_size > 1 and opts.quantization != "none":
         raise ValueError(f"--tensor-parallel-size {opts.tensor_parallel_size} with --quantization {opts.quantization}: "
                          f"the quantized experts of mixture-of-experts models ({m.architecture}) are not split across ranks yet; allowed: "
@@ -56,9 +66,12 @@ def shard_moe_tensor(name: str, t: torch.Tensor, layout, r: int) -> Optional[tor
     """Rank r's part of an MoE engine tensor (builder/tp_shard.py), None if `name` is not one.
     Experts and the shared expert are split by columns like a dense MLP: [gate; up] rows and down
     columns of the rank's intermediate features; the router and the shared expert's gate are
-    replicated (every rank routes the same, identical hidden states)."""
+    replicated (every rank routes the same, identical hidden states). gpt-oss's gate_up biases
+    follow their columns; its down biases stay on rank 0 (zeros elsewhere), added once by the sum."""
     if ".experts." not in name and ".shared_expert." not in name:
         return None
+    if name.endswith("experts.down_bias"):  # gpt-oss: added once, on rank 0, before the all-reduce
+        return t if r == 0 else torch.zeros_like(t)
     shared = ".shared_expert." in name
     start = sum(lay.shared_intermediate if shared else lay.moe_intermediate for lay in layout[:r])
     width = layout[r].shared_intermediate if shared else layout[r].moe_intermediate
@@ -66,6 +79,9 @@ def shard_moe_tensor(name: str, t: torch.Tensor, layout, r: int) -> Optional[tor
     if name.endswith(("experts.gate_up_weight", "shared_expert.gate_up_proj.weight")):
         inter = t.shape[-2] // 2
         return t.index_select(t.dim() - 2, torch.cat([cols, inter + cols]))
+    if name.endswith("experts.gate_up_bias"):  # gpt-oss: (E, 2I) [gate; up] like the rows above
+        inter = t.shape[-1] // 2
+        return t.index_select(1, torch.cat([cols, inter + cols]))
     if name.endswith(("experts.down_weight", "shared_expert.down_proj.weight")):
         return t.index_select(t.dim() - 1, cols)
     raise ValueError(f"{name}: no tensor-parallel split for this MoE tensor (quantized experts are not split)")

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional
 
 from .convert import CheckpointError
 from .gguf_meta import Meta
+from .gguf_moe import moe_config
 from .gguf_rope import rope_parameters
 
 # GGUF general.architecture -> (HF model_type, HF architectures[0])
@@ -30,12 +31,16 @@ GGUF_ARCHITECTURES = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    # mixtures of experts (builder/gguf_moe.py); Mixtral is GGUF arch "llama" with an expert count
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # Tensors that carry configuration rather than weights (consumed here, never loaded as weights).
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp's default sliding-window pattern per architecture (src/models/<arch>.cpp,
 # load_swa_pattern(ml, n)): layer i slides when i % n < n - 1.
-_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2}
 
 
 def _layer_types(m: Meta, num_layers: int, period: int) -> list:
@@ -103,7 +108,12 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     cfg["rope_theta"] = rp["rope_theta"]
     if rp["rope_type"] != "default":
         cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if arch == "llama" and m.get("expert_count", 0, int):  # Mixtral (conversion/llama.py writes arch llama)
+        cfg["model_type"], cfg["architectures"] = "mixtral", ["MixtralForCausalLM"]
+        cfg["sliding_window"] = None
     _FAMILY[arch](m, cfg, tensors)
+    if m.get("expert_count", 0, int):
+        moe_config(m, cfg, cfg["model_type"])
     if cfg.get("sliding_window") is None:
         # the spelling of "no windowed layers" transformers writes for Qwen3 / SmolLM3 / ...
         # (a window without layer_types stays one on every layer: Mistral, Phi-3)
@@ -209,5 +219,12 @@ def _smollm3(m, cfg, tensors):
     cfg["sliding_window"] = None
 
 
+def _gpt_oss(m, cfg, tensors):
+    _sliding(m, cfg, _SWA_PERIOD["gpt-oss"])
+    if cfg["rope_parameters"]["rope_type"] == "yarn":  # see gguf_moe.py: not stored, not truncated
+        cfg["rope_parameters"]["truncate"] = cfg["rope_scaling"]["truncate"] = False
+
+
 _FAMILY = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen, "qwen3": _qwen, "gemma2": _gemma2,
-           "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "smollm3": _smollm3}
+           "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "smollm3": _smollm3,
+           "qwen3moe": _qwen, "olmoe": _llama, "gpt-oss": _gpt_oss}

@@ -15,9 +15,12 @@ import torch
 
 from .convert import CheckpointError
 from .gguf_config import CONFIG_TENSORS, GGUF_ARCHITECTURES, hf_config_from_gguf
+from .gguf_moe import moe_sources
 from .gguf_names import hf_to_gguf_names, undo_converter_edits
 
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# MXFP4: gpt-oss's experts as llama.cpp's converter writes them from OpenAI's MXFP4 checkpoint
+# (kept as stored, gguf_moe.py).
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MXFP4")
 __all__ = ["GGUFFile", "GGUFCheckpoint", "GGUF_ARCHITECTURES", "SUPPORTED_GGUF_TYPES"]
 
 
@@ -44,7 +47,15 @@ class GGUFFile:
         self.hf_config = hf_config_from_gguf(self.field, rows, self._read_raw, path)
         self.arch = self.field("general.architecture")
         self._hf_to_gguf = hf_to_gguf_names(self.arch, self.hf_config["num_hidden_layers"])
-        known = set(self._hf_to_gguf.values()) | set(CONFIG_TENSORS)
+        # MoE: HF expert / router names served from llama.cpp's stacked tensors (gguf_moe.py)
+        n_exp = self.hf_config.get("num_local_experts") or self.hf_config.get("num_experts") or 0
+        mxfp4 = any(t.tensor_type.name == "MXFP4" for n, t in self.tensors.items() if "_exps." in n)
+        if mxfp4 and self.hf_config["model_type"] == "gpt_oss":  # kept as stored (gguf_moe.py)
+            self.hf_config["quantization_config"] = {"quant_method": "mxfp4"}
+        self._moe = moe_sources(self.hf_config["model_type"], self.hf_config["num_hidden_layers"], n_exp,
+                                "quantization_config" in self.hf_config) if n_exp else {}
+        self._stacked: Dict[Tuple[str, bool], torch.Tensor] = {}  # the layer's stacked expert tensors, read once
+        known = set(self._hf_to_gguf.values()) | set(CONFIG_TENSORS) | {g for gs, _, _ in self._moe.values() for g in gs}
         for name in self.tensors:
             if name not in known:
                 raise CheckpointError(f"{path}: tensor {name!r} is not part of a {self.arch} model Tritium builds; "
@@ -65,9 +76,28 @@ class GGUFFile:
         return np.array(data, dtype=np.float32, copy=True)
 
     def has(self, name: str) -> bool:
+        if name in self._moe:
+            return all(g in self.tensors for g in self._moe[name][0])
         return self._hf_to_gguf.get(name) in self.tensors
 
+    def _read_stacked(self, gname: str, stored: bool) -> torch.Tensor:
+        """A stacked expert tensor as float32 (or its stored bytes), kept while the converter walks
+        its layer (each expert's matrix is a slice of it; dequantizing it once per expert would
+        cost E times)."""
+        key = (gname, stored)
+        if key not in self._stacked:
+            if gname not in self.tensors:
+                raise CheckpointError(f"{self.path}: tensor {gname!r} missing from the GGUF file")
+            layer = gname.split(".")[1]
+            self._stacked = {k: v for k, v in self._stacked.items() if k[0].split(".")[1] == layer}
+            self._stacked[key] = torch.from_numpy(np.array(self.tensors[gname].data, copy=True)) if stored else \
+                torch.from_numpy(self._read_raw(gname))
+        return self._stacked[key]
+
     def get(self, name: str) -> torch.Tensor:
+        if name in self._moe:
+            gnames, build, stored = self._moe[name]
+            return build([self._read_stacked(g, stored) for g in gnames])
         gname = self._hf_to_gguf.get(name)
         if gname not in self.tensors:
             raise CheckpointError(f"{self.path}: tensor {gname or name!r} missing from the GGUF file")
@@ -77,14 +107,14 @@ class GGUFFile:
 
     def hf_names(self) -> List[str]:
         """The HF names of every weight tensor the file holds."""
-        return [hf for hf, g in self._hf_to_gguf.items() if g in self.tensors]
+        return [hf for hf, g in self._hf_to_gguf.items() if g in self.tensors] + [n for n in self._moe if self.has(n)]
 
     def block_quant(self, name: str) -> Optional[Tuple[str, int]]:
         """(GGUF type name, block size along the input dim) of HF tensor `name` when the file
         stores it block-quantized (Q4_0, Q4_1, Q8_0: blocks of 32); None for float or absent.
         ggml blocks run along ne0, the contiguous dim, which is a linear's input (K) dim."""
         t = self.tensors.get(self._hf_to_gguf.get(name))
-        if t is None:
+        if t is None or name in self._moe:  # experts are read as float (gguf_moe.py)
             return None
         block, _ = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
         return (t.tensor_type.name, int(block)) if block > 1 else None

@@ -42,6 +42,11 @@ LAYER_NAMES: Dict[str, Dict[str, str]] = {
     # OLMo 2 normalizes after attention and after the MLP only (no pre-norms).
     "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight", **_QK_NORMS, **_ATTN, **_MLP},
+    # mixtures of experts: the attention and norms here, the experts in gguf_moe.py
+    "qwen3moe": {**_PRE_NORMS, **_QK_NORMS, **_ATTN},
+    "olmoe": {**_PRE_NORMS, **_QK_NORMS, **_ATTN},
+    "gpt-oss": {"attn_norm.weight": "input_layernorm.weight",
+                "post_attention_norm.weight": "post_attention_layernorm.weight", **_ATTN},
     "phi3": {**_PRE_NORMS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
              "attn_output.weight": "self_attn.o_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight",
              "ffn_down.weight": "mlp.down_proj.weight"},

@@ -147,7 +147,8 @@ def model_config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
     attention_bias = bool(cfg.get("attention_bias", family.default_attention_bias))
     if cfg.get("use_bidirectional_attention"):
         raise CheckpointError(f"{path}: use_bidirectional_attention true is not supported (a causal decoder only)")
-    return ModelConfig(
+    # a family's fields override the shared ones (MLA's head_dim, num_kv_heads, rotary_dim)
+    return ModelConfig(**{**dict(
         architecture=family.name, vocab_size=int(_req(cfg, "vocab_size", path)), hidden_size=hidden,
         intermediate_size=int(_req(cfg, "intermediate_size", path)), num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -157,7 +158,7 @@ def model_config_from_hf(cfg: dict, path: str = "config.json") -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.name in ("gemma2", "gemma3", "smollm3"))),
         sliding_windows=windows, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
         pad_token_id=cfg.get("pad_token_id"), rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        rope_local=rope_local if windows else None, **extra)
+        rope_local=rope_local if windows else None), **extra})
 
 
 class HFCheckpoint:

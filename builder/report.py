@@ -14,7 +14,8 @@ def component_of(name: str) -> str:
         return "lm_head"
     if "norm" in name:
         return "norms"
-    if "qkv_proj" in name or "o_proj" in name or name.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
+    if any(f".{p}." in name for p in ("qkv_proj", "o_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")) \
+            or name.endswith(("k_scale", "v_scale", "k_offset", "v_offset")):
         return "attention"
     if "gate_up_proj" in name or "down_proj" in name:
         return "mlp"
@@ -29,6 +30,32 @@ def component_bytes(tensors: Dict[str, torch.Tensor]) -> Dict[str, int]:
         out[c] = out.get(c, 0) + t.numel() * t.element_size()
     out["total"] = sum(out.values())
     return out
+
+
+def kv_cache_report(cfg) -> dict:
+    """The paged KV cache's size per token (build_report.json's kv_cache): per layer and over all
+    layers, in the cache dtype; under tensor parallelism per rank too (a rank caches its own KV
+    heads; multi-head latent attention's latent is replicated on every rank)."""
+    from tritium.backend.config_moe import kv_cache_token_values
+    from tritium.backend.model_runner import kv_bytes_per_token, kv_cache_dtype
+    from tritium.backend.parallel_layout import local_config
+    m = cfg.model
+    elem = torch.empty((), dtype=kv_cache_dtype(cfg)).element_size()
+    values = kv_cache_token_values(m)
+    out = {"layout": (f"latent: kv_lora_rank {m.kv_lora_rank} + qk_rope_head_dim {m.qk_rope_head_dim} values"
+                      if m.kv_lora_rank else f"K and V: 2 x {m.num_kv_heads} KV heads x head_dim {m.head_dim} values"),
+           "values_per_token_per_layer": values, "element_bytes": elem,
+           "bytes_per_token_per_layer": values * elem, "bytes_per_token": values * elem * m.num_layers}
+    if cfg.tensor_parallel_size > 1:
+        out["bytes_per_token_per_rank"] = [kv_bytes_per_token(local_config(cfg, r))
+                                           for r in range(cfg.tensor_parallel_size)]
+    return out
+
+
+def kv_cache_line(kv: dict) -> str:
+    """The console line of kv_cache_report."""
+    return (f"KV cache: {kv['bytes_per_token']} bytes per token ({kv['bytes_per_token_per_layer']} per layer; "
+            f"{kv['layout']} of {kv['element_bytes']} bytes)")
 
 
 def write_json(path: str, obj) -> None:
@@ -55,3 +82,72 @@ def quality_summary(report: dict) -> list:
     if seconds is not None:
         lines.append(f"quantization took {seconds:.0f} s")
     return lines
+
+
+# ---- bits per weight (build_report.json "size") ------------------------------------------------
+
+_OVERHEAD_LEAVES = ("scales", "zeros", "g_idx", "input_scale", "k_scale", "v_scale", "k_offset", "v_offset")
+
+
+def weights_of(name: str, t: torch.Tensor) -> int:
+    """How many model weights engine tensor `name` stores: a packed int4 qweight (uint8, two codes
+    per byte) 2 x numel, an int8 / fp8 qweight or a float tensor numel; quantization parameters
+    (scales, zeros, g_idx, ...) and the centred head's float32 vectors none."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith(_OVERHEAD_LEAVES) or name.startswith("head_"):
+        return 0
+    if leaf.endswith("qweight"):
+        return t.numel() * (2 if t.dtype == torch.uint8 else 1)
+    return t.numel()
+
+
+def weight_group(name: str, tied: bool) -> str:
+    """The group a tensor's bytes are reported under: the layers' linear kind ('qkv_proj', ...),
+    'embed_tokens', 'lm_head' (the centred head's vectors with the tied embedding), else 'other'
+    (norms, KV-cache scales)."""
+    parts = name.split(".")
+    if name.startswith("layers.") and len(parts) >= 4 and parts[2] in _LINEARS:
+        return parts[2]
+    if name.startswith("layers.") and len(parts) >= 4 and parts[2] == "experts":
+        return "experts"
+    if name.startswith("embed_tokens") or (name.startswith("head_") and tied):
+        return "embed_tokens"
+    if name.startswith(("lm_head", "head_")):
+        return "lm_head"
+    return "other"
+
+
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router", "shared_expert", "shared_expert_gate")
+
+
+def size_report(tensors: Dict[str, torch.Tensor], tied: bool) -> dict:
+    """Bytes and bits per weight of every group and of the whole engine (the embedding and LM
+    head counted), and the engine's bytes against a bfloat16 engine of the same weights (2 bytes
+    per weight)."""
+    groups: Dict[str, list] = {}
+    for n, t in tensors.items():
+        g = groups.setdefault(weight_group(n, tied), [0, 0])
+        g[0] += t.numel() * t.element_size()
+        g[1] += weights_of(n, t)
+    total_bytes = sum(b for b, _ in groups.values())
+    total_weights = sum(w for _, w in groups.values())
+    return {
+        "bytes": total_bytes,
+        "weights": total_weights,
+        "bits_per_weight": round(8 * total_bytes / max(total_weights, 1), 4),
+        "bf16_bytes": 2 * total_weights,
+        "vs_bf16": round(total_bytes / max(2 * total_weights, 1), 4),
+        "groups": {g: {"bytes": b, "weights": w, "bits_per_weight": round(8 * b / w, 4) if w else None}
+                   for g, (b, w) in sorted(groups.items())},
+    }
+
+
+def size_summary(report: dict) -> list:
+    """Console line for a build's size (build_report.json "size"); [] when absent."""
+    s = report.get("size")
+    if not s:
+        return []
+    parts = ", ".join(f"{g} {v['bits_per_weight']:.2f}" for g, v in s["groups"].items()
+                      if v.get("bits_per_weight") is not None and g != "other")
+    return [f"size: {s['bits_per_weight']:.2f} bits per weight ({parts}); {s['bytes'] / 1e6:.1f} MB, "
+            f"{s['vs_bf16']:.3f}x a bfloat16 engine's {s['bf16_bytes'] / 1e6:.1f} MB"]

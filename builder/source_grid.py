@@ -67,3 +67,13 @@ def plan_group_size(in_features: int, requested: int, is_explicit: bool,
     if g == requested:
         return g, f"{prefix}{flag}{requested}"
     return g, f"{prefix}{flag}{requested} does not divide {in_features} -> {g}"
+
+
+def source_tensor_block(source: Optional[str], engine_name: str) -> Optional[SourceBlock]:
+    """(type, block) of the embedding ('embed_tokens') or untied LM head ('lm_head') in a GGUF
+    source, None when it is stored float or the source is not a GGUF."""
+    if not is_gguf(source):
+        return None
+    from .gguf_loader import GGUFCheckpoint
+    hf = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}[engine_name]
+    return GGUFCheckpoint(source).block_quant(hf)

@@ -33,12 +33,13 @@ from tritium.backend.config import EngineConfig
 from tritium.backend.parallel_layout import TensorParallelError, layout_to_dict, plan_layout
 from tritium.kernels.quant_layouts import pack_int4, unpack_int4
 
+from .convert_mla import shard_mla_tensor
 from .convert_moe import shard_moe_tensor
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.(\w+)$")
 _KV = re.compile(r"^layers\.(\d+)\.(k_scale|v_scale|k_offset|v_offset)$")
-_VOCAB_ROWS = ("embed_tokens.weight", "embed_tokens.qweight", "embed_tokens.scales", "lm_head.weight",
-               "lm_head.qweight", "lm_head.scales", "head_mean_logits")
+_VOCAB_ROWS = ("embed_tokens.weight", "embed_tokens.qweight", "embed_tokens.scales", "embed_tokens.zeros",
+               "lm_head.weight", "lm_head.qweight", "lm_head.scales", "lm_head.zeros", "head_mean_logits")
 
 
 def _method(cfg: EngineConfig, name: str) -> str:
@@ -128,7 +129,9 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
         mo = _LAYER.match(name)
         kv = _KV.match(name)
         for r, lay in enumerate(layout):
-            if mo:
+            if (mla := shard_mla_tensor(name, t, m, lay)) is not None:
+                out = mla
+            elif mo:
                 i, lin, leaf = int(mo.group(1)), mo.group(2), mo.group(3)
                 layer = f"layers.{i}.{lin}"
                 method = _method(cfg, layer)
@@ -161,6 +164,10 @@ def shard_engine_tensors(cfg: EngineConfig, tensors: Dict[str, torch.Tensor], n:
                 # (the runtime sums the squares over the ranks, attention.py).
                 h0, h1 = lay.q_heads if name.endswith(".q_norm.weight") else lay.kv_heads
                 out = t[h0 * hd:h1 * hd]
+            elif name.endswith(".sinks"):  # gpt-oss: one sink logit per query head
+                out = t[lay.q_heads[0]:lay.q_heads[1]]
+            elif name in _VOCAB_ROWS and name.endswith((".scales", ".zeros")) and t.dim() == 2:
+                out = t[:, lay.vocab[0]:lay.vocab[1]]  # grouped embedding: scales / zeros (hidden / G, vocab)
             elif name in _VOCAB_ROWS:
                 out = t[lay.vocab[0]:lay.vocab[1]]
             elif (moe := shard_moe_tensor(name, t, layout, r)) is not None:

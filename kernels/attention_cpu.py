@@ -125,7 +125,16 @@ def _decode_groups(meta, plan: "CpuAttentionPlan", rows, seq_lens, bs: int, wind
     return plan
 
 
-def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, plan, scale, window, k_scale, v_scale):
+def _sink_softmax(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the keys of float32 scores s (..., Hkv, grp, rows, keys) with each query head's
+    sink logit (Hq = Hkv * grp, head h = j * grp + g) as one more key, dropped after it (gpt-oss)."""
+    hkv, grp = s.shape[-4], s.shape[-3]
+    sink = sinks.float().view(hkv, grp, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, plan, scale, window, k_scale, v_scale,
+                 sinks=None):
     # One workspace per step (in the step's plan): every layer and group of the step reuses its
     # two gather buffers; engines in other threads have their own.
     ws = plan.workspace
@@ -143,15 +152,19 @@ def _decode_rows(q, out, rows, seq_lens, k_cache, v_cache, meta, plan, scale, wi
         # broadcasts over the rows.
         hkv = k.shape[1]
         qb = q[tok].view(-1, hkv, q.shape[1] // hkv, q.shape[2])  # (n, Hkv, grp, D)
-        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        if sinks is None:
+            ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        else:  # SDPA has no sinks: the same maths written out, float32 scores
+            s = torch.matmul(qb.float(), k.float().transpose(-1, -2)).mul_(scale) + mask.float()
+            ob = torch.matmul(_sink_softmax(s.unsqueeze(-2), sinks).squeeze(-2), v.float()).to(q.dtype)
         out[tok] = ob.reshape(-1, q.shape[1], q.shape[2])
 
 
-def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, window, k_scale, v_scale):
+def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, window, k_scale, v_scale, sinks=None):
     bs = k_cache.shape[1]
     hq, d = q.shape[1], q.shape[2]
     whole = qlen == slen and (window is None or window >= slen)
-    if whole or qlen * slen <= SDPA_MASK_MAX:
+    if sinks is None and (whole or qlen * slen <= SDPA_MASK_MAX):
         # One SDPA call: for a whole prompt (no earlier context, no window cut) with is_causal and
         # no mask, else with an explicit (qlen, slen) mask. SDPA's CPU flash kernel is 3-7x faster
         # than the tiles below (measured, bf16, one thread: 512-token prompt 2.2 vs 13.2 ms;
@@ -191,7 +204,7 @@ def _prefill_one(q, out, start, qlen, slen, table, k_cache, v_cache, scale, wind
         if window is not None:
             allowed &= (qpos - kpos) < window
         s.masked_fill_(~allowed, float("-inf"))
-        p = s.softmax(dim=-1).view(hkv, grp * n, hi - lo)
+        p = (s.softmax(dim=-1) if sinks is None else _sink_softmax(s, sinks)).view(hkv, grp * n, hi - lo)
         o = torch.bmm(p, vt[:, lo:hi]).view(hkv, grp, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
         out[start + t0:start + t1] = o.to(out.dtype)
 
@@ -241,14 +254,21 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None,
                         plan: Optional[CpuAttentionPlan] = None,
-                        softcap: Optional[float] = None) -> torch.Tensor:
+                        softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """paged_attention_ref's contract on CPU (see the module docstring). (T, Hq, D).
     plan: the step's CpuAttentionPlan (default meta.cpu_plan, else a fresh one for this call).
     softcap: scores -> softcap * tanh(scores / softcap) (Gemma 2): the native route applies it;
-    SDPA has none, so off the native route a soft-capped layer runs attention_ref's loop."""
+    SDPA has none, so off the native route a soft-capped layer runs attention_ref's loop.
+    sinks (Hq,): gpt-oss's per-head sink logits. Neither SDPA nor the native kernel has them, so a
+    layer with sinks takes the torch route with the softmax written out (float32 scores, the sink
+    joins the softmax): decode rows in their groups, prefill rows in the tiles below."""
+    if sinks is not None and softcap is not None:  # no family has both; the reference does
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap,
+                                   sinks)
     plan = plan or getattr(meta, "cpu_plan", None) or plan_attention(meta)
     out = torch.empty_like(q)
-    if native_route(q, k_cache, k_scale, meta):
+    if sinks is None and native_route(q, k_cache, k_scale, meta):
         # bfloat16 cache: the native kernel reads K/V in place (kernels/cpu_decode_attention.c)
         cpu_native.paged_decode_bf16(q, k_cache, v_cache, plan.block_tables, plan.rows_for(meta, sliding_window),
                                      scale, out, softcap)
@@ -265,9 +285,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 decode_lens.append(slen - qlen + 1 + j)
         elif qlen > 1:
             _prefill_one(q, out, start, qlen, slen, meta.block_tables[b], k_cache, v_cache, scale,
-                         sliding_window, k_scale, v_scale)
+                         sliding_window, k_scale, v_scale, sinks)
         start += qlen
     if decode_rows:
         _decode_rows(q, out, decode_rows, decode_lens, k_cache, v_cache, meta, plan, scale,
-                     sliding_window, k_scale, v_scale)
+                     sliding_window, k_scale, v_scale, sinks)
     return out

@@ -26,6 +26,9 @@ class AttentionMetadata:
     # The step's CPU attention state (attention_cpu.CpuAttentionPlan: row lists, SDPA groups,
     # gather buffers), shared by the layers; set by the runner (ops.attention_plan), None on GPU.
     cpu_plan: Optional[object] = None
+    # The step's split into decode and prefill rows for the Triton kernels (attention_split.py),
+    # device index tensors built once per step; None on CPU, or built at the first layer.
+    split: Optional[object] = None
     # EngineConfig.deterministic: every query row through the decode kernel on the Triton side too
     # (the CPU path is batch-invariant either way; docs/determinism.md)
     deterministic: bool = False

@@ -32,9 +32,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, sliding_window: Optional[int] = None,
                         k_scale: Optional[torch.Tensor] = None,
                         v_scale: Optional[torch.Tensor] = None,
-                        softcap: Optional[float] = None) -> torch.Tensor:
+                        softcap: Optional[float] = None,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context. Returns (T, Hq, D).
-    With softcap, scores s = scale q.k become softcap * tanh(s / softcap) before the mask."""
+    With softcap, scores s = scale q.k become softcap * tanh(s / softcap) before the mask.
+    With sinks (Hq,) (gpt-oss), head h's softmax denominator gains exp(sinks[h]): an extra logit
+    that takes probability mass and contributes no value (p_j = exp(s_j) / (exp(sink) + sum exp(s)))."""
     out = torch.empty_like(q)
     hq = q.shape[1]
     qsl = meta.query_start_loc.tolist()
@@ -59,25 +62,32 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             if sliding_window is not None:
                 allowed &= (qpos - kpos) < sliding_window
             mask = allowed
-        if softcap is None:
+        if softcap is None and sinks is None:
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
                                                 enable_gqa=kb.shape[0] != hq)
         else:
-            ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap)
+            ob = _softcapped_attention(qb, kb, vb, mask, scale, softcap, sinks)
         out[start:start + qlen] = ob.transpose(0, 1)
     return out
 
 
-def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: Optional[float],
+                          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q (Hq, n, D), k / v (Hkv, m, D): softmax(cap * tanh(scale q k^T / cap) + mask) v in float32
-    (Gemma 2's attn_logit_softcapping); query head h reads KV head h // (Hq / Hkv)."""
+    (Gemma 2's attn_logit_softcapping; no cap when softcap is None); query head h reads KV head
+    h // (Hq / Hkv). sinks (Hq,): one more logit per head in the softmax, dropped after it."""
     rep = q.shape[0] // k.shape[0]
     kf = k.float().repeat_interleave(rep, dim=0)
     vf = v.float().repeat_interleave(rep, dim=0)
     s = torch.matmul(q.float(), kf.transpose(1, 2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(s.softmax(dim=-1), vf).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(s.softmax(dim=-1), vf).to(q.dtype)
+    sink = sinks.float().view(-1, 1, 1).expand(-1, s.shape[1], 1)
+    p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(p, vf).to(q.dtype)
 
 

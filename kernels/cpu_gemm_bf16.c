@@ -254,6 +254,13 @@ void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M
             }
             continue;
         }
+        /* Several rows: the tiles read a few weight rows at a time, too few loads in flight to
+         * stream the weight at memory speed; ask for the whole next block in L2 first. */
+        if (nb + 1 < nblocks) {
+            const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
+            const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
+            for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
+        }
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             int64_t n = nb * NB;

@@ -8,6 +8,8 @@ expert output is multiplied by its weight in the activation dtype and summed in 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +23,11 @@ def _expert(w: ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 def fused_moe_cpu(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
-    """Same contract as moe_ref.fused_moe_ref. A quantized expert (QuantExperts) is dequantized
-    when it has tokens, then runs the float GEMM; idle experts are never read."""
+                  act_mul: ActMul = silu_mul_ref, b_gate_up: Optional[torch.Tensor] = None,
+                  b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Same contract as moe_ref.fused_moe_ref (biases optional). A quantized expert (QuantExperts:
+    int8, int4, mxfp4) is dequantized when it has tokens, then runs the float GEMM; idle experts
+    are never read."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -35,7 +39,9 @@ def fused_moe_cpu(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeigh
     start = 0
     for e, c in zip(experts.tolist(), counts.tolist()):
         r = slice(start, start + c)
-        ys[r] = F.linear(act_mul(F.linear(rows[r], _expert(w_gate_up, e, x.dtype))), _expert(w_down, e, x.dtype))
+        bg = None if b_gate_up is None else b_gate_up[e].to(x.dtype)
+        bd = None if b_down is None else b_down[e].to(x.dtype)
+        ys[r] = F.linear(act_mul(F.linear(rows[r], _expert(w_gate_up, e, x.dtype), bg)), _expert(w_down, e, x.dtype), bd)
         start += c
     out = torch.zeros(t, hidden, dtype=x.dtype, device=x.device)
     return out.index_add_(0, order // k, ys * weights)

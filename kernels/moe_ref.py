@@ -3,6 +3,8 @@
 Each token t goes to top_k experts e = topk_ids[t, j] with weight topk_weights[t, j]; expert e is
 a gated MLP with stacked weights w_gate_up[e] (2I, H) = [gate; up] rows and w_down[e] (H, I):
     out[t] = sum_j topk_weights[t, j] * w_down[e] @ act(w_gate_up[e] @ x[t]),   e = topk_ids[t, j]
+gpt-oss adds per-expert biases (b_gate_up[e] (2I,) after the first GEMM, b_down[e] (H,) after the
+second, before the routing weight) and its clamped SwiGLU as `act` (swiglu_clamped_ref).
 The reference is that formula written over gathered weights (every (token, slot) pair gets its
 own copy of its expert's matrices): slow and memory-hungry, but with nothing sorted or grouped,
 so the sorted / grouped paths (moe_cpu.py, moe_triton.py) are checked against a different form.
@@ -14,6 +16,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from .mxfp4 import dequantize_mxfp4
 from .quant_layouts import dequantize_int4, dequantize_rowwise
 from .silu_mul import silu_mul_ref
 
@@ -24,8 +27,9 @@ ActMul = Callable[[torch.Tensor], torch.Tensor]  # (..., 2I) [gate | up] -> (...
 class QuantExperts:
     """E quantized expert matrices (N, K), each in a per-linear layout of quant_layouts.py, stacked
     on a leading expert dimension: int8  qweight int8 (E, N, K), scales float32 (E, N);
-    int4  qweight uint8 (E, N, K // 2), scales / zeros float32 (E, K // G, N)."""
-    method: str  # "int8" | "int4"
+    int4  qweight uint8 (E, N, K // 2), scales / zeros float32 (E, K // G, N);
+    mxfp4  qweight uint8 (E, N, K // 2), scales uint8 (E, N, K // 32) (kernels/mxfp4.py)."""
+    method: str  # "int8" | "int4" | "mxfp4"
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: Optional[torch.Tensor] = None
@@ -34,12 +38,14 @@ class QuantExperts:
     @property
     def shape(self) -> Tuple[int, int, int]:
         e, n, k = self.qweight.shape
-        return e, n, k * (2 if self.method == "int4" else 1)
+        return e, n, k * (2 if self.method in ("int4", "mxfp4") else 1)
 
     def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert e's float weight (N, K)."""
         if self.method == "int8":
             return dequantize_rowwise(self.qweight[e], self.scales[e], dtype)
+        if self.method == "mxfp4":
+            return dequantize_mxfp4(self.qweight[e], self.scales[e], dtype)
         return dequantize_int4(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, dtype=dtype)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -49,18 +55,34 @@ class QuantExperts:
 ExpertWeights = Union[torch.Tensor, QuantExperts]  # float (E, N, K) or quantized
 
 
+def swiglu_clamped_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on x (..., 2I) = [gate | up] -> (..., I):
+    gate <- min(gate, limit), up <- clamp(up, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate)."""
+    n = x.shape[-1] // 2
+    gate = x[..., :n].clamp(max=limit)
+    up = x[..., n:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_moe_ref(x: torch.Tensor, w_gate_up: ExpertWeights, w_down: ExpertWeights,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
-    """x (T, H), w_gate_up (E, 2I, H), w_down (E, H, I), topk_weights (T, k), topk_ids (T, k)
-    -> (T, H) in x's dtype; products in float32. Quantized experts are dequantized first."""
+                  act_mul: ActMul = silu_mul_ref, b_gate_up: Optional[torch.Tensor] = None,
+                  b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (T, H), w_gate_up (E, 2I, H), w_down (E, H, I), topk_weights (T, k), topk_ids (T, k),
+    optional biases b_gate_up (E, 2I), b_down (E, H) -> (T, H) in x's dtype; products in float32.
+    Quantized experts are dequantized first."""
     w_gate_up = w_gate_up.dense() if isinstance(w_gate_up, QuantExperts) else w_gate_up
     w_down = w_down.dense() if isinstance(w_down, QuantExperts) else w_down
     xf = x.float()
     g = w_gate_up[topk_ids].float()  # (T, k, 2I, H)
     d = w_down[topk_ids].float()  # (T, k, H, I)
-    h = act_mul(torch.einsum("th,tkoh->tko", xf, g))  # (T, k, I)
+    c1 = torch.einsum("th,tkoh->tko", xf, g)
+    if b_gate_up is not None:
+        c1 = c1 + b_gate_up[topk_ids].float()
+    h = act_mul(c1)  # (T, k, I)
     y = torch.einsum("tki,tkhi->tkh", h, d)  # (T, k, H)
+    if b_down is not None:
+        y = y + b_down[topk_ids].float()
     return (y * topk_weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 

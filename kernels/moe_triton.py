@@ -6,11 +6,15 @@ The (token, slot) pairs are sorted by expert and each expert's run padded to BLO
     act       H[p]  = act(C1[p])                               (T*k, I)   (ops' activation)
     launch 2  C2[p] = topk_weights[p] * H[p] @ w_down[e]^T      (T*k, H)
     sum       out[t] = sum_j C2[t * k + j]
+gpt-oss: per-expert biases in each launch's epilogue (before the routing weight), and MXFP4
+experts decoded in the tile as they are loaded (kernels/mxfp4.py: E2M1 code times 2^(E8M0 - 127)).
 Tiles of the unused tail (block_expert == -1) return at once; padding rows carry the sentinel id
 T*k and neither load nor store. The layout follows vLLM's fused_moe (sorted ids, per-block
 expert ids); the code is this project's own.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -24,9 +28,19 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
-                     stride_am, stride_be, stride_bn, stride_cm, stride_se,
+def _e2m1(code):
+    """FP4 E2M1 code (int32 0..15) -> float32: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    ex = ((code >> 1) & 3).to(tl.float32)
+    man = (code & 1).to(tl.float32)
+    mag = tl.where(ex == 0.0, man * 0.5, tl.exp2(ex - 1.0) * (1.0 + man * 0.5))
+    return tl.where((code >> 3) != 0, -mag, mag)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, bias_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, N, K,
+                     stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias_e,
                      A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, INT8: tl.constexpr,
+                     MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -42,8 +56,20 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_ex
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
                     mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
-                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+        bmask = (offs_n[None, :] < N) & (offs_k[:, None] < K)
+        if MXFP4:
+            # b[k, n] = e2m1(code) * 2^(scale byte - 127); code = nibble k % 2 of byte k // 2
+            byte = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] // 2,
+                           mask=bmask, other=0).to(tl.int32)
+            code = (byte >> ((offs_k[:, None] % 2) * 4)) & 15
+            sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_k[:, None] // 32,
+                         mask=bmask, other=127).to(tl.float32)
+            b = _e2m1(code) * tl.exp2(sc - 127.0)
+            if not UPCAST:
+                b = b.to(a.dtype)
+        else:
+            b = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
+                        mask=bmask, other=0.0)
         if INT8:  # W8A16: codes to the activation dtype, the per-channel scale in the epilogue
             if UPCAST:
                 b = b.to(tl.float32)
@@ -56,6 +82,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_ex
     if INT8:
         sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + offs_n, mask=offs_n < N, other=0.0)
         acc = acc * sc[None, :]
+    if HAS_BIAS:  # gpt-oss: the expert's bias, before the routing weight
+        bias = tl.load(bias_ptr + e.to(tl.int64) * stride_bias_e + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias[None, :].to(tl.float32)
     if MUL_WEIGHT:
         w = tl.load(w_ptr + ids, mask=valid, other=0.0)
         acc = acc * w[:, None].to(tl.float32)
@@ -63,32 +92,42 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_ex
              mask=valid[:, None] & (offs_n[None, :] < N))
 
 
-def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row_div, mul_weight):
-    """w: float (E, N, K) or QuantExperts int8 (codes (E, N, K), scales (E, N))."""
-    scales = None
+def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row_div, mul_weight, bias=None):
+    """w: float (E, N, K) or QuantExperts int8 (codes (E, N, K), scales (E, N)) or mxfp4 (codes
+    (E, N, K // 2), exponents (E, N, K // 32)); bias: None or (E, N)."""
+    scales, mxfp4 = None, False
     if isinstance(w, QuantExperts):
-        w, scales = w.qweight, w.scales.float().contiguous()
-    n, k = w.shape[1], w.shape[2]
+        mxfp4 = w.method == "mxfp4"
+        n, k = w.shape[1], w.shape[2]
+        w, scales = w.qweight, (w.scales.contiguous() if mxfp4 else w.scales.float().contiguous())
+    else:
+        n, k = w.shape[1], w.shape[2]
+    if bias is not None:
+        bias = bias.contiguous()
     block_n = max(16, min(64, triton.next_power_of_2(n)))
-    block_k = max(16, min(64, triton.next_power_of_2(k)))
+    block_k = max(32 if mxfp4 else 16, min(64, triton.next_power_of_2(k)))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm_kernel[grid](a, w, out, weights, weights if scales is None else scales, sorted_ids, block_expert,
+    _moe_gemm_kernel[grid](a, w, out, weights, weights if scales is None else scales,
+                           weights if bias is None else bias, sorted_ids, block_expert,
                            num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                           0 if scales is None else scales.stride(0),
+                           0 if scales is None else scales.stride(0), scales.stride(1) if mxfp4 else 0,
+                           0 if bias is None else bias.stride(0),
                            A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, UPCAST=dot_upcast(a.dtype),
-                           INT8=scales is not None,
+                           INT8=scales is not None and not mxfp4, MXFP4=mxfp4, HAS_BIAS=bias is not None,
                            IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
-    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 QuantExperts
-    (int4 experts take the torch path in ops.fused_moe)."""
+              topk_ids: torch.Tensor, act_mul: ActMul = silu_mul_ref, b_gate_up: Optional[torch.Tensor] = None,
+              b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 / mxfp4
+    QuantExperts (int4 experts take the torch path in ops.fused_moe); biases (E, N) or None."""
     check_dtype("x", x, TORCH_FLOATS)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(w, QuantExperts):
-            if w.method != "int8":
-                raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; allowed: int8")
+            if w.method not in ("int8", "mxfp4"):
+                raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; "
+                                 f"allowed: int8, mxfp4")
         else:
             check_dtype(name, w, TORCH_FLOATS)
     x = x.contiguous()
@@ -96,12 +135,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     w_down = w_down if isinstance(w_down, QuantExperts) else w_down.contiguous()
     t, k = topk_ids.shape
     num_experts, two_i, h = w_gate_up.shape
+    for name, b, n in (("b_gate_up", b_gate_up, two_i), ("b_down", b_down, w_down.shape[1])):
+        if b is not None and tuple(b.shape) != (num_experts, n):
+            raise ValueError(f"{name}: expected shape {(num_experts, n)}, got {tuple(b.shape)}")
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, BLOCK_M)
     weights = topk_weights.reshape(-1).float().contiguous()
     c1 = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w_gate_up, c1, weights, sorted_ids, block_expert, t * k, k, False)
+    _grouped_gemm(x, w_gate_up, c1, weights, sorted_ids, block_expert, t * k, k, False, b_gate_up)
     hid = act_mul(c1).contiguous()
     h = w_down.shape[1]
     c2 = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    _grouped_gemm(hid, w_down, c2, weights, sorted_ids, block_expert, t * k, 1, True)
+    _grouped_gemm(hid, w_down, c2, weights, sorted_ids, block_expert, t * k, 1, True, b_down)
     return c2.view(t, k, h).sum(1).to(x.dtype)

@@ -24,6 +24,7 @@ from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
 from .kv_write import kv_write_ref
 from . import cpu_linear as _cpu_linear
 from .moe_cpu import fused_moe_cpu
+from .attention_split import attention_split
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
 from .rms_norm import rms_norm_cpu
 from .rotary import rotary_cpu, rotary_ref, rotary_tables
@@ -128,22 +129,35 @@ def kv_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
 
 def attention_plan(meta) -> Optional[CpuAttentionPlan]:
     """The per-step state of CPU attention (attention_cpu.CpuAttentionPlan), built once per step
-    and kept in AttentionMetadata.cpu_plan; None where the Triton kernels run."""
+    and kept in AttentionMetadata.cpu_plan; None where the Triton kernels run (their per-step
+    index tensors, attention_split.AttentionSplit, go to meta.split instead)."""
     if use_triton(meta.block_tables):
+        meta.split = attention_split(meta)
         return None
     return plan_attention(meta)
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_scale=None, v_scale=None,
-                    softcap=None):
+                    softcap=None, sinks=None):
     """Mixed prefill/decode batch; Triton side routes decode rows to split-K paged decode.
-    softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2)."""
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2).
+    sinks: (Hq,) per-head logits added to each softmax's denominator (gpt-oss), or None."""
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
         return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
-                                                        k_scale, v_scale, softcap=softcap)
+                                                        k_scale, v_scale, softcap=softcap, sinks=sinks)
     # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
     return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
+
+
+def mla_attention(q, latent_cache, meta, scale, rank):
+    """Multi-head latent attention, absorbed form (contract: mla_ref.mla_attention_ref): q (T, H,
+    rank + rope), the latent cache (num_blocks, block_size, 1, rank + rope) -> (T, H, rank). Triton:
+    mla_triton.mla_attention (decode and prompt rows in one launch). CPU: the paged attention of
+    one KV head whose K and V are both the cache row, V's rope tail dropped."""
+    if use_triton(q):
+        return _tk("mla_triton").mla_attention(q, latent_cache, meta, scale, rank)
+    return paged_attention_cpu(q, latent_cache, latent_cache, meta, scale)[..., :rank]
 
 
 def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False):
@@ -196,12 +210,12 @@ def linear_fp8(x, qweight, scales, bias=None):
     return fp8_gemm_ref(x, qweight, scales, bias)
 
 
-def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul=silu_mul_ref):
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul=silu_mul_ref, b_gate_up=None, b_down=None):
     """Mixture-of-experts FFN (kernels/moe_ref.py has the formula): the Triton grouped GEMMs on
     GPU, on CPU only the experts that received tokens (moe_cpu.py). Experts are float (E, N, K)
-    tensors or moe_ref.QuantExperts (int8: in the Triton kernel; int4: dequantized per routed
-    expert by the torch path)."""
+    tensors or moe_ref.QuantExperts (int8 and mxfp4: in the Triton kernel; int4: dequantized per
+    routed expert by the torch path); b_gate_up (E, 2I) / b_down (E, H): gpt-oss's expert biases."""
     int4 = any(getattr(w, "method", None) == "int4" for w in (w_gate_up, w_down))
     if use_triton(x) and not int4:  # int4 experts: the torch path on any device (dequantized per routed expert)
-        return _tk("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul)
-    return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul)
+        return _tk("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul, b_gate_up, b_down)
+    return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul, b_gate_up, b_down)

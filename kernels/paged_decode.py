@@ -112,9 +112,9 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, 
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq, stride_o_head,
+def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, stride_o_seq, stride_o_head,
                                 head_dim, num_splits,
-                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                                BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
@@ -124,10 +124,18 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq
     m_s = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
     # merge: out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)
-    m_all = tl.max(m_s, axis=0)
+    # gpt-oss: the head's sink logit (log2 units) joins the denominator as exp(sink - m_all),
+    # with m_all raised to the sink when it is larger so that no term overflows; without sinks
+    # sink = -inf adds exactly 0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+    else:
+        sink = float("-inf")
+    m_all = tl.maximum(tl.max(m_s, axis=0), sink)
     w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(w * l_s, axis=0)
+    denom = tl.sum(w * l_s, axis=0) + tl.exp2(sink - m_all)
+    out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
@@ -135,6 +143,15 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_o_seq
 def check_softcap(softcap: Optional[float]) -> None:
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap: must be > 0 or None, got {softcap}")
+
+
+def sinks_log2(sinks: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """Checked per-head sink logits (Hq,) as float32 in log2 units (the kernels' exp2 domain)."""
+    if sinks is None:
+        return None
+    check_shape("sinks", sinks, (q.shape[1],))
+    check_device(q, sinks=sinks)
+    return (sinks.float() * LOG2E).contiguous()
 
 
 def check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale):
@@ -186,9 +203,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                  v_scale: Optional[torch.Tensor] = None, max_seq_len: Optional[int] = None,
                  partition_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                 softcap: Optional[float] = None) -> torch.Tensor:
+                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of one query per sequence, q (B, Hq, D), over its cached context of seq_lens[b] keys.
     softcap: scores s -> softcap * tanh(s / softcap) before the softmax (None: none).
+    sinks: (Hq,) per-head logits in every softmax's denominator (gpt-oss; None: none), added
+    where the partitions merge.
 
     Caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); returns/fills (B, Hq, D).
     partition_size: keys per split-K partition (power of two >= 16); default: sized so that
@@ -201,6 +220,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
     check_softcap(softcap)
+    sinks = sinks_log2(sinks, q)
     if out is None:
         out = torch.empty_like(q)
     check_shape("out", out, (b, hq, d))
@@ -237,6 +257,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if use_split:
         # partials (B, Hq, S, D_pad) -> out (B, Hq, D). Grid: (sequence, query head).
         _paged_decode_reduce_kernel[(b, hq)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), d, num_splits,
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4)
+            part_acc, part_ml, part_ml if sinks is None else sinks, out, out.stride(0), out.stride(1), d, num_splits,
+            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4)
     return out

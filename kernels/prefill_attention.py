@@ -15,18 +15,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode, softcap
+from .attention_split import attention_split
+from .paged_decode import (LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode, sinks_log2,
+                           softcap)
 from .triton_common import check_shape, dot_upcast, mm, next_pow2
 
 
 @triton.jit
 def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seq_ids_ptr,
-                              k_scale_ptr, v_scale_ptr, out_ptr,
+                              k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr,
                               stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head,
                               stride_bt_seq, stride_o_tok, stride_o_head,
                               scale_log2, block_size, head_dim, group, window, softcap_log2,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                              KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                              KV_QUANT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                              HAS_SINKS: tl.constexpr):
     seq = tl.load(seq_ids_ptr + tl.program_id(0)).to(tl.int64)
     m_blk = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
@@ -54,6 +57,11 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_
 
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_M,), tl.float32)
+        if HAS_SINKS:
+            # gpt-oss: the head's sink logit starts the online softmax as a key with no value:
+            # m = sink, l = exp(sink - m) = 1, acc = 0 (log2 units)
+            m = tl.full((BLOCK_M,), 0.0, tl.float32) + tl.load(sinks_ptr + head)
+            l = l + 1.0
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
@@ -89,9 +97,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                       seq_ids: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                       block_m: Optional[int] = None, block_n: Optional[int] = None,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+                      softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of packed queries q (T, Hq, D) over each sequence's paged context.
     softcap: scores s -> softcap * tanh(s / softcap) before the mask (None: none).
+    sinks: (Hq,) per-head logits in every softmax's denominator (gpt-oss; None: none).
 
     query_start_loc (B+1,) int32 cu_seqlens; seq_lens (B,) context length after this step (the new
     tokens' K/V already written to the cache); block_tables (B, max_blocks). seq_ids (int32) picks
@@ -106,6 +115,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: must be > 0 or None, got {sliding_window}")
     check_softcap(softcap)
+    sinks = sinks_log2(sinks, q)
     if out is None:
         out = torch.empty_like(q)
     check_shape("out", out, (t, hq, d))
@@ -123,68 +133,54 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (seq_ids.numel(), triton.cdiv(max_query_len, block_m), hq)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids,
-        k_scale if kv_quant else q, v_scale if kv_quant else q, out,
+        k_scale if kv_quant else q, v_scale if kv_quant else q, q if sinks is None else sinks, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         float(scale) * LOG2E, block_size, d, hq // hkv, int(sliding_window or 0), float(softcap or 0.0) * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, KV_QUANT=kv_quant, UPCAST=upcast,
-        IEEE=upcast or q.dtype == torch.float32, num_warps=4 if block_d <= 64 else 8)
+        IEEE=upcast or q.dtype == torch.float32, HAS_SINKS=sinks is not None, num_warps=4 if block_d <= 64 else 8)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                     sliding_window: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                    v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                    v_scale: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mixed prefill/decode batch (AttentionMetadata) -> (T, Hq, D), like paged_attention_ref.
 
     Sequences with query_len == 1 go to the split-K decode kernel, the others to the varlen
-    prefill kernel; the split uses the host copies of the lengths, so it never syncs the device.
+    prefill kernel. The split's index tensors (meta.split, attention_split.py) are built once
+    per step from the host copies of the lengths, so the layers never copy to the device or sync.
     With meta.deterministic every query token is a row of the decode kernel over its own keys, so
     a row gets the same bits in a prefill, a chunk, a verification or a decode (docs/determinism.md).
     """
+    split = getattr(meta, "split", None)
+    if split is None:  # a caller that did not build the step's split: once, kept on meta
+        split = attention_split(meta)
+        try:
+            meta.split = split
+        except AttributeError:
+            pass
     out = torch.empty_like(q)
-    qlens = meta.query_lens_cpu
     if getattr(meta, "deterministic", False):
-        return _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out)
-    decode = [b for b, n in enumerate(qlens) if n == 1]
-    prefill = [b for b, n in enumerate(qlens) if n > 1]
-    if decode:
-        dev = q.device
-        if len(decode) == len(qlens):
-            rows = meta.query_start_loc[:-1]
-            tables, lens = meta.block_tables, meta.seq_lens
-            max_len = meta.max_seq_len
+        if split.row_lens is None:
+            return out
+        return paged_decode(q, k_cache, v_cache, split.row_tables, split.row_lens, scale, sliding_window,
+                            k_scale, v_scale, max_seq_len=split.row_max_len, out=out, softcap=softcap, sinks=sinks)
+    if split.num_decode:
+        if split.num_decode == q.shape[0]:
+            paged_decode(q, k_cache, v_cache, split.decode_tables, split.decode_lens, scale, sliding_window,
+                         k_scale, v_scale, max_seq_len=split.decode_max_len, out=out, softcap=softcap,
+                         sinks=sinks)
         else:
-            idx = torch.tensor(decode, dtype=torch.int64, device=dev)
-            rows = meta.query_start_loc[:-1].index_select(0, idx)
-            tables, lens = meta.block_tables.index_select(0, idx), meta.seq_lens.index_select(0, idx)
-            max_len = max(meta.seq_lens_cpu[b] for b in decode)
-        if len(decode) == q.shape[0]:
-            paged_decode(q, k_cache, v_cache, tables, lens, scale, sliding_window, k_scale, v_scale,
-                         max_seq_len=max_len, out=out, softcap=softcap)
-        else:
-            rows = rows.long()
-            dec_out = paged_decode(q.index_select(0, rows), k_cache, v_cache, tables, lens, scale,
-                                   sliding_window, k_scale, v_scale, max_seq_len=max_len, softcap=softcap)
+            rows = split.decode_rows
+            dec_out = paged_decode(q.index_select(0, rows), k_cache, v_cache, split.decode_tables,
+                                   split.decode_lens, scale, sliding_window, k_scale, v_scale,
+                                   max_seq_len=split.decode_max_len, softcap=softcap,
+                                   sinks=sinks)
             out.index_copy_(0, rows, dec_out)
-    if prefill:
-        seq_ids = torch.tensor(prefill, dtype=torch.int32, device=q.device)
+    if split.prefill_ids is not None:
         prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                          max(qlens[b] for b in prefill), scale, sliding_window, k_scale, v_scale,
-                          seq_ids=seq_ids, out=out, softcap=softcap)
+                          split.prefill_max_query_len, scale, sliding_window, k_scale, v_scale,
+                          seq_ids=split.prefill_ids, out=out, softcap=softcap, sinks=sinks)
     return out
-
-
-def _all_rows_as_decode(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, out):
-    """Query token j of a sequence with query_len n and context s: a decode row over keys
-    [0, s - n + 1 + j) of that sequence's block table."""
-    seq_of_row, lens = [], []
-    for b, (n, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        seq_of_row.extend([b] * n)
-        lens.extend(range(s - n + 1, s + 1))
-    if not lens:
-        return out
-    dev = q.device
-    tables = meta.block_tables.index_select(0, torch.tensor(seq_of_row, dtype=torch.int64, device=dev))
-    return paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=dev), scale,
-                        sliding_window, k_scale, v_scale, max_seq_len=max(lens), out=out)

@@ -18,6 +18,10 @@ from .triton_common import (TORCH_FLOATS, check_device, check_dtype, check_last_
                             dot_upcast, is_interpreter, mm, next_pow2)
 from .gemm_ref import FP8_MIN_AMAX
 
+# Group scales / zeros as engines store them: float16 (format 3), bfloat16, or float32 (imported
+# and older engines); every kernel widens them to float32 as it loads them.
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 @triton.jit
 def _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS: tl.constexpr):
@@ -51,17 +55,17 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
         q = ((packed.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
         if HAS_GIDX:
             g = tl.load(gidx_ptr + rk, mask=kmask, other=0).to(tl.int64)
-            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
-            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
         elif GROUP_ALIGNED:
             # the whole K tile lies in one group: one (BLOCK_N,) row of scales / zeros
             g = k0 // group_size
-            s = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)[None, :]
-            z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)[None, :]
+            s = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         else:
             g = (rk // group_size).to(tl.int64)
-            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
-            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
         # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]
         w = (q - 8.0) * s + z
         acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
@@ -94,22 +98,22 @@ def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
         elif GROUP_ALIGNED:
             # the K tile lies in one group g: y += (x @ q^T) * scale[g, n] + (sum_k x) * zero[g, n]
             g = k0 // group_size
-            sg = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)
+            sg = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)
             acc += mm(x.to(cdt), q.to(tl.float32).to(cdt), IEEE) * sg[None, :]
             if HAS_ZEROS:
-                zg = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0)
+                zg = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * zg[None, :]
         else:
             # groups cut the tile: w[k, n] = q * scale[g, n] + zero[g, n] per element, g = k // G
             g = (rk // group_size).to(tl.int64)
-            sg = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+            sg = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
             w = q.to(tl.float32) * sg
             if HAS_ZEROS:
-                w += tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0)
+                w += tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
             acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
     if not GROUPED:
         # per-output-channel scale factors out of the K sum: y = (x @ q^T) * scale[n]
-        acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0)[None, :]
+        acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
 
 
@@ -153,7 +157,7 @@ def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     # y = (x_q @ w_q^T) * x_scale[m] * w_scale[n]
     xs = tl.load(x_scale_ptr + rm, mask=mmask, other=0.0)
-    ws = tl.load(w_scale_ptr + rn, mask=nmask, other=0.0)
+    ws = tl.load(w_scale_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     acc = acc * xs[:, None] * ws[None, :]
     _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
 
@@ -199,7 +203,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     check_last_contiguous("qweight", qweight)
     for name, t in (("scales", scales), ("zeros", zeros)):
         check_shape(name, t, (k // group_size, n))
-        check_dtype(name, t, (torch.float32,))
+        check_dtype(name, t, _PARAM_DTYPES)
         check_last_contiguous(name, t)
     if zeros.stride() != scales.stride():
         raise ValueError("zeros: must have the same strides as scales")
@@ -246,10 +250,10 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         check_last_contiguous("scales", scales)
         if zeros is not None:
             check_shape("zeros", zeros, (k // group_size, n))
-            check_dtype("zeros", zeros, (torch.float32,))
+            check_dtype("zeros", zeros, _PARAM_DTYPES)
             if zeros.stride() != scales.stride():
                 raise ValueError("zeros: must have the same strides as scales")
-    check_dtype("scales", scales, (torch.float32,))
+    check_dtype("scales", scales, _PARAM_DTYPES)
     _check_bias(bias, n)
     x2 = _prep_x(x, k)
     check_device(x2, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
@@ -306,7 +310,7 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n, k = qweight.shape
     check_last_contiguous("qweight", qweight)
     check_shape("scales", scales, (n,))
-    check_dtype("scales", scales, (torch.float32,))
+    check_dtype("scales", scales, _PARAM_DTYPES)
     _check_bias(bias, n)
     x2 = _prep_x(x, k)
     check_device(x2, qweight=qweight, scales=scales, bias=bias)

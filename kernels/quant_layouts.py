@@ -10,14 +10,19 @@ them and the kernels and runtime that read them.
           w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
           An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
           (scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
-    int8: qweight int8 (N, K), scales float32 (N,), each a bfloat16 value:  w[n, k] = q[n, k] * scales[n]
+    int8: qweight int8 (N, K), scales bfloat16 (N,) (float32 in imported engines and before
+          engine format 3; the values are bfloat16 values either way for Tritium's own builds):
+          w[n, k] = q[n, k] * scales[n]
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,):  w[n, k] = float(q[n, k]) * scales[n]
     int8 / fp8 grouped (LayerQuant.group_size = G set): the same qweight, with
-          scales  float32 (K // G, N)
-          zeros   float32 (K // G, N)  only when LayerQuant.asymmetric (else zero = 0)
+          scales  float16 (K // G, N)
+          zeros   float16 (K // G, N)  only when LayerQuant.asymmetric (else zero = 0)
           w[n, k] = float(q[n, k]) * scales[g, n] + zeros[g, n],   g = k // G
-          Scales and zeros stay float32 so a source grid (e.g. a Q4_1 block's d * q + m) is
-          represented to float32 rounding.
+          float16 holds every GGUF block's float16 d and m, so a source grid (a Q4_1 block's
+          d * q + m) is stored exactly; bfloat16 for a tensor past float16's range; float32 in
+          imported engines and before engine format 3.
+    Readers take float32, float16 or bfloat16 for every scales / zeros tensor and compute in
+    float32 (engine format 3 stores 16 bits; older engines load unchanged).
 
 This module holds only the layouts and their exact inverses (no quantizer), so the runtime and
 the kernels can read engines without importing the builder.
@@ -29,16 +34,17 @@ from typing import Optional
 import torch
 
 INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
-               "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported; upcast to float32 at load); "
+               "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported); "
                "optional g_idx int32 (K,); "
                "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
-INT8_LAYOUT = ("qweight int8 (N, K); scales float32 (N,); w[n,k] = qweight[n,k] * scales[n] (symmetric per output "
-               "channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
+INT8_LAYOUT = ("qweight int8 (N, K); scales bfloat16 (N,) (float32 when imported); w[n,k] = qweight[n,k] * scales[n] "
+               "(symmetric per output channel; scales are bfloat16 values). An LM head marked centred: logits = (h - head_input_mean) w^T "
                "+ head_mean_logits, both float32, (K,) and (N,)")
-INT8_GROUPED_LAYOUT = ("qweight int8 (N, K); scales float32 (K//G, N); zeros float32 (K//G, N) when asymmetric; "
+INT8_GROUPED_LAYOUT = ("qweight int8 (N, K); scales float16 (K//G, N); zeros float16 (K//G, N) when asymmetric "
+                       "(bfloat16 past float16's range, float32 when imported); "
                        "w[n,k] = qweight[n,k] * scales[g,n] + zeros[g,n], g = k // G (zeros absent: 0)")
-FP8_GROUPED_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (K//G, N); zeros float32 (K//G, N) when "
-                      "asymmetric; w[n,k] = float(qweight[n,k]) * scales[g,n] + zeros[g,n], g = k // G")
+FP8_GROUPED_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float16 (K//G, N); zeros float16 (K//G, N) when "
+                      "asymmetric (bfloat16 past float16's range); w[n,k] = float(qweight[n,k]) * scales[g,n] + zeros[g,n], g = k // G")
 FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
               "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
 

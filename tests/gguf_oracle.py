@@ -60,6 +60,22 @@ FAMILIES = {
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2, 3.0],
                                "long_factor": [1.0, 1.3, 1.8, 2.5, 3.5, 5.0, 7.0, 9.0]}),
 }
+# Mixtures of experts (tests/test_gguf_moe.py). Qwen3-MoE without mlp_only_layers: the converter
+# cannot map a dense layer among sparse ones. OLMoE's eps is its real 1e-5, which the converter
+# writes whatever the checkpoint says. gpt-oss's layer types are its default (sliding on even
+# layers), which llama.cpp assumes, and its SwiGLU limit llama.cpp's fixed 7.0.
+MOE_FAMILIES = {
+    "mixtral": dict(model_type="mixtral", num_hidden_layers=2, head_dim=16, tie_word_embeddings=False,
+                    num_local_experts=6, num_experts_per_tok=2, intermediate_size=40),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_hidden_layers=2, head_dim=24, tie_word_embeddings=False,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True),
+    "olmoe": dict(model_type="olmoe", num_hidden_layers=2, tie_word_embeddings=False, intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5),
+    "gpt_oss": dict(model_type="gpt_oss", num_hidden_layers=3, head_dim=16, tie_word_embeddings=False,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+}
 SPM_FAMILIES = ("gemma2", "gemma3", "phi3", "qwen2")
 # HF config.json keys that llama.cpp's converter does not carry over and that do not change the
 # model's numerics (or that the GGUF side spells differently); the rest must round-trip.
@@ -114,7 +130,7 @@ def make_checkpoint(family: str, path: str, tmp: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     os.makedirs(path, exist_ok=True)
-    spec = {**_COMMON, **FAMILIES[family]}
+    spec = {**_COMMON, **(FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family])}
     model_type = spec.pop("model_type")
     spm_family = family in SPM_FAMILIES
     ids = dict(bos_token_id=2, eos_token_id=1, pad_token_id=0) if family.startswith("gemma") else \
@@ -130,6 +146,8 @@ def make_checkpoint(family: str, path: str, tmp: str, seed: int = 0) -> str:
                 p.copy_((0.0 if gemma else 1.0) + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
+            if name.endswith("experts.gate_up_proj"):
+                p.mul_(6.0)  # gpt-oss: pre-activations beyond its SwiGLU limit (7), so the clamp bites
     model.save_pretrained(path)
     tok_cfg = {"chat_template": CHAT_TEMPLATE}
     if spm_family:

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tritium.kernels import elementwise_triton as ew  # noqa: E402
 from tritium.kernels import kv_write_triton as kvw  # noqa: E402
+from tritium.kernels import mla_triton as mla  # noqa: E402
 from tritium.kernels import paged_decode as pd  # noqa: E402
 from tritium.kernels import prefill_attention as pa  # noqa: E402
 from tritium.kernels import quant_gemm as qg  # noqa: E402
@@ -65,6 +66,11 @@ def variants():
             "q_ptr": dt, "k_cache_ptr": cache, "v_cache_ptr": cache, "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
             "qsl_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": f32, "v_scale_ptr": f32, "out_ptr": dt,
         }, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, KV_QUANT=quant, UPCAST=False, IEEE=dt == f32), 8
+    for dt in (bf, f32):  # DeepSeek-V3's latent 512 + rope 64
+        yield f"mla q={dt}", mla._mla_kernel, {
+            "q_ptr": dt, "cache_ptr": dt, "bt_ptr": "*i32", "row_seq_ptr": "*i32", "row_ctx_ptr": "*i32",
+            "out_ptr": dt}, dict(RANK=512, ROPE=64, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16, BLOCK_N=16, PAGE=16,
+                                 IEEE=dt == f32), 4
     yield "paged_decode_reduce", pd._paged_decode_reduce_kernel, {
         "part_acc_ptr": f32, "part_ml_ptr": f32, "out_ptr": bf}, dict(BLOCK_S=32, BLOCK_D=128), 4
     for gidx, aligned in ((False, True), (True, False), (False, False)):

@@ -11,12 +11,11 @@ from tritium.backend.models.decoder import DecoderLM
 
 
 def alloc_kv_caches(model: DecoderLM, num_blocks: int, device=None) -> list:
-    """One float (k_cache, v_cache) pair per layer: (num_blocks, block_size, Hkv, D)."""
-    m, lim = model.cfg.model, model.cfg.limits
+    """One float (k_cache, v_cache) pair per layer, as the runner allocates them: (num_blocks,
+    block_size, Hkv, D) each, or a latent cache under multi-head latent attention."""
+    from tritium.backend.model_runner import alloc_kv_layer
     dev = device or model.norm_weight.device
-    shape = (num_blocks, lim.block_size, m.num_kv_heads, m.head_dim)
-    return [(torch.zeros(shape, dtype=model.dtype, device=dev), torch.zeros(shape, dtype=model.dtype, device=dev))
-            for _ in range(m.num_layers)]
+    return [alloc_kv_layer(model.cfg, num_blocks, model.dtype, dev) for _ in range(model.cfg.model.num_layers)]
 
 
 @torch.inference_mode()

@@ -27,6 +27,7 @@ def test_gpu_check_cpu_parts(tmp_path, capsys):
     assert "gpu-check placement: PASS" in err
     for dtype in ("float32", "bfloat16"):
         assert f"gpu-check engine {dtype}: SKIPPED: CPU half ran (3 prompts x 24 greedy tokens)" in err
+    assert "gpu-check device-step: SKIPPED: CPU half ran (static buffers eagerly" in err
     for part in ("kernels", "serving", "bench"):
         assert f"gpu-check {part}: SKIPPED: no CUDA device" in err
     text = doc.read_text()

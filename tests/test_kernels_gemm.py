@@ -14,6 +14,9 @@ from tritium.kernels.quant_gemm import fp8_gemm, quantize_fp8_per_token, w4a16_g
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _mnk(rng, k_multiple=16):
     m = rng.choice([1, 3, 16, 33])
     n = rng.choice([24, 64, 100, 136])
@@ -36,8 +39,9 @@ def test_w4a16_gemm_kernel(case):
     m, n, _ = _mnk(rng)
     k = group * rng.randint(1, 3)
     qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scales = torch.rand(k // group, n) * 0.02 + 1e-3
-    zeros = torch.randn(k // group, n) * 0.01
+    pdt = PARAM_DTYPES[(case // 2) % 3]  # engines store float16 (format 3), older / imported float32
+    scales = (torch.rand(k // group, n) * 0.02 + 1e-3).to(pdt)
+    zeros = (torch.randn(k // group, n) * 0.01).to(pdt)
     g_idx = None
     if case % 5 == 2:  # GPTQ act-order: groups follow a permutation of the input channels
         perm = torch.randperm(k)
@@ -46,7 +50,7 @@ def test_w4a16_gemm_kernel(case):
     x, bias, out = _x_bias_out(m, n, k, dtype, case)
     got = w4a16_gemm(x, qweight, scales, zeros, group, g_idx, bias, out=out)
     ref = gemm_ref.w4a16_gemm_ref(x, qweight, scales, zeros, group, g_idx, bias)
-    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} G={group} g_idx={g_idx is not None}")
+    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} G={group} g_idx={g_idx is not None} params={pdt}")
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))
@@ -58,11 +62,12 @@ def test_w8a16_gemm_kernel(case):
         qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     else:  # FP8 weight-only (the CPU-style fp8 path), same kernel
         qweight = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = torch.rand(n) * 0.01 + 1e-4
+    pdt = PARAM_DTYPES[(case // 2) % 3]  # per-row int8 scales are stored bfloat16 (format 3)
+    scales = (torch.rand(n) * 0.01 + 1e-4).to(pdt)
     x, bias, out = _x_bias_out(m, n, k, dtype, case)
     got = w8a16_gemm(x, qweight, scales, bias, out=out)
     ref = gemm_ref.w8a16_gemm_ref(x, qweight, scales, bias)
-    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} w={qweight.dtype}")
+    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} w={qweight.dtype} params={pdt}")
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))
@@ -78,12 +83,13 @@ def test_w8a16_grouped_gemm_kernel(case):
         qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     else:
         qweight = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scales = torch.rand(k // group, n) * 0.01 + 1e-4
-    zeros = torch.randn(k // group, n) * 0.05 if case % 3 else None
+    pdt = PARAM_DTYPES[(case // 2) % 3]  # engines store float16 (format 3), older / imported float32
+    scales = (torch.rand(k // group, n) * 0.01 + 1e-4).to(pdt)
+    zeros = (torch.randn(k // group, n) * 0.05).to(pdt) if case % 3 else None
     x, bias, out = _x_bias_out(m, n, k, dtype, case)
     got = w8a16_gemm(x, qweight, scales, bias, out=out, zeros=zeros, group_size=group)
     ref = gemm_ref.w8a16_gemm_ref(x, qweight, scales, bias, zeros, group)
-    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} G={group} zeros={zeros is not None}")
+    assert_close(got, ref, dtype, f"seed={seed} m={m} n={n} k={k} G={group} zeros={zeros is not None} params={pdt}")
 
 
 @pytest.mark.parametrize("case", range(NUM_CASES))

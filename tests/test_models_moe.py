@@ -283,7 +283,7 @@ def test_tp2_experts_split_by_columns_equals_tp1(family, tiny_engine):
     assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
 
 
-@pytest.mark.parametrize("field,value,needle", [("router_scoring", "sigmoid", "model.router_scoring 'sigmoid'"),
+@pytest.mark.parametrize("field,value,needle", [("router_scoring", "sparsemixer", "model.router_scoring 'sparsemixer'"),
                                                 ("num_experts_per_tok", 9, "model.num_experts_per_tok 9"),
                                                 ("dense_layers", [5], "model.dense_layers entry 5")])
 def test_engine_json_moe_fields_checked_at_load(field, value, needle, tiny_engine, tmp_path):

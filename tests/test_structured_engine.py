@@ -111,6 +111,23 @@ def test_n4_samples_each_follow_the_grammar(engine_dir, oracle):
     assert_no_leak(engine)
 
 
+def test_device_sampler_under_a_grammar_gives_the_host_tokens(engine_dir, oracle):
+    """The bitmask applied before the device sampler (backend/sampler_device.py, static decode
+    buffers too): the host sampler's tokens, greedy and seeded, each obeying its guide."""
+    from tritium.backend.device_step import DeviceStepOptions
+    cs = cases(6, 6)
+    params = [SamplingParams(max_tokens=40, temperature=[0.0, 0.8][i % 2], seed=i, guided=g)
+              for i, (g, _) in enumerate(cs)]
+    prompts = [f"device {i}" for i in range(len(cs))]
+    host = LLMEngine(engine_dir).generate(prompts, params)
+    dev = LLMEngine(engine_dir, device_step=DeviceStepOptions(device_sampling=True, cuda_graphs=True))
+    outs = dev.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in host]
+    check_all(oracle, cs, outs)
+    assert dev.runner.static_decode.num_steps > 0
+    assert_no_leak(dev)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_under_a_grammar(engine_dir, smollm2_tokenizer_engine, oracle, method):
     """Greedy: token for token what the engine gives without speculation; sampled: obeys the

@@ -107,6 +107,8 @@ def mask_logits(logits: torch.Tensor, seqs: Seq) -> None:
             bm[i].zero_()
         else:
             m.fill_next_token_bitmask(bm, i)
+    if logits.device.type != "cpu":  # the device sampler: the mask goes to the logits' device
+        bm = bm.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bm, indices=rows)
 
 

@@ -4,9 +4,10 @@ A mixin of DecoderLayer rather than a sub-module, so the layer keeps the flat en
 (`layers.{i}.qkv_proj.*`, `layers.{i}.q_norm.weight`) that quantization, tensor parallelism and
 the weight files use. What the families change is read from ModelConfig: the softmax scale
 (Gemma's query_pre_attn_scalar, Granite's attention_multiplier), score soft-capping (Gemma 2),
-the sliding window of this layer, q/k RMSNorms per head (Qwen3, Gemma 3) or over the whole
-projection (OLMo 2), which rotary table the layer uses (global, Gemma 3's local one, or none for
-SmolLM3's NoPE layers) and partial rotary dimensions (Phi-3 / Phi-4 partial_rotary_factor).
+the sliding window of this layer, gpt-oss's per-head attention sinks, q/k RMSNorms per head
+(Qwen3, Gemma 3) or over the whole projection (OLMo 2), which rotary table the layer uses (global,
+Gemma 3's local one, or none for SmolLM3's NoPE layers) and partial rotary dimensions (Phi-3 /
+Phi-4 partial_rotary_factor).
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class PagedAttention:
                   "none": (None, None)}[m.qk_norm]
         self.register_buffer("q_norm_weight", None if qn is None else torch.empty(qn, dtype=dtype))
         self.register_buffer("k_norm_weight", None if kn is None else torch.empty(kn, dtype=dtype))
+        # gpt-oss: one learned logit per query head in the softmax denominator (layers.{i}.sinks)
+        self.register_buffer("sinks", torch.empty(m.num_heads, dtype=dtype) if m.attention_sinks else None)
         # Per-KV-head scales of a quantized KV cache; None for a float cache.
         self.k_scale: Optional[torch.Tensor] = None
         self.v_scale: Optional[torch.Tensor] = None
@@ -76,7 +79,7 @@ class PagedAttention:
         else:
             q = self._qk_kv_write(qkv, t, positions, rope, k_cache, v_cache, meta)
         attn = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.k_scale,
-                                   self.v_scale, softcap=self.softcap)
+                                   self.v_scale, softcap=self.softcap, sinks=self.sinks)
         if self.kv_rotation:
             attn = rotate(attn)  # H @ H = I: back to V's own coordinates
         if self.v_offset is not None:

@@ -23,10 +23,12 @@ from torch import nn
 from tritium.kernels import ops
 
 from tritium.kernels.attention_metadata import AttentionMetadata
+from tritium.kernels.quant_layouts import unpack_int4
 from ..config import EngineConfig
 from .attention import KVCache
 from .layer import NORM_NAMES, DecoderLayer
-from .moe import MoEDecoderLayer
+from .moe import MLAMoEDecoderLayer, MoEDecoderLayer
+from .native_step import NativeStep
 from .linear import DenseLinear, cpu_packing_supported, make_linear, pack_for_cpu, packed_linear
 from .rope import rope_table
 
@@ -51,22 +53,23 @@ class DecoderLM(nn.Module):
         m = cfg.model
         self.cfg = cfg
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        # int4 builds store the embedding as per-row int8 (LayerQuant "int8" under "embed_tokens"):
-        # an Int8Linear (vocab, hidden) whose rows are gathered for the lookup and which, when
-        # tied, is also the logits GEMM. Otherwise a float buffer.
+        # Quantized builds store the embedding as int8 (LayerQuant "int8" under "embed_tokens"; per
+        # row in int4 builds, symmetric groups of 32 in int8 / fp8 builds): an Int8Linear (vocab,
+        # hidden) whose rows are gathered for the lookup and which, when tied, is also the logits
+        # GEMM. Otherwise a float buffer.
         eq = cfg.quantization.layers.get("embed_tokens")
         self.embed_tokens = None
         if eq is not None and eq.method != "none":
-            if eq.method != "int8":
+            if eq.method not in ("int8", "int4"):
                 raise ValueError(f"quantization.layers.embed_tokens.method {eq.method!r} not supported; "
-                                 f"allowed: none, int8")
+                                 f"allowed: none, int8, int4")
             self.embed_tokens = make_linear(m.hidden_size, m.vocab_size, False, self.dtype, eq)
         self.register_buffer("embed_tokens_weight", None if self.embed_tokens is not None else
                              torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
         # AWQ-scaled tied head: the lookup divides the int8 rows by these (LayerQuant.input_scale).
         self.register_buffer("embed_input_scale", torch.empty(m.hidden_size, dtype=torch.float32)
                              if eq is not None and eq.input_scale else None)
-        layer_cls = MoEDecoderLayer if m.num_experts else DecoderLayer
+        layer_cls = MLAMoEDecoderLayer if m.kv_lora_rank else MoEDecoderLayer if m.num_experts else DecoderLayer
         self.layers = nn.ModuleList(layer_cls(cfg, i, self.dtype) for i in range(m.num_layers))
         self.register_buffer("norm_weight", torch.empty(m.hidden_size, dtype=self.dtype))
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
@@ -143,6 +146,11 @@ class DecoderLM(nn.Module):
             mod_name, _, leaf = attr.rpartition(".")
             mod = self.get_submodule(mod_name) if mod_name else self
             target_dtype = cur.dtype if cur is not None else t.dtype
+            if leaf in ("scales", "zeros") and t.dtype in (torch.float16, torch.bfloat16):
+                # engine format 3: 16-bit group parameters stay 16-bit in memory; the CPU kernels
+                # widen them to float32 when they pack the weight (kernels/cpu_linear.py), the
+                # Triton GEMMs read them as stored
+                target_dtype = t.dtype
             mod._buffers[leaf] = t.to(target_dtype)
             seen.add(attr)
         missing = [n for n, b in own.items() if b is not None and n not in seen]
@@ -156,8 +164,12 @@ class DecoderLM(nn.Module):
         hidden = self.embed(input_ids)
         residual = None
         rope = self.rope_state(positions)  # once per step
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
+        native = NativeStep.get(self) if hidden.device.type == "cpu" else None
+        if native is not None and native.takes(hidden, kv_caches, meta, rope):
+            hidden, residual = native.run(hidden, kv_caches, meta, rope)  # every layer, one call, same bits
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 
@@ -176,13 +188,30 @@ class DecoderLM(nn.Module):
     def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
         """Times ModelConfig.embedding_multiplier, rounded to the dtype first (as Gemma does)."""
         mult = self.cfg.model.embedding_multiplier
-        return rows if mult == 1.0 else rows * torch.tensor(mult, dtype=rows.dtype, device=rows.device)
+        if mult == 1.0:
+            return rows
+        # The multiplier rounded to the dtype on the host (no device copy in the step, so a CUDA
+        # graph can capture it); the product of two dtype values is exact in float32 before it
+        # is rounded once, as a tensor-by-tensor product would be.
+        return rows * float(torch.tensor(mult, dtype=rows.dtype))
 
     def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:
             return self.embed_tokens_weight[input_ids]
         e = self.embed_tokens
-        rows = e.qweight[input_ids].float() * e.scales[input_ids, None].float()
+        if e.method == "int4":  # codes 0..15, two per byte; scales / zeros (hidden / G, vocab)
+            q = unpack_int4(e.qweight[input_ids]).float() - 8.0
+            g = e.group_size
+            s = e.scales[:, input_ids].t().float()[:, :, None]
+            z = e.zeros[:, input_ids].t().float()[:, :, None]
+            rows = (q.view(q.shape[0], -1, g) * s + z).view(q.shape)
+            return rows.to(self.dtype)
+        q = e.qweight[input_ids].float()
+        if e.group_size:  # scales (hidden / G, vocab): each gathered row's groups
+            g = e.group_size
+            rows = (q.view(q.shape[0], -1, g) * e.scales[:, input_ids].t().float()[:, :, None]).view(q.shape)
+        else:
+            rows = q * e.scales[input_ids, None].float()
         if self.embed_input_scale is not None:
             rows = rows / self.embed_input_scale
         return rows.to(self.dtype)

@@ -6,26 +6,33 @@ DecoderLayer with this block first in its bases. Layers listed in ModelConfig.de
 Routing (Mixtral, Qwen2/3-MoE, OLMoE): p = softmax(x W_r^T) in float32 over the experts, the
 top-k of p (renormalized to sum to one when norm_topk_prob), cast to the activation dtype as
 transformers does. Qwen2-MoE adds a shared expert, every token's, scaled by sigmoid(x . w_g).
+gpt-oss (ModelConfig.router_topk_then_softmax): the router has a bias, the top-k of the logits are
+taken first and a softmax runs over those k; experts carry biases and use the clamped SwiGLU
+(swiglu_limit / swiglu_alpha, kernels/moe_ref.swiglu_clamped_ref).
 Engine tensors of a sparse layer i:
-    layers.{i}.router.weight                  (E, hidden)
+    layers.{i}.router.weight                  (E, hidden)     (.bias (E,) with router_bias)
     layers.{i}.experts.gate_up_weight         (E, 2 I, hidden)   [gate; up] rows per expert
     layers.{i}.experts.down_weight            (E, hidden, I)
+    layers.{i}.experts.{gate_up,down}_bias    (E, 2 I), (E, hidden)   with expert_bias
     (quantized experts: layers.{i}.experts.{gate_up,down}_{qweight,scales[,zeros]}, see Experts)
     layers.{i}.shared_expert.{gate_up_proj,down_proj}.weight, layers.{i}.shared_expert_gate.weight
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from tritium.kernels import ops
-from tritium.kernels.moe_ref import QuantExperts
+from tritium.kernels.moe_ref import QuantExperts, swiglu_clamped_ref
 
 from .layer import DecoderLayer
 from .linear import DenseLinear, make_linear
+from .mla import LatentAttention
 from .mlp import ACTIVATIONS, GatedMLP
+from .moe_routing import init_routing, route
 
 
 def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +42,12 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> Tup
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss: the top-k logits (T, k), then a softmax over them in the logits' dtype."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1), ids
 
 
 class Experts(nn.Module):
@@ -56,6 +69,9 @@ class Experts(nn.Module):
             elif method == "int8":
                 self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=torch.int8))
                 self.register_buffer(f"{proj}_scales", torch.empty(e, n, dtype=torch.float32))
+            elif method == "mxfp4":  # gpt-oss's checkpoint format, kept as stored (kernels/mxfp4.py)
+                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k // 2, dtype=torch.uint8))
+                self.register_buffer(f"{proj}_scales", torch.empty(e, n, k // 32, dtype=torch.uint8))
             elif method == "int4":
                 g = lq.group_size
                 self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k // 2, dtype=torch.uint8))
@@ -63,8 +79,10 @@ class Experts(nn.Module):
                 self.register_buffer(f"{proj}_zeros", torch.empty(e, k // g, n, dtype=torch.float32))
             else:
                 raise ValueError(f"quantization.layers.layers.{idx}.experts.{proj}.method {method!r} not supported; "
-                                 f"allowed: none, int8, int4")
+                                 f"allowed: none, int8, int4, mxfp4")
             self.quant[proj] = (method, getattr(lq, "group_size", None))
+            # gpt-oss: each expert's bias, added before the routing weight
+            self.register_buffer(f"{proj}_bias", torch.empty(e, n, dtype=dtype) if m.expert_bias else None)
 
     def weights(self, proj: str):
         """What ops.fused_moe takes for this projection: a float tensor or a QuantExperts."""
@@ -97,9 +115,12 @@ class SparseMoE(GatedMLP):
         if not self.sparse:
             GatedMLP._init_mlp(self, cfg, idx, dtype)
             return
-        self.act_mul = ACTIVATIONS[m.activation]
+        self.act_mul = ACTIVATIONS[m.activation] if m.swiglu_limit is None else \
+            partial(swiglu_clamped_ref, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
         self.top_k, self.norm_topk_prob = m.num_experts_per_tok, m.norm_topk_prob
-        self.router = DenseLinear(m.hidden_size, m.num_experts, False, dtype)
+        self.topk_then_softmax = m.router_topk_then_softmax
+        self.router = DenseLinear(m.hidden_size, m.num_experts, m.router_bias, dtype)
+        init_routing(self, m, dtype)  # DeepSeek's grouped / sigmoid routing (moe_routing.py)
         self.experts = Experts(cfg, idx, dtype)
         si = m.shared_expert_intermediate_size
         self.shared_expert = SharedExpert(cfg, idx, si, dtype) if si else None
@@ -110,12 +131,18 @@ class SparseMoE(GatedMLP):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sparse:
             return GatedMLP.mlp(self, x)
-        weights, ids = route_softmax_topk(self.router(x), self.top_k, self.norm_topk_prob)
+        logits = self.router(x)
+        if self.grouped_router:
+            weights, ids = route(self, logits)
+        elif self.topk_then_softmax:
+            weights, ids = route_topk_softmax(logits, self.top_k)
+        else:
+            weights, ids = route_softmax_topk(logits, self.top_k, self.norm_topk_prob)
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
         out = ops.fused_moe(x, self.experts.weights("gate_up"), self.experts.weights("down"), weights, ids,
-                            self.act_mul)
+                            self.act_mul, self.experts.gate_up_bias, self.experts.down_bias)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -126,6 +153,10 @@ class SparseMoE(GatedMLP):
 
 class MoEDecoderLayer(SparseMoE, DecoderLayer):
     """DecoderLayer whose MLP is SparseMoE (dense where ModelConfig.dense_layers says so)."""
+
+
+class MLAMoEDecoderLayer(SparseMoE, LatentAttention, DecoderLayer):
+    """DeepSeek's layer: multi-head latent attention (mla.py) and SparseMoE."""
 
 
 def expert_token_counts(model) -> Optional[List[int]]:

@@ -26,7 +26,10 @@ def accept_proposals(verifying: List[tuple], logits: torch.Tensor, block_manager
             proposal, q = seq.spec_token_ids, seq.spec_draft_probs
             k = len(proposal)
             seq.spec_token_ids, seq.spec_draft_probs = [], None
-            tokens, entries = verify(logits[row:row + k + 1], seq, proposal, q, rule)
+            rows = logits[row:row + k + 1]
+            if rows.device.type != "cpu":  # device-sampling runner: verification reads its rows on the host
+                rows = rows.cpu()
+            tokens, entries = verify(rows, seq, proposal, q, rule)
             a = len(tokens) - 1
             proposed += k
             accepted += a

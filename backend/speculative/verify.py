@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from ..guided.state import mask_proposal_rows
+from ..random_stream import SeedStream
 from ..sampler import draw, logprob_entry, probabilities, processed_logits
 
 
@@ -54,7 +55,10 @@ def processed_rows(logits: torch.Tensor, seq, tokens: List[int]) -> torch.Tensor
     return processed_logits(logits, [SeqView(seq, tokens[:j]) for j in range(logits.shape[0])])
 
 
-def uniform(generator: Optional[torch.Generator]) -> float:
+def uniform(generator) -> float:
+    """One Uniform(0, 1) from the sequence's SeedStream (or a torch.Generator, or torch's default)."""
+    if isinstance(generator, SeedStream):
+        return generator.uniform()
     return float(torch.rand((), generator=generator))
 
 

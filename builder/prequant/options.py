@@ -6,7 +6,8 @@ from .spec import ImportSpec
 # BuildOptions field -> (its default, the flag) that re-quantizing or calibrating would need
 _REFUSED = {"quantization": ("none", "--quantization"), "group_size": (None, "--group-size"),
             "kv_cache_dtype": ("auto", "--kv-cache-dtype"), "calibration_text": (None, "--calibration-text"),
-            "calibration_samples": (None, "--calibration-samples"), "exclude_modules": (None, "--exclude-modules")}
+            "calibration_samples": (None, "--calibration-samples"), "exclude_modules": (None, "--exclude-modules"),
+            "embedding_quantization": (None, "--embedding-quantization")}
 
 
 def check_import_options(opts, spec: ImportSpec, source: str) -> None:

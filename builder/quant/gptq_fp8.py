@@ -61,11 +61,11 @@ def gptq_fp8_grouped(w: torch.Tensor, hessian: torch.Tensor, group_size: int, as
                      block_size: int = 128, damp_percent: float = 0.01):
     """GPTQ on the E4M3 grid with group-wise (scale, zero) fixed up front by fp8_group_params
     (static groups, act-order column order). A group whose best choice is the integer grid
-    -8..7 (a 4-bit source block) is rounded on that grid, so GPTQ keeps it exact when the
+    0..15 (a 4-bit source block) is rounded on that grid, so GPTQ keeps it exact when the
     weight lies on it. Returns quantize_fp8_grouped's (qweight, scales (K/G, N), zeros or None)."""
     w = w.float()
-    s, z = fp8_group_params(w, group_size, asymmetric)
-    se = s.repeat_interleave(group_size, dim=1)
-    ze = z.repeat_interleave(group_size, dim=1) if z is not None else None
+    s, z = fp8_group_params(w, group_size, asymmetric)  # 16-bit, as stored
+    se = s.float().repeat_interleave(group_size, dim=1)
+    ze = z.float().repeat_interleave(group_size, dim=1) if z is not None else None
     Q = gptq_rows(w, hessian, se, round_fp8, block_size, damp_percent, zeros=ze)
     return Q.to(torch.float8_e4m3fn), s.t().contiguous(), None if z is None else z.t().contiguous()

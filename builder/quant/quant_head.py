@@ -36,21 +36,26 @@ from typing import Optional
 import torch
 
 from tritium.kernels import ops
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
 
-from .awq import awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
-from .gptq import HessianAccumulator
+from .awq import awq_clip_int4, awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
+from .gptq import HessianAccumulator, gptq_quantize
 from .gptq_rows import gptq_int8_quantize
-from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8
+from .param16 import compact_scales
+from .quantize_int4 import quantize_int4
+from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, quantize_int8,
+                            quantize_int8_grouped)
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
 CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
-    """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is int8."""
+    """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is quantized
+    (int8, or int4 with --embedding-quantization int4)."""
     name = "embed_tokens" if tied else "lm_head"
     lq = plan.get(name)
-    return name if lq is not None and lq.method == "int8" else None
+    return name if lq is not None and lq.method in ("int8", "int4") else None
 
 
 @torch.no_grad()
@@ -95,11 +100,16 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     head = head_name(plan, tied)
     for name in ("embed_tokens", "lm_head"):
         lq = plan.get(name)
+        if lq is not None and lq.method == "int4" and name + ".weight" in new:
+            report[name] = _int4_embedding(new, name, lq, method, head_stats if name == head else None)
+            report[name]["head"] = name == head
+            continue
         if lq is None or lq.method != "int8" or name + ".weight" not in new:
             continue
         w = new.pop(name + ".weight").float()
         entry = {"method": "int8", "head": name == head}
-        stats = head_stats if name == head else None
+        # the calibrated roundings below are per-row: a grouped embedding is rounded to nearest
+        stats = head_stats if name == head and not lq.group_size else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
         if stats is not None and method == "int4-gptq":
@@ -127,6 +137,10 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
             in_scale = scale
+        elif lq.group_size:
+            q, s = quantize_int8_grouped(w, lq.group_size)
+            entry["rounding"] = (f"round to nearest, symmetric groups of {lq.group_size} "
+                                 f"({lq.group_reason or 'float16 scales'})")
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
@@ -136,8 +150,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             new["head_input_mean"] = stats["mean"].float() / in_scale
             new["head_mean_logits"] = w @ stats["mean"].float()
             plan[name] = dataclasses.replace(plan[name], centred=True)
-        new[name + ".qweight"], new[name + ".scales"] = q, s
-        deq = dequantize_int8(q, s)
+        new[name + ".qweight"], new[name + ".scales"] = q, compact_scales(s)
+        deq = dequantize_grouped(q, s, None, lq.group_size) if lq.group_size else dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:
             # the head's error on calibration inputs, ||X W^T - X' Q^T|| / ||X W^T||, where
@@ -150,3 +164,31 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             entry["bias_correction_rms"] = float((d @ new["head_input_mean"]).pow(2).mean().sqrt())
         report[name] = entry
     return report
+
+
+def _int4_embedding(new: dict, name: str, lq, method: str, stats: Optional[dict]) -> dict:
+    """--embedding-quantization int4: the embedding / LM head in the int4 layout (asymmetric
+    groups, float16 scales and zeros); the lookup dequantizes gathered rows. The head is rounded
+    by the build's method where its calibration statistics exist: int4-gptq with GPTQ under the
+    final hidden states' Hessian (act-order column order, static groups: no g_idx), int4-awq
+    with AWQ's per-(row, group) clip search under that Hessian; else to nearest."""
+    w = new.pop(name + ".weight").float()
+    g = lq.group_size
+    if stats is not None and method == "int4-gptq":
+        q, s, z, _ = gptq_quantize(w, stats["H"], g, act_order=True, static_groups=True)
+        rounding = f"GPTQ error feedback (act-order, static groups of {g}) under the final hidden states' Hessian"
+    elif stats is not None and method == "int4-awq":
+        q, s, z = quantize_int4(w, g, awq_clip_int4(w, stats["H"], g))
+        rounding = f"AWQ's clip search per (row, group of {g}) under the final hidden states' Hessian"
+    else:
+        q, s, z = quantize_int4(w, g)
+        rounding = f"round to nearest, asymmetric groups of {g}"
+    s, z = s.half(), z.half()
+    new[name + ".qweight"], new[name + ".scales"], new[name + ".zeros"] = q, s, z
+    deq = dequantize_int4(q, s, z, g)
+    entry = {"method": "int4", "rounding": rounding,
+             "rel_weight_error": float((deq - w).norm() / w.norm().clamp_min(1e-12))}
+    if stats is not None:
+        d = deq - w
+        entry["rel_output_error"] = float(((d @ stats["H"]) * d).sum() / ((w @ stats["H"]) * w).sum())
+    return entry

@@ -18,6 +18,7 @@ from tritium.kernels.quant_layouts import dequantize_grouped
 
 from .gptq_fp8 import gptq_fp8_grouped, gptq_fp8_quantize
 from .quantize_fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_grouped
+from .param16 import compact_scales
 from .quantize_int4 import quantize_int4
 from .quantize_int8 import dequantize_int8, quantize_int8, quantize_int8_grouped, quantize_int8_source_grid
 
@@ -27,7 +28,8 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def linear_in_features(m, lin: str) -> int:
     """Input dimension of a layer linear from the ModelConfig."""
     return {"qkv_proj": m.hidden_size, "gate_up_proj": m.hidden_size,
-            "o_proj": m.num_heads * m.head_dim, "down_proj": m.intermediate_size}[lin]
+            "o_proj": m.num_heads * (m.v_head_dim if m.kv_lora_rank else m.head_dim),
+            "down_proj": m.intermediate_size}[lin]
 
 
 def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
@@ -36,7 +38,7 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
         return _quantize_grouped(w, lq, stats)
     if lq.method == "int8":
         q, s = quantize_int8(w)
-        return {"qweight": q, "scales": s}, dequantize_int8(q, s)
+        return {"qweight": q, "scales": compact_scales(s)}, dequantize_int8(q, s)
     if lq.method == "fp8":
         # GPTQ error feedback on the E4M3 grid when calibration Hessians exist (the pipeline's
         # default when the source has a tokenizer), else round-to-nearest.

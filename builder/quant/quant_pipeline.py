@@ -19,7 +19,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from tritium.backend.config import (SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
+from tritium.backend.config import (SUPPORTED_EMBEDDING_QUANTIZATION, SUPPORTED_KV_CACHE_DTYPES,
+                                    SUPPORTED_KV_ROTATIONS,
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig,
                                     QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
@@ -58,6 +59,7 @@ class QuantOptions:
     calibration_text: Optional[str] = None
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     exclude_modules: Optional[str] = None
+    embedding_quantization: str = "auto"  # SUPPORTED_EMBEDDING_QUANTIZATION (quant_plan.plan_embedding)
     progress: bool = True
     source: Optional[str] = None
     act_order: bool = True
@@ -113,6 +115,13 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
         raise ValueError(f"--group-size {o.group_size} not supported for {o.quantization}; allowed: "
                          f"{PER_ROW} (one scale per output channel) or "
                          f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
+    if o.embedding_quantization not in SUPPORTED_EMBEDDING_QUANTIZATION:
+        raise ValueError(f"--embedding-quantization {o.embedding_quantization!r} not supported; allowed: "
+                         f"{', '.join(SUPPORTED_EMBEDDING_QUANTIZATION)}")
+    if o.embedding_quantization != "auto" and o.quantization in ("none", "auto"):
+        raise ValueError(f"--embedding-quantization {o.embedding_quantization} needs --quantization int8, fp8, "
+                         f"int4-rtn, int4-awq or int4-gptq"
+                         + (" (--quantization auto picks the embedding's format itself)" if o.quantization == "auto" else ""))
     if not isinstance(o.calibration_samples, int) or o.calibration_samples < 1:
         raise ValueError(f"--calibration-samples must be >= 1, got {o.calibration_samples}")
     if (o.quantization == "fp8" or o.kv_cache_dtype == "fp8") and not has_float8():

@@ -8,7 +8,8 @@ from typing import Dict, Optional
 from tritium.backend.config import EngineConfig, LayerQuant
 
 from .quant_layers import LINEARS, linear_in_features
-from ..source_grid import linear_source_blocks, plan_group_size
+from .quantize_int4 import choose_group_size
+from ..source_grid import linear_source_blocks, plan_group_size, source_tensor_block
 
 DEFAULT_GROUP_SIZE = 128
 PER_ROW = -1  # --group-size -1 (int8 / fp8): one scale per output channel (GPTQ's convention)
@@ -23,13 +24,15 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
     """Per-linear LayerQuant for every linear in the model (method 'none' when excluded).
 
     int4 group sizes: explicit --group-size, else the GGUF source's own block size where the
-    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. int4
-    builds also store the embedding (and an untied lm_head) as per-row int8."""
+    linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. The
+    embedding (and an untied lm_head) per --embedding-quantization (plan_embedding)."""
     kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
     plan = {}
     blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
     for i in range(cfg.model.num_layers):
         for lin in LINEARS:
+            if lin == "qkv_proj" and cfg.model.kv_lora_rank:
+                continue  # multi-head latent attention: its projections stay float (o_proj is quantized)
             name = f"layers.{i}.{lin}"
             if excluded(name, o.exclude_modules):
                 plan[name] = LayerQuant("none")
@@ -55,10 +58,52 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
             plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
                                     group_reason=reason,
                                     static_groups=act_order and on_grid)
-    if kind == "int4":
-        for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
-            plan[name] = LayerQuant("none" if excluded(name, o.exclude_modules) else "int8")
+    for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
+        plan[name] = plan_embedding(kind, cfg.model.hidden_size, o, name)
     return plan
+
+
+def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
+    """The embedding / untied LM head of a quantized build (--embedding-quantization):
+    none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits);
+    int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: per-row int8 in int4 builds
+    (rounded by the build's own method, quant_head.py), groups of 32 in int8 / fp8 builds."""
+    emb = getattr(o, "embedding_quantization", "auto") or "auto"
+    if emb == "none" or excluded(name, o.exclude_modules):
+        return LayerQuant("none")
+    if emb == "int4":
+        g = choose_group_size(hidden, EMBEDDING_GROUP_SIZE)
+        if g is None:
+            raise ValueError(f"--embedding-quantization int4: no group size of 32 fits hidden size {hidden}")
+        return LayerQuant("int4", group_size=g, group_reason=f"--embedding-quantization int4: groups of {g}")
+    if emb == "auto" and kind == "int4":
+        return LayerQuant("int8")
+    return plan_8bit_embedding(hidden, o, name, explicit_group=kind != "int4")
+
+
+EMBEDDING_GROUP_SIZE = 32
+
+
+def plan_8bit_embedding(hidden: int, o, name: str, explicit_group: bool = True) -> LayerQuant:
+    """int8 / fp8 builds: the embedding (and an untied LM head) as int8 in symmetric groups of 32
+    along the hidden dimension with float16 scales (8.5 bits per weight, the grid of llama.cpp's
+    Q8_0, so a Q8_0 source is kept exactly); an explicit --group-size of an int8 / fp8 build
+    (explicit_group) applies here too (-1: one scale per row); one scale per row where no group
+    size divides hidden."""
+    explicit = explicit_group and o.group_size_explicit
+    if explicit and o.group_size == PER_ROW:
+        return LayerQuant("int8", group_reason="--group-size -1: per row")
+    if explicit:
+        g, reason = plan_group_size(hidden, o.group_size, True, None)
+        return LayerQuant("int8", group_size=g, group_reason=reason + " (symmetric)" if g else
+                          f"--group-size {o.group_size} fits no group of hidden {hidden}: per row")
+    if hidden % EMBEDDING_GROUP_SIZE:
+        return LayerQuant("int8", group_reason=f"{EMBEDDING_GROUP_SIZE} does not divide hidden {hidden}: per row")
+    block = source_tensor_block(o.source, name)
+    reason = (f"source {block[0]} blocks of {block[1]} (symmetric: its own grid)"
+              if block is not None and block[0] == "Q8_0" and block[1] == EMBEDDING_GROUP_SIZE
+              else f"symmetric groups of {EMBEDDING_GROUP_SIZE}")
+    return LayerQuant("int8", group_size=EMBEDDING_GROUP_SIZE, group_reason=reason)
 
 
 def plan_8bit(kind: str, k: int, name: str, o, source) -> LayerQuant:

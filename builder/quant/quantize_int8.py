@@ -16,6 +16,8 @@ import torch
 
 from tritium.kernels.quant_layouts import dequantize_rowwise
 
+from .param16 import param16, param16_dtype
+
 
 
 def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -64,23 +66,27 @@ def _pack_groups(c: torch.Tensor, s: torch.Tensor, z: Optional[torch.Tensor]):
 
 
 def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float weight (N, K) -> (qweight int8 (N, K), scales float32 (K // G, N)): symmetric,
-    scale = amax / 127 of each group of `group_size` input channels of a row."""
+    """Float weight (N, K) -> (qweight int8 (N, K), scales float16 (K // G, N)): symmetric,
+    scale = amax / 127 of each group of `group_size` input channels of a row, rounded to 16 bits
+    (param16.py) before the codes are chosen. Exact on a Q8_0 block (w = d q, d float16)."""
     wg = _groups(w, group_size)
-    s = (wg.abs().amax(dim=2) / 127.0).clamp_min(1e-10)
+    amax = wg.abs().amax(dim=2)
+    s16 = param16(amax / 127.0, param16_dtype(amax / 127.0), positive=True)
+    s = s16.float()
     c = torch.round(wg / s[:, :, None]).clamp_(-127, 127)
-    q, scales, _ = _pack_groups(c.to(torch.int8), s, None)
+    q, scales, _ = _pack_groups(c.to(torch.int8), s16, None)
     return q, scales
 
 
-def _asym_candidate(wg: torch.Tensor, levels: int, lo_code: int, hi_code: int):
+def _asym_candidate(wg: torch.Tensor, levels: int, lo_code: int, hi_code: int, dtype: torch.dtype):
     """(codes, scale, zero) mapping each group's [min, max] onto codes [lo_code, hi_code]
-    (levels = hi_code - lo_code): w = code * scale + zero. A group whose values lie on a grid
-    min + d * j, j = 0..m, with `levels` a multiple of m, gets integer codes: exact."""
+    (levels = hi_code - lo_code): w = code * scale + zero, scale and zero rounded to `dtype`
+    first. A group whose values lie on a grid min + d * j, j = 0..m, with `levels` a multiple of
+    m, gets integer codes."""
     lo, hi = wg.amin(dim=2), wg.amax(dim=2)
-    s = ((hi - lo) / levels).clamp_min(1e-10)
-    z = lo - lo_code * s
-    c = torch.round((wg - z[:, :, None]) / s[:, :, None]).clamp_(lo_code, hi_code)
+    s = param16((hi - lo) / levels, dtype, positive=True).float()
+    z = param16(lo - lo_code * s, dtype).float()
+    c = torch.round((wg - z[:, :, None]) / s[:, :, None]).clamp_(-128, 127)
     return c, s, z
 
 
@@ -103,21 +109,24 @@ def _pick(cands, wg: torch.Tensor):
 def quantize_int8_source_grid(w: torch.Tensor, group_size: int
                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int8 that keeps a block-quantized source's grid:
-    (qweight int8 (N, K), scales float32 (K // G, N), zeros float32 (K // G, N)).
+    (qweight int8 (N, K), scales float16 (K // G, N), zeros float16 (K // G, N)).
 
-    Per group the least-error of three (scale, zero) choices, each exact for one GGUF block type:
-    - min/max onto codes -128..127 (255 steps): a Q4_1 block (w = d * q + m, q = 0..15 spanning
-      [min, max]) lands on codes 17 q - 128, since 255 = 15 * 17;
-    - symmetric amax / 127, zero 0: a Q8_0 block (w = d * q, |q| <= 127, amax at 127);
-    - symmetric amax / 120, zero 0: a Q4_0 block (w = d * (q - 8), d of either sign, so its
-      values are j * |d| with |j| <= 8 and amax = 8 |d|) lands on codes 15 j.
-    Anywhere else this is ordinary asymmetric (or symmetric) group-wise int8."""
+    Per group the least-error of these (scale, zero) choices, each rounded to 16 bits before its
+    codes are chosen (param16.py):
+    - [min, max] onto codes 0..15, zero = min: a Q4_1 block (w = d * q + m, d and m float16,
+      q = 0..15 spanning the block) is stored exactly (scale d, zero m);
+    - symmetric amax / 8, zero 0: a Q4_0 block (w = d * (q - 8), amax = 8 |d|): scale |d|, exact;
+    - symmetric amax / 127, zero 0: a Q8_0 block (w = d * q, amax at 127): scale d, exact;
+    - [min, max] onto -128..127 (255 steps) and amax / 127: ordinary asymmetric / symmetric
+      group-wise int8 for a group on no 4- or 8-bit grid."""
     wg = _groups(w, group_size)
-    amax = wg.abs().amax(dim=2).clamp_min(1e-10)
+    amax = wg.abs().amax(dim=2)
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+    dtype = param16_dtype(amax, lo, hi)
     zero = torch.zeros_like(amax)
-    cands = [_asym_candidate(wg, 255, -128, 127)]
-    for div in (127.0, 120.0):
-        s = amax / div
+    cands = [_asym_candidate(wg, 15, 0, 15, dtype), _asym_candidate(wg, 255, -128, 127, dtype)]
+    for div in (127.0, 8.0):
+        s = param16(amax / div, dtype, positive=True).float()
         cands.append((torch.round(wg / s[:, :, None]).clamp_(-127, 127), s, zero))
     c, s, z = _pick(cands, wg)
-    return _pack_groups(c.to(torch.int8), s, z)
+    return _pack_groups(c.to(torch.int8), s.to(dtype), z.to(dtype))

@@ -97,6 +97,19 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
                     lambda qd=qd, kc=kc, vc=vc, ks=ks, vs=vs, m=meta: paged_attention_ref(
                         qd, kc, vc, m, D ** -0.5, None, ks, vs),
                     2 * b * ctx * HKV * D * ce, 4 * b * HQ * ctx * D, "bf16"))
+    from tritium.kernels import mla_triton
+    from tritium.kernels.mla_ref import mla_attention_ref
+    for b, ctx in ((64, 512 if quick else 2048), (8, 1024 if quick else 16384)):
+        # DeepSeek-V3's latent attention at TP 1: 128 heads, latent 512 + rope 64, one cache row a token
+        nblk = -(-ctx // 16)
+        lc = torch.randn(b * nblk, 16, 1, 576, device=device, dtype=dtype)
+        tables = torch.randperm(b * nblk).view(b, nblk).tolist()
+        meta = AttentionMetadata.build([1] * b, [ctx] * b, tables, 16, device=device)
+        qm = torch.randn(b, 128, 576, device=device, dtype=dtype)
+        out.append((f"mla decode B={b} ctx={ctx} H=128", lambda qm=qm, lc=lc, m=meta: mla_triton.mla_attention(
+                        qm, lc, m, 192 ** -0.5, 512),
+                    lambda qm=qm, lc=lc, m=meta: mla_attention_ref(qm, lc, m, 192 ** -0.5, 512),
+                    b * ctx * 576 * e, 2 * b * 128 * ctx * (576 + 512), "bf16"))
     b, L = (2, 256) if quick else (4, 2048)
     kc, vc, _, _, tables = _paged(b, L, 16, dtype, device)
     meta = AttentionMetadata.build([L] * b, [L] * b, tables, 16, device=device)

@@ -7,6 +7,7 @@ import sys
 
 from tritium.backend import engine_options
 from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPORTED_DTYPES,
+                                    SUPPORTED_EMBEDDING_QUANTIZATION,
                                     SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -55,6 +56,10 @@ def register(sub) -> None:
                         "against the float model (default 1024; 0 skips the evaluation)")
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
+    p.add_argument("--embedding-quantization", default=None, choices=SUPPORTED_EMBEDDING_QUANTIZATION,
+                   help="the embedding / LM head of a quantized build: int8 (symmetric groups of 32, float16 "
+                        "scales), int4 (asymmetric groups of 32), none (float), or auto (default: int8 per row in "
+                        "int4 builds, rounded by their method; int8 in groups of 32 in int8 / fp8 builds)")
     a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
     a.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
                    help="required with --quantization auto: the allowed perplexity increase over the float model, "
@@ -128,7 +133,8 @@ def placement_args(args: argparse.Namespace) -> dict:
 def options_from_args(args: argparse.Namespace):
     from tritium.builder.build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
-                                           "calibration_samples", "exclude_modules", "tensor_parallel_size",
+                                           "calibration_samples", "exclude_modules", "embedding_quantization",
+                                           "tensor_parallel_size",
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
                                            "eval_tokens")
              if hasattr(args, k)}
@@ -165,14 +171,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_quality(engine_dir: str) -> None:
-    """A quantized build's held-out figures from its build report (nothing for a float build)."""
+    """The KV cache's bytes per token, the build's size (bits per weight, bytes against a bfloat16
+    engine) and a quantized build's held-out figures, from its build report."""
     import json
-    from tritium.builder.report import quality_summary
+    from tritium.builder.report import kv_cache_line, quality_summary, size_summary
     path = os.path.join(engine_dir, BUILD_REPORT_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            for line in quality_summary(json.load(f)):
-                print(line, file=sys.stderr)
+            report = json.load(f)
+        lines = (([kv_cache_line(report["kv_cache"])] if "kv_cache" in report else []) + size_summary(report)
+                 + quality_summary(report))
+        for line in lines:
+            print(line, file=sys.stderr)
 
 
 def _budget_status(budget: dict) -> int:

@@ -21,7 +21,8 @@ from tritium.client.cli.generate_inputs import (chat_messages, field_kwargs, gui
                                                 read_input_file)
 
 # The engine options `tritium generate --engine` takes (backend/engine_options.py).
-ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device") + SPECULATIVE
+ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device", "device_sampling",
+                "cuda_graphs") + SPECULATIVE
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

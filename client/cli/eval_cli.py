@@ -72,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
     res = evaluate(model, ids, reference=reference, progress=not args.json)
     res.update(engine=args.engine, text=args.text or f"domain:{domain}",
                quantization=cfg.quantization.method, kv_cache_dtype=cfg.kv_cache.dtype)
+    res["weight_bytes"] = _weight_bytes(args.engine, cfg)
     if args.reference:
         res["reference"] = args.reference
+        res["reference_weight_bytes"] = _weight_bytes(args.reference, rcfg)
+        res["bytes_vs_reference"] = res["weight_bytes"] / max(res["reference_weight_bytes"], 1)
     if args.json:
         print(json.dumps(res, sort_keys=True))
         return 0
@@ -82,5 +85,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"reference perplexity {res['reference_perplexity']:.4f} "
               f"({100 * res['perplexity_increase']:+.2f}%), mean KL {res['mean_kl']:.5f}, "
               f"top-1 agreement {100 * res['top1_agreement']:.2f}%")
+        print(f"weights {res['weight_bytes'] / 1e6:.1f} MB, {res['bytes_vs_reference']:.3f}x the reference's "
+              f"{res['reference_weight_bytes'] / 1e6:.1f} MB")
     sys.stdout.flush()
     return 0
+
+
+def _weight_bytes(engine_dir: str, cfg) -> int:
+    """Bytes of an engine's weight files (every rank's rank{r}.safetensors)."""
+    return sum(os.path.getsize(os.path.join(engine_dir, cfg.weights_file(r)))
+               for r in range(cfg.tensor_parallel_size))

@@ -5,6 +5,9 @@ Parts, in order; each prints PASS, FAIL or SKIPPED with its reason:
   engine      a tiny random Llama built float32 and bf16, greedy tokens of the CPU engine; with CUDA
               the same engine on cuda:0 must give the same tokens (float32: all of them; bf16: the
               first BF16_PREFIX, as bf16 rounding on a different device may flip a later near-tie)
+  device-step the tiny float32 engine with device sampling and static decode buffers against the
+              plain host path: the same greedy and seeded tokens; with CUDA the graphs must have
+              replayed and the layer loop runs under torch.cuda.set_sync_debug_mode("error")
   kernels     pytest -m cuda on tests/test_kernels_cuda.py and test_kernels_compile.py (CUDA only)
   serving     a synthetic engine with Llama-3-8B shapes (random weights, --synthetic-layers of the
               32 layers, bf16) in tritonserver on KIND_GPU, measured with `tritium bench` (CUDA only)
@@ -45,7 +48,7 @@ def register(sub) -> None:
                    help="decoder layers of the Llama-3-8B-shaped engine (default 4 of 32, to fit build time)")
     p.add_argument("--work-dir", default=None, help="where checkpoints and engines go (default: a temp dir)")
     p.add_argument("--skip", default="", metavar="PARTS",
-                   help="comma-separated parts to leave out: placement,engine,kernels,serving,bench")
+                   help="comma-separated parts to leave out: placement,engine,device-step,kernels,serving,bench")
     p.set_defaults(func=run)
 
 
@@ -145,6 +148,52 @@ def check_engine(rep: Report, root: str, cuda: bool, work: str) -> None:
                 f"CUDA vs CPU greedy tokens equal for the first {same} of {MAX_TOKENS} (needs >= {want})")
 
 
+def _device_step_tokens(engine_dir: str, device: str, options, watch_syncs: bool = False):
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    eng = LLMEngine(engine_dir, device=device, num_kv_blocks=64, device_step=options)
+    hooks = []
+    if watch_syncs:  # any synchronising call inside the layer loop raises
+        layers = eng.runner.model.layers
+        hooks.append(layers[0].register_forward_pre_hook(lambda *a: torch.cuda.set_sync_debug_mode("error")))
+        hooks.append(layers[-1].register_forward_hook(lambda *a: torch.cuda.set_sync_debug_mode("default")))
+    try:
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_k=20, seed=8, ignore_eos=True)]
+        outs = eng.generate(prompt_token_ids=PROMPTS, params=params)
+        sd = eng.runner.static_decode
+        return [list(o.outputs[0].token_ids) for o in outs], (sd.num_replays if sd is not None else 0)
+    finally:
+        for h in hooks:
+            h.remove()
+        if watch_syncs:
+            torch.cuda.set_sync_debug_mode("default")
+        eng.close()
+
+
+def check_device_step(rep: Report, root: str, cuda: bool, work: str) -> None:
+    from tritium.backend.device_step import DeviceStepOptions
+    path = os.path.join(work, "tiny-llama-float32")
+    if not os.path.isfile(os.path.join(path, "engine.json")):
+        path = _tiny_engines(work, root)["float32"]
+    device = "cuda:0" if cuda else "cpu"
+    plain, _ = _device_step_tokens(path, device, DeviceStepOptions(False, False, False))
+    fast, replays = _device_step_tokens(path, device, DeviceStepOptions(True, True, True))
+    if fast != plain:
+        rep.add("device-step", "FAIL", f"device sampling + static buffers on {device} gave other tokens than the "
+                "host path")
+        return
+    if not cuda:
+        rep.add("device-step", "SKIPPED", "CPU half ran (static buffers eagerly, device sampler: the host path's "
+                "tokens); no CUDA device for the graphs and the sync check")
+        return
+    staged, _ = _device_step_tokens(path, device, DeviceStepOptions(True, True, False), watch_syncs=True)
+    ok = replays > 0 and staged == plain
+    rep.add("device-step", "PASS" if ok else "FAIL", f"same tokens with graphs ({replays} replays) and staged "
+            f"eager steps under set_sync_debug_mode('error') in the layer loop: {staged == plain}")
+
+
 def check_kernels(rep: Report, root: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
@@ -186,9 +235,10 @@ def check_serving(rep: Report, root: str, work: str, layers: int) -> None:
 def run(args: argparse.Namespace) -> int:
     root = repo_root()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    bad = skip - {"placement", "engine", "kernels", "serving", "bench"}
+    bad = skip - {"placement", "engine", "device-step", "kernels", "serving", "bench"}
     if bad:
-        raise ValueError(f"--skip: unknown parts {sorted(bad)}; allowed: placement,engine,kernels,serving,bench")
+        raise ValueError(f"--skip: unknown parts {sorted(bad)}; allowed: "
+                         f"placement,engine,device-step,kernels,serving,bench")
     if args.synthetic_layers < 1 or args.synthetic_layers > 32:
         raise ValueError(f"--synthetic-layers must be 1..32, got {args.synthetic_layers}")
     cuda = torch.cuda.is_available()
@@ -198,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tritium-gpu-check-") as tmp:
         work = args.work_dir or tmp
         parts: List[tuple] = [("placement", lambda: check_placement(rep, root, cuda)),
-                              ("engine", lambda: check_engine(rep, root, cuda, work))]
+                              ("engine", lambda: check_engine(rep, root, cuda, work)),
+                              ("device-step", lambda: check_device_step(rep, root, cuda, work))]
         cuda_parts: List[tuple] = [("kernels", lambda: check_kernels(rep, root)),
                                    ("serving", lambda: check_serving(rep, root, work, args.synthetic_layers)),
                                    ("bench", lambda: check_bench_kernels(rep, root))]

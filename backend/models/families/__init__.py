@@ -11,7 +11,9 @@ from typing import Dict
 
 from ...config import SUPPORTED_ARCHITECTURES
 from .base import Family, FamilyConfigError, PRE_NORMS
+from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from .gemma import GEMMA2, GEMMA3
+from .gpt_oss import GPT_OSS
 from .granite import GRANITE
 from .llama import LLAMA, MISTRAL, QWEN2
 from .moe import MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE
@@ -21,7 +23,8 @@ from .qwen3 import QWEN3
 from .smollm3 import SMOLLM3
 
 FAMILIES: Dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, OLMO2,
-                                                    GRANITE, SMOLLM3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE)}
+                                                    GRANITE, SMOLLM3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE,
+                                                    DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS)}
 # HF model_type -> family (Gemma 3's text-only checkpoints say "gemma3_text")
 BY_MODEL_TYPE: Dict[str, Family] = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 assert tuple(FAMILIES) == SUPPORTED_ARCHITECTURES, "config.SUPPORTED_ARCHITECTURES and FAMILIES disagree"

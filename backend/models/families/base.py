@@ -40,6 +40,12 @@ class Family:
     # and what an expert calls its gate, up and down projections.
     moe_block: str = "mlp"
     expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_expert_name: str = "shared_expert"  # DeepSeek: shared_experts
+    # Multi-head latent attention (DeepSeek): the rope part of q and k is stored in interleaved
+    # pairs (x0, x1), (x2, x3), ...; the builder reorders those rows to [even | odd] so that the
+    # engine's half-split RoPE applies (config.json's rope_interleave, when present, decides).
+    rope_interleaved: bool = False
+    float32_router: bool = False  # the builder stores router.weight float32 (DeepSeek; moe_routing.py)
 
 
 def activation(cfg: dict, key: str = "hidden_act", default: str = "silu") -> str:

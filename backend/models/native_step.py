@@ -1,0 +1,138 @@
+"""Which steps run the decoder layers as one native call (kernels/decode_layer.py), and the call.
+
+A decode step of a small model is a few rows through 30 layers of a dozen ops each; through
+Python each op costs about as much dispatch as arithmetic. For steps of at most
+NATIVE_STEP_MAX_ROWS rows of a Llama-shaped bfloat16 model on CPU, DecoderLM.forward hands the
+whole layer loop to kernels/cpu_decode_layer.c, which calls the same native kernels in the same
+order as the per-op path: the same bits (batch invariance included), a fraction of the overhead.
+
+What a model needs (docs/kernels.md has the table): bfloat16 engine with the native kernels,
+one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap,
+full RoPE on every layer, one sliding window (or none) for all layers, a plain bfloat16 KV cache, and every linear on a native kernel (cpu_linear kinds bf16_native,
+int8_native, int8g_native, int4_native without act-order); biases and Granite's multipliers are
+fine. A step also needs at
+most NATIVE_STEP_MAX_ROWS rows and no LoRA adapter in use. Otherwise the per-op path runs.
+TRITIUM_NATIVE_STEP=0 turns the native call off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from tritium.kernels import cpu_native, ops
+from tritium.kernels.decode_layer import DecodeLayers, linear_supported
+
+NATIVE_STEP_MAX_ROWS = 32
+ENV = "TRITIUM_NATIVE_STEP"
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def enabled() -> bool:
+    """TRITIUM_NATIVE_STEP: unset or 1 on, 0 off; anything else is an error naming the values."""
+    v = os.environ.get(ENV, "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}; allowed: 1 (default), 0")
+    return v in ("1", "true", "on")
+
+
+def _packed(mod):
+    """(CpuLinear or None, bias, LoRA manager or None) of a layer's linear module."""
+    manager = getattr(mod, "_manager", None)
+    if manager is not None:  # a LoRALinear (backend/lora/layer.py): its base runs when no adapter is in use
+        mod = mod.base
+    if hasattr(mod, "packed_weight"):  # DenseLinear
+        return mod.packed_weight, mod.bias, manager
+    if hasattr(mod, "_get_packed"):  # quantized linears (backend/quant.py)
+        return (mod._get_packed() if mod.qweight.device.type == "cpu" else None), mod.bias, manager
+    return None, None, manager
+
+
+def refusal(model) -> Optional[str]:
+    """None where `model` (a DecoderLM) can run its layers natively, else the first reason not."""
+    cfg, m = model.cfg, model.cfg.model
+    if cfg.dtype != "bfloat16":
+        return f"engine dtype {cfg.dtype} (bfloat16 only)"
+    if not cpu_native.available():
+        return "native CPU kernels unavailable"
+    if model.tp is not None:
+        return "tensor parallelism"
+    checks = [(m.num_experts, "mixture-of-experts layers"), (m.norm_placement != "pre", f"norm placement {m.norm_placement}"),
+              (m.qk_norm != "none", "q/k norms"), (m.attn_logit_softcap is not None, "attention soft-cap"),
+              (m.activation != "silu", f"activation {m.activation}"),
+              (m.hidden_size % 16 or m.head_dim % 32 or m.intermediate_size % 16, "hidden / head / MLP sizes "
+               "not multiples of 16 / 32 / 16"),
+              (m.num_heads > cpu_native.MAX_HEADS or m.num_heads * m.head_dim > cpu_native.MAX_HEADS_X_DIM
+               or m.num_heads % m.num_kv_heads, "head counts beyond the attention kernel's")]
+    for bad, why in checks:
+        if bad:
+            return why
+    if len({layer.window for layer in model.layers}) != 1:
+        return "sliding windows that differ between layers"
+    for layer in model.layers:
+        if layer.rope_kind != "global" or layer.rotary_dim != layer.head_dim:
+            return "a layer without full global RoPE (NoPE, local or partial rotary)"
+        if not layer.plain_kv:
+            return "quantized, offset or rotated KV cache"
+        for name in _LINEARS:
+            p, _, _ = _packed(getattr(layer, name))
+            why = linear_supported(p)
+            if why is not None:
+                return f"layers.{layer.idx}.{name}: {why}"
+    return None
+
+
+class NativeStep:
+    """A DecoderLM's layers as one native call; `get(model)` builds it once per model."""
+
+    def __init__(self, model):
+        m = model.cfg.model
+        layers, self.lora_managers = [], set()
+        for layer in model.layers:
+            lins = []
+            for name in _LINEARS:
+                p, bias, manager = _packed(getattr(layer, name))
+                lins.append((p, bias))
+                if manager is not None:
+                    self.lora_managers.add(manager)
+            layers.append((layer.input_norm_weight, layer.post_attn_norm_weight, lins))
+        first = model.layers[0]
+        self.window = first.window
+        self.native = DecodeLayers(layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                                   m.intermediate_size, m.rms_norm_eps, first.scale, m.residual_multiplier)
+
+    @staticmethod
+    def get(model) -> Optional["NativeStep"]:
+        """The model's NativeStep, or None where refusal(model) names a reason (kept, so that is
+        asked once; a model whose weights are not packed yet is asked again later)."""
+        cached = model.__dict__.get("_native_step", False)
+        # kept while the layers hold the same linear modules (LoRA's attach wraps them later)
+        if cached is not False and model.__dict__.get("_native_step_probe") is model.layers[0].qkv_proj:
+            return cached
+        why = refusal(model)
+        if why is not None and "not packed" in why:
+            return None
+        step = NativeStep(model) if why is None else None
+        model.__dict__["_native_step"] = step
+        model.__dict__["_native_step_probe"] = model.layers[0].qkv_proj
+        model.__dict__["native_step_refusal"] = why
+        return step
+
+    def takes(self, hidden: torch.Tensor, kv_caches, meta, rope) -> bool:
+        """Whether this step may run natively (its rows, caches, rotary tables and adapters)."""
+        tables = rope.tables.get("global")
+        k0 = kv_caches[0][0]
+        return (hidden.shape[0] <= NATIVE_STEP_MAX_ROWS and hidden.dtype == torch.bfloat16
+                and hidden.device.type == "cpu" and tables is not None
+                and k0.dtype == torch.bfloat16 and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
+                and all(mgr.batch is None for mgr in self.lora_managers) and enabled() and cpu_native.available())
+
+    def run(self, hidden: torch.Tensor, kv_caches, meta, rope):
+        """Every layer over the step's rows; returns (hidden, residual) as the layer loop would."""
+        t, d = hidden.shape[0], kv_caches[0][0].shape[-1]
+        cos, ssin = (c.reshape(t, d).contiguous() for c in rope.tables["global"])
+        self.native.set_caches(kv_caches)
+        plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
+        return self.native.run(hidden, None, cos, ssin, meta.slot_mapping.to(torch.int64).contiguous(),
+                               plan.block_tables, plan.rows_for(meta, self.window), kv_caches[0][0].shape[1])
