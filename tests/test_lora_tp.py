@@ -90,3 +90,27 @@ def test_tp2_adapter_logits_equal_peft(adapters, tiny_engine):
     ours = torch.cat(logs)
     want = ref[len(PROMPTS[0]) - 1:len(PROMPTS[0]) - 1 + len(out)]
     assert ours.shape == want.shape and rel_err(ours, want) < 1e-4
+
+
+def test_tp2_phi3_fused_adapters_equal_peft(tiny_checkpoint, tiny_engine, tmp_path):
+    """Phi-3's adapters on its fused qkv_proj / gate_up_proj: B's rows split with the heads and
+    intermediate features like the fused base weights."""
+    from transformers import AutoModelForCausalLM
+    ck = tiny_checkpoint("phi3")
+    pm = make_peft_adapter(AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32), str(tmp_path), seed=7,
+                           r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    path = tiny_engine("phi3", "float32", max_seq_len=48, tensor_parallel_size=2)
+    with LLMEngine(path, device="cpu", threads_per_rank=1, num_kv_blocks=64,
+                   lora=LoRAConfig({"phi": str(tmp_path)}, max_lora_rank=8)) as e2:
+        logs = record_logits(e2)
+        outs = e2.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, lora_names=["phi", None])
+    got = outs[0].outputs[0].token_ids
+    assert got == hf_greedy(pm, PROMPTS[0], len(got))
+    with pm.disable_adapter():
+        assert outs[1].outputs[0].token_ids == hf_greedy(pm, PROMPTS[1], len(got))
+    with torch.no_grad():
+        ref = pm(torch.tensor([PROMPTS[0] + got])).logits[0]
+    ours = torch.stack([step[0] for step in logs])
+    want = ref[len(PROMPTS[0]) - 1:len(PROMPTS[0]) - 1 + len(got)]
+    assert rel_err(ours, want) < 1e-4
+    assert not wait_no_workers(path)
