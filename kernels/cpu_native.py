@@ -1,7 +1,7 @@
 """Native CPU kernels, built once with the system C compiler: the int8 GEMMs (cpu_gemm.c), the
 batch-invariant bfloat16 and int4 GEMMs (cpu_gemm_bf16.c), paged
-decode attention over a bfloat16 KV cache (cpu_decode_attention.c), and the bfloat16 element-wise
-steps between a layer's GEMMs (cpu_glue.c).
+decode attention over a bfloat16 KV cache (cpu_decode_attention.c), the bfloat16 element-wise
+steps between a layer's GEMMs (cpu_glue.c), and the multi-LoRA delta (cpu_lora.c, lora_cpu.py).
 
 The sources are compiled on first use for the instruction-set path this host runs best, or the
 one TRITIUM_CPU_ISA forces (avx512 / avx2 / generic, kernels/cpu_isa.py), into the Tritium cache
@@ -28,7 +28,7 @@ from . import cpu_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
-                                                 "cpu_gemm_i8dot.c")]
+                                                 "cpu_gemm_i8dot.c", "cpu_lora.c")]
 _HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -81,6 +81,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_silu_mul_bf16.argtypes = [p, i64, i64, p]
     for f in (lib.tritium_add_rms_norm_bf16, lib.tritium_rope_kv_write_bf16, lib.tritium_silu_mul_bf16):
         f.restype = None
+    lib.tritium_lora_add.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64]  # kernels/lora_cpu.py
+    lib.tritium_lora_add.restype = ctypes.c_int
     return lib
 
 

@@ -4,7 +4,9 @@ LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021) add
 W x the delta scale * B (A x), A: (r, in), B: (out, r). Tritium fuses q/k/v into `qkv_proj` and
 gate/up into `gate_up_proj`; the delta of a fused linear is the concatenation of its parts'
 deltas, so its A stacks the parts' A rows and its B is block-diagonal (part p's B in its output
-rows and its own rank columns; a part without an adapter contributes no rows). The scale is
+rows and its own rank columns; a part without an adapter contributes no rows). A checkpoint that
+fuses them itself (Phi-3's `qkv_proj` / `gate_up_proj`, in the engine's row order) has PEFT
+adapters on the fused linear: their A and B are the engine module's as they are. The scale is
 folded into B once, at load.
 """
 from __future__ import annotations
@@ -18,9 +20,25 @@ import torch
 # Engine linear -> its parts in HF / PEFT module names, in the fused row order.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-PART_TO_FUSED = {p: f for f, parts in FUSED_PARTS.items() for p in parts}
+# Linears a checkpoint may hold already fused (Phi-3): an adapter on one is the engine module's.
+WHOLE = ("qkv_proj", "gate_up_proj")
+PART_TO_FUSED = {**{p: f for f, parts in FUSED_PARTS.items() for p in parts}, **{w: w for w in WHOLE}}
 SUPPORTED_TARGETS = tuple(PART_TO_FUSED)
 DEFAULT_MAX_LORA_RANK = 16  # as vLLM; max_lora_rank sizes the device slots
+
+
+MLP_LINEARS = ("gate_up_proj", "down_proj")
+
+
+def is_sparse(model_cfg, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is a mixture of experts (its experts take no adapter)."""
+    return bool(getattr(model_cfg, "num_experts", 0)) and layer not in getattr(model_cfg, "dense_layers", ())
+
+
+def adapted_linears(model_cfg, layer: int) -> List[str]:
+    """The engine linears of a layer that take adapters: all four, or the attention's alone on a
+    mixture-of-experts layer."""
+    return [n for n in module_names() if not (n in MLP_LINEARS and is_sparse(model_cfg, layer))]
 
 
 def part_shapes(model_cfg) -> Dict[str, Tuple[int, int]]:
@@ -29,7 +47,8 @@ def part_shapes(model_cfg) -> Dict[str, Tuple[int, int]]:
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     return {"q_proj": (m.hidden_size, q), "k_proj": (m.hidden_size, kv), "v_proj": (m.hidden_size, kv),
             "o_proj": (q, m.hidden_size), "gate_proj": (m.hidden_size, m.intermediate_size),
-            "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size)}
+            "up_proj": (m.hidden_size, m.intermediate_size), "down_proj": (m.intermediate_size, m.hidden_size),
+            "qkv_proj": (m.hidden_size, q + 2 * kv), "gate_up_proj": (m.hidden_size, 2 * m.intermediate_size)}
 
 
 @dataclass
@@ -66,6 +85,10 @@ def fuse(model_cfg, parts: Dict[Tuple[int, str], PartWeights]) -> Dict[Tuple[int
     out = {}
     for layer in sorted({lay for lay, _ in parts}):
         for fused, names in FUSED_PARTS.items():
+            whole = parts.get((layer, fused)) if fused in WHOLE else None
+            if whole is not None:  # already fused in the checkpoint (Phi-3)
+                out[(layer, fused)] = (whole.a.float().clone(), whole.b.float() * whole.scale)
+                continue
             present = [(n, parts[(layer, n)]) for n in names if (layer, n) in parts]
             if not present:
                 continue
@@ -94,6 +117,10 @@ def check_parts(who: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights], 
         if not 0 <= layer < model_cfg.num_layers:
             raise ValueError(f"{who}: has weights for layer {layer}, but the engine's model has "
                              f"{model_cfg.num_layers} layers (an adapter for another base model?)")
+        if PART_TO_FUSED[name] in MLP_LINEARS and is_sparse(model_cfg, layer):
+            raise ValueError(f"{who}: has weights for layers.{layer}.{name}, but layer {layer} is a mixture-of-experts "
+                             f"layer: adapters on its experts are not supported (only the attention projections "
+                             f"q/k/v/o, and the MLP of dense layers)")
         k, n = shapes[name]
         r = p.a.shape[0]
         if p.a.dim() != 2 or p.b.dim() != 2 or tuple(p.a.shape) != (r, k) or tuple(p.b.shape) != (n, r):
@@ -105,6 +132,11 @@ def check_parts(who: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights], 
                              f"(raise max_lora_rank)")
         if not (torch.isfinite(p.a).all() and torch.isfinite(p.b).all()):
             raise ValueError(f"{who}: layers.{layer}.{name} holds NaN or infinite weights")
+        if name in WHOLE:
+            both = [n for n in FUSED_PARTS[name] if (layer, n) in parts]
+            if both:
+                raise ValueError(f"{who}: layers.{layer} has weights for {name} and for its parts {both}; "
+                                 f"give one or the other")
 
 
 def make_adapter(key: str, source: str, model_cfg, parts: Dict[Tuple[int, str], PartWeights],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapter import module_names
+from .adapter import adapted_linears
 
 
 class LoRALinear(nn.Module):
@@ -30,15 +30,13 @@ class LoRALinear(nn.Module):
 
 
 def attach(model: nn.Module, manager) -> int:
-    """Wrap the adapter-capable linears of every decoder layer (idempotent). Returns how many."""
-    from .adapter import FUSED_PARTS, part_shapes
-    shapes = part_shapes(manager.model_cfg)
+    """Wrap the adapter-capable linears of every decoder layer (idempotent; the attention's alone
+    on a mixture-of-experts layer). Returns how many."""
     n = 0
     for idx, layer in enumerate(model.layers):
-        for name in module_names():
+        for name in adapted_linears(manager.model_cfg, idx):
             mod = getattr(layer, name, None)
-            parts = FUSED_PARTS[name]
-            want = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+            want = manager.linear_shape(name)  # this rank's part under tensor parallelism
             base = getattr(mod, "base", mod)
             have = (getattr(base, "in_features", None), getattr(base, "out_features", None))
             if mod is None or (None not in have and have != want):

@@ -10,7 +10,8 @@
   On CPU each linear also keeps its stacks cut to the largest rank loaded (contiguous, rebuilt
   when a slot changes), so the batched GEMMs skip the capacity's zero padding.
 - begin_step() groups the step's rows by slot (LoRASegments); every wrapped linear
-  (layer.LoRALinear) then adds its delta: the Triton SGMV kernel on CUDA, the grouped GEMMs on CPU.
+  (layer.LoRALinear) then adds its delta: the Triton SGMV kernel on CUDA, on CPU the native kernel
+  (kernels/cpu_lora.c: every row of the step in one call) or else the grouped GEMMs.
 A request holds its adapter object, so evicting it from the host cache never breaks a running one.
 """
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from tritium.kernels.lora_ref import LoRASegments, lora_add_grouped
-from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, check_name, fused_rank_capacity, module_names, \
+from tritium.kernels.lora_cpu import BoundLoRA
+from tritium.kernels.lora_ref import LoRASegments
+from .adapter import DEFAULT_MAX_LORA_RANK, LoRAAdapter, adapted_linears, check_name, fused_rank_capacity, \
     optional_int, part_shapes, FUSED_PARTS
 from ..errors import RequestError
 from .peft_folder import load_peft_adapter
@@ -68,7 +70,8 @@ def parse_adapter_list(text: str, option: str = "lora_adapters") -> Dict[str, st
 
 
 class LoRAManager:
-    def __init__(self, model_cfg, config: LoRAConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model_cfg, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 shard: Optional[Dict[str, Tuple[str, torch.Tensor]]] = None):
         self.model_cfg = model_cfg
         self.config = config.validate()
         self.paths: Dict[str, str] = dict(config.adapters)
@@ -76,18 +79,24 @@ class LoRAManager:
         self.max_cpu_loras = config.max_cpu_loras or max(config.max_loras, len(self.paths))
         self.max_lora_rank = config.max_lora_rank
         self.device, self.dtype = device, dtype
+        # A tensor-parallel rank's part of each engine linear (lora/tp.py): name -> ("out", rows)
+        # for column-parallel linears (B keeps those rows), ("in", cols) for row-parallel ones (A
+        # keeps those columns); None: whole linears.
+        self.shard = shard
+        self.record_loads = False  # rank 0 of a TP engine: remember slot loads to send to the workers
+        self.pending_loads: List[Tuple[int, LoRAAdapter]] = []
+        self.row_slots: Optional[List[int]] = None  # the step's row -> slot (-1: base), with self.batch
+        self.slot_ids: Optional[torch.Tensor] = None
         self._lock = threading.Lock()  # host cache: admission threads and the engine loop
         self._host: "OrderedDict[str, LoRAAdapter]" = OrderedDict()
-        shapes = part_shapes(model_cfg)
         self.stacks: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(model_cfg.num_layers):
-            for name in module_names():
-                parts = FUSED_PARTS[name]
-                k, n = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+            for name in adapted_linears(model_cfg, layer):  # no MLP stacks on a mixture-of-experts layer
+                k, n = self.linear_shape(name)
                 r = fused_rank_capacity(name, self.max_lora_rank)
                 self.stacks[(layer, name)] = (torch.zeros(self.max_loras, r, k, dtype=dtype, device=device),
                                               torch.zeros(self.max_loras, r, n, dtype=dtype, device=device))
-        self._cut: Dict[Tuple[int, str], Optional[Tuple[torch.Tensor, torch.Tensor]]] = {}  # CPU: rank-cut stacks
+        self._cut: Dict[Tuple[int, str], Optional[BoundLoRA]] = {}  # CPU: stacks cut to the largest rank in use
         self.slot_digest: List[Optional[bytes]] = [None] * self.max_loras
         self.slot_ranks: List[Dict[Tuple[int, str], int]] = [{} for _ in range(self.max_loras)]
         self._slot_lru: "OrderedDict[int, None]" = OrderedDict((s, None) for s in range(self.max_loras))
@@ -169,27 +178,52 @@ class LoRAManager:
         c["generated_tokens"] += generated_tokens
 
     # ------------------------------------------------------------------ device slots and steps
+    def linear_shape(self, name: str) -> Tuple[int, int]:
+        """(in, out) features of engine linear `name` on this rank."""
+        parts = FUSED_PARTS[name]
+        shapes = part_shapes(self.model_cfg)
+        k, n = shapes[parts[0]][0], sum(shapes[p][1] for p in parts)
+        if self.shard is not None:
+            kind, idx = self.shard[name]
+            k, n = (k, len(idx)) if kind == "out" else (len(idx), n)
+        return k, n
+
     def _slot_for(self, adapter: LoRAAdapter, keep: set) -> int:
         for s, d in enumerate(self.slot_digest):
             if d == adapter.digest:
                 self._slot_lru.move_to_end(s)
                 return s
         victim = next(s for s in self._slot_lru if self.slot_digest[s] not in keep)
-        for key, (a_stack, b_stack) in self.stacks.items():
-            a_stack[victim].zero_()
-            b_stack[victim].zero_()
+        self.load_slot(victim, adapter.modules, adapter.digest)
+        if self.record_loads:
+            self.pending_loads.append((victim, adapter))
+        return victim
+
+    def load_slot(self, slot: int, modules: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]],
+                  digest: Optional[bytes]) -> None:
+        """Copy an adapter's modules (full-size fused A (R, in), B (out, R)) into device slot
+        `slot`, each cut to this rank's part of its linear."""
+        for a_stack, b_stack in self.stacks.values():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
         ranks = {}
-        for key, (a, b) in adapter.modules.items():
+        for key, (a, b) in modules.items():
+            if self.shard is not None:
+                kind, idx = self.shard[key[1]]
+                a, b = (a, b[idx]) if kind == "out" else (a[:, idx], b)
             a_stack, bt_stack = self.stacks[key]
             r = a.shape[0]
-            a_stack[victim, :r].copy_(a)
-            bt_stack[victim, :r].copy_(b.t())
+            a_stack[slot, :r].copy_(a)
+            bt_stack[slot, :r].copy_(b.t())
             ranks[key] = r
-        self.slot_digest[victim], self.slot_ranks[victim] = adapter.digest, ranks
+        self.slot_digest[slot], self.slot_ranks[slot] = digest, ranks
         self._cut.clear()
-        self._slot_lru.move_to_end(victim)
+        self._slot_lru.move_to_end(slot)
         self.num_loads += 1
-        return victim
+
+    def take_loads(self) -> List[Tuple[int, LoRAAdapter]]:
+        out, self.pending_loads = self.pending_loads, []
+        return out
 
     def begin_step(self, seqs, num_new_tokens) -> None:
         """Put the step's adapters in device slots and group its rows by slot (rows follow
@@ -200,7 +234,7 @@ class LoRAManager:
             if ad is not None:
                 adapters[ad.digest] = ad
         if not adapters:
-            self.batch = None
+            self.batch, self.row_slots = None, None
             return
         assert len(adapters) <= self.max_loras, "the scheduler admitted more adapters than max_loras"
         slots = {d: self._slot_for(ad, set(adapters)) for d, ad in adapters.items()}
@@ -208,15 +242,22 @@ class LoRAManager:
         for seq, n in zip(seqs, num_new_tokens):
             ad = seq.request.lora
             row_slots.extend([None if ad is None else slots[ad.digest]] * n)
+        self.begin_rows(row_slots)
+
+    def begin_rows(self, row_slots: List[Optional[int]]) -> None:
+        """The next forward's rows use these slots (None: the base model); a TP worker's step."""
+        self.row_slots = [-1 if s is None else s for s in row_slots]
+        self.slot_ids = torch.tensor(self.row_slots, dtype=torch.int64)  # the native CPU kernel's rows
         self.batch = LoRASegments.from_row_slots(row_slots, self.device)
 
     def begin_single(self, adapter: LoRAAdapter, num_rows: int) -> None:
         """Every one of the next forward's num_rows rows uses `adapter` (tests, scoring)."""
         slot = self._slot_for(adapter, {adapter.digest})
-        self.batch = LoRASegments.from_row_slots([slot] * num_rows, self.device)
+        self.begin_rows([slot] * num_rows)
 
     def end_step(self) -> None:
         self.batch = None
+        self.row_slots = self.slot_ids = None
 
     def apply(self, key: Tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base linear's output) += this step's LoRA delta for linear `key`."""
@@ -226,10 +267,11 @@ class LoRAManager:
             a_stack, bt_stack = self.stacks[key]
             return lora_add_sgmv(y, x.contiguous(), a_stack, bt_stack, seg)
         if key not in self._cut:
-            r = max(ranks.get(key, 0) for ranks in self.slot_ranks)
+            ranks = [r.get(key, 0) for r in self.slot_ranks]
             a_stack, bt_stack = self.stacks[key]
-            self._cut[key] = (a_stack[:, :r].contiguous(), bt_stack[:, :r].contiguous()) if r else None
+            r = max(ranks)
+            self._cut[key] = BoundLoRA(a_stack[:, :r], bt_stack[:, :r], torch.tensor(ranks)) if r else None
         cut = self._cut[key]
         if cut is None:  # no loaded adapter touches this linear
             return y
-        return lora_add_grouped(y, x.to(cut[0].dtype), cut[0], cut[1], seg)
+        return cut.add(y, x, seg, self.slot_ids)

@@ -21,6 +21,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _ALL_LINEAR = "all-linear"
+# PEFT's names for LoRA on a mixture-of-experts block (transformers' fused experts, targeted as
+# parameters or modules; Mixtral's block_sparse_moe; Qwen2-MoE's shared expert; the router)
+_MOE_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+                      r"(experts|shared_expert_gate|shared_expert|gate)\b")
+_MOE_PART = {"experts": "experts", "shared_expert": "shared expert", "shared_expert_gate": "shared expert's gate",
+             "gate": "router"}
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -64,6 +70,10 @@ def check_config(who: str, cfg: dict) -> None:
         raise ValueError(f"{who}: modules_to_save {cfg['modules_to_save']} replaces whole base modules; not supported")
     if cfg.get("trainable_token_indices"):
         raise ValueError(f"{who}: trainable_token_indices (new token embeddings) is not supported")
+    if cfg.get("target_parameters"):
+        raise ValueError(f"{who}: target_parameters {cfg['target_parameters']}: LoRA on raw parameters (how PEFT "
+                         f"adapts the experts and routers of mixture-of-experts layers) is not supported; adapters "
+                         f"on experts are not supported (target the attention projections q/k/v/o)")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         bad = [t for t in targets if t.split(".")[-1] not in SUPPORTED_TARGETS]
@@ -101,6 +111,11 @@ def load_peft_adapter(key: str, path: str, model_cfg, max_lora_rank: int) -> LoR
     found: Dict[Tuple[int, str], Dict[str, object]] = {}
     for name, t in tensors.items():
         m = _KEY.match(name)
+        moe = _MOE_KEY.match(name)
+        if moe is not None:
+            raise ValueError(f"{who}: tensor {name!r} adapts the {_MOE_PART[moe.group(2)]} of mixture-of-experts layer "
+                             f"{moe.group(1)}; adapters on experts and routers are not supported (only the attention "
+                             f"projections q/k/v/o, and the MLP of dense layers)")
         if m is None:
             raise ValueError(f"{who}: tensor {name!r} is not a LoRA A/B weight of a q/k/v/o/gate/up/down_proj "
                              f"linear; this engine cannot apply it")

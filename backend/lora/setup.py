@@ -6,6 +6,7 @@ from typing import Optional
 from ..errors import RequestError
 from .layer import attach
 from .manager import LoRAConfig, LoRAManager
+from .tp import lora_shard
 
 
 def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
@@ -13,17 +14,14 @@ def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
     each step's rows by adapter and the scheduler keep at most max_loras adapters per step."""
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"lora must be a LoRAConfig, got {type(config).__name__}")
-    if engine.config.tensor_parallel_size > 1:
-        raise ValueError(f"LoRA adapters are not supported on a tensor-parallel engine yet "
-                         f"(tensor_parallel_size {engine.config.tensor_parallel_size}); build with "
-                         f"--tensor-parallel-size 1 to serve adapters")
-    if getattr(engine.config.model, "num_experts", 0):
-        raise ValueError("LoRA adapters are not supported on mixture-of-experts models yet "
-                         f"({engine.config.model.architecture}: num_experts {engine.config.model.num_experts})")
     model = engine.runner.model
-    manager = LoRAManager(engine.config.model, config, engine.device, model.dtype)
+    shard = lora_shard(engine.config, 0, model) if engine.config.tensor_parallel_size > 1 else None
+    manager = LoRAManager(engine.config.model, config, engine.device, model.dtype, shard=shard)
     attach(model, manager)
-    engine.runner.lora = manager
+    if engine.config.tensor_parallel_size > 1:
+        engine.runner.enable_lora(manager)  # the workers build the same slots (parallel/runner.py)
+    else:
+        engine.runner.lora = manager
     engine.scheduler.max_loras = manager.max_loras
     return manager
 

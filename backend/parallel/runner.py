@@ -33,6 +33,7 @@ import torch
 from ..model_runner import ModelRunner
 from ..placement import bind_thread
 from . import step_message as msg
+from .lora_sync import send_init, send_load
 from .comm import TPGroup, destroy_group, free_port, init_group, timeout_s as default_timeout_s
 from .handshake import agree_num_blocks
 from ..parallel_layout import layout_from_config
@@ -235,19 +236,39 @@ class ParallelRunner(ModelRunner):
                 self._last_use = time.monotonic()
 
     # ------------------------------------------------------------------ steps
+    def enable_lora(self, manager) -> None:
+        """Serve LoRA adapters on every rank: the workers build the same device slots, and each
+        slot load and each step's rows are sent to them (backend/lora/tp.py)."""
+        with self._lock:
+            self._check()
+            try:
+                send_init(self.tp, manager)
+            except Exception as e:
+                raise self._fail(self._why(e, "a collective failed")) from None
+            manager.record_loads = True
+            self.lora = manager
+
     @torch.inference_mode()
     def run(self, sched) -> torch.Tensor:
         arrays = self.prepare_arrays(sched)
         with self._lock:
             self._check()
             try:
-                self.tp.broadcast(msg.header(msg.OP_STEP, arrays))
-                self.tp.broadcast(msg.pack(arrays))
+                rows = None
+                if self.lora is not None:
+                    self.lora.begin_step(sched.seqs, sched.num_new_tokens)
+                    for slot, adapter in self.lora.take_loads():
+                        send_load(self.tp, slot, adapter)
+                    rows = self.lora.row_slots
+                self.tp.broadcast(msg.header(msg.OP_STEP, arrays, lora_rows=rows is not None))
+                self.tp.broadcast(msg.pack(arrays, rows))
                 logits = self.execute(arrays)
             except Exception as e:
                 raise self._fail(self._why(e, "a collective failed")) from None
             finally:
                 self._last_use = time.monotonic()
+                if self.lora is not None:
+                    self.lora.end_step()
         return logits
 
     # ------------------------------------------------------------------ shutdown

@@ -22,6 +22,7 @@ from ..loader import load_engine
 from ..model_runner import ModelRunner
 from ..placement import bind_thread
 from . import step_message as msg
+from .lora_sync import worker_init, worker_load
 from .comm import TPGroup, destroy_group, init_group, timeout_s
 from ..parallel_layout import layout_from_config
 from .handshake import agree_num_blocks
@@ -65,9 +66,22 @@ def serve(args) -> int:
                 return 0
             if op == msg.OP_NOP:
                 continue
+            if op == msg.OP_LORA_INIT:
+                runner.lora = worker_init(h, cfg, model, args.rank, device)
+                continue
+            if op == msg.OP_LORA_LOAD:
+                worker_load(tp, h, runner.lora)
+                continue
             payload = torch.empty(msg.payload_len(h), dtype=torch.int64)
             tp.broadcast(payload)
-            runner.execute(msg.unpack(h, payload))
+            rows = msg.lora_rows(h, payload)
+            if rows is not None:
+                runner.lora.begin_rows(rows)
+            try:
+                runner.execute(msg.unpack(h, payload))
+            finally:
+                if runner.lora is not None:
+                    runner.lora.end_step()
     finally:
         destroy_group()
 
