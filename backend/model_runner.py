@@ -20,6 +20,7 @@ from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .decode_graphs import StaticDecode
+from .gemm_warmup import warm_up_gemms
 from .device_step import DeviceStepOptions, StepBuffers, build_metadata
 from .sampler import Sampler
 from .sampler_device import DeviceSampler
@@ -125,6 +126,9 @@ class ModelRunner:
             if cfg.deterministic:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
+        if device.type == "cuda":
+            # every row bucket of every quantized linear tuned and compiled now, not while serving
+            warm_up_gemms(model, TORCH_DTYPES[cfg.dtype], max(cfg.limits.max_batch_size, cfg.limits.max_seq_len))
         static = opts.cuda_graphs and _graphable(model)
         # Static decode: one scratch block past the block manager's, where padding rows write.
         self.scratch_block: Optional[int] = num_blocks if static else None
