@@ -18,6 +18,7 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
+from .placement import DEFAULT_GPU_MEMORY_UTILIZATION
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .decode_graphs import StaticDecode
 from .gemm_warmup import warm_up_gemms
@@ -29,7 +30,6 @@ from .step_arrays import StepArrays
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB when no budget and no block count is given on CPU
-GPU_MEMORY_FRACTION = 0.85       # of the free memory after the weights, on CUDA
 
 
 def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -63,8 +63,13 @@ def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memo
     """How many blocks fit the memory budget (bytes); a default budget per device when None."""
     if kv_cache_memory_bytes is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory_bytes = int(free * GPU_MEMORY_FRACTION)
+            # No budget was planned (placement.plan_kv_memory did not run): the default
+            # gpu_memory_utilization share of the whole device less what this process already
+            # holds (its weights), never more than is free, instead of a share of free memory
+            # that a second instance or a draft engine would also take.
+            free, total = torch.cuda.mem_get_info(device)
+            share = int(total * DEFAULT_GPU_MEMORY_UTILIZATION) - torch.cuda.memory_allocated(device)
+            kv_cache_memory_bytes = max(0, min(free, share))
         else:
             # No point in more than every sequence of a full batch at max length.
             full = cfg.limits.max_batch_size * -(-cfg.limits.max_seq_len // cfg.limits.block_size)
