@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from tritium.kernels import ops
+from tritium.kernels import gemm_tuning, ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .config_moe import kv_cache_token_values
@@ -132,6 +132,8 @@ class ModelRunner:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
         if device.type == "cuda":
+            if cfg.deterministic:
+                gemm_tuning.CACHE.batch_invariant = True  # docs/kernels.md#tuned-and-stable-kernels
             # every row bucket of every quantized linear tuned and compiled now, not while serving
             warm_up_gemms(model, TORCH_DTYPES[cfg.dtype], max(cfg.limits.max_batch_size, cfg.limits.max_seq_len))
         static = opts.cuda_graphs and _graphable(model)

@@ -102,6 +102,9 @@ class ConfigCache:
         self.visited: set = set()
         self.lock = threading.Lock()
         self._disk_loaded = False
+        # set by a `deterministic` engine's load: the bucket defaults only (one K order for
+        # every batch size), for every GEMM of the process
+        self.batch_invariant = False
 
     def _disk_path(self) -> Optional[str]:
         folder = os.environ.get("TRITIUM_GEMM_TUNE_CACHE")
@@ -138,7 +141,7 @@ class ConfigCache:
         key = (kernel, variant, row_bucket(m), n, k)
         with self.lock:
             self.visited.add(key)
-            if not tuning_enabled(device):
+            if self.batch_invariant or not tuning_enabled(device):
                 return default_config(kernel, m)
             if not self._disk_loaded:
                 self._load_disk()

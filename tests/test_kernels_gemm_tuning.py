@@ -160,3 +160,19 @@ def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
     quant_gemm.CACHE.visited.clear()
     assert warm_up_gemms(model, torch.float32, max_rows=8) == len(shapes) * 3
     assert {key[2] for key in quant_gemm.CACHE.visited} == {1, 4, 8}
+
+
+def test_batch_invariant_cache_keeps_the_bucket_defaults(monkeypatch):
+    """A deterministic engine's flag: no timing, the default of the bucket, even where tuning runs."""
+    cache = gemm_tuning.ConfigCache()
+    monkeypatch.setattr(gemm_tuning, "tuning_enabled", lambda device: True)
+    timed = []
+    monkeypatch.setattr(gemm_tuning.ConfigCache, "_tune", staticmethod(lambda kernel, launch: timed.append(kernel)
+                                                                          or GemmConfig(16, 64, 64, split_k=4)))
+    cache.batch_invariant = True
+    assert cache.pick("w4a16", (), 3, 64, 64, torch.device("cpu"), None) == gemm_tuning.default_config("w4a16", 3)
+    assert timed == []
+    cache.batch_invariant = False
+    assert cache.pick("w4a16", (), 3, 64, 64, torch.device("cpu"), None).split_k == 4
+    assert cache.pick("w4a16", (), 4, 64, 64, torch.device("cpu"), None).split_k == 4  # same bucket: cached
+    assert timed == ["w4a16"]
