@@ -181,10 +181,10 @@ def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr
         a = tl.load(xq_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if OPERANDS == 0:  # native FP8 tensor cores (sm89+)
-            # Hopper's FP8 wgmma keeps a reduced-precision accumulator; Triton's sm90 default
-            # (2^30) never promotes it to fp32 within a dot. 32 = one wgmma K step: every
-            # instruction's sum is added to the fp32 accumulator, so rounding does not depend
-            # on BLOCK_M (prefill and decode tiles agree); a no-op on sm89
+            # Hopper's FP8 wgmma sums in reduced precision; Triton's sm90 default (2^30) lets a
+            # whole BLOCK_K tile (BLOCK_K / 32 wgmma steps) pile up there before it reaches fp32.
+            # 32 = one wgmma K step: every instruction's sum goes to the fp32 accumulator (the
+            # sm90 PTX has one set of fp32 adds per wgmma), so any tile shape rounds alike
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=32)
         else:  # interpreter: E4M3 values are exact in fp32
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
