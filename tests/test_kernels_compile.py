@@ -16,6 +16,7 @@ import triton
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+@pytest.mark.slow  # about 60 compiles (every GEMM config): 1-3 minutes on two busy cores
 @pytest.mark.skipif(not os.path.exists(PTXAS) and shutil.which("ptxas") is None,
                     reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_kernels_compile_for_sm90():
