@@ -13,14 +13,16 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from tritium.kernels import ops
+from tritium.kernels import gemm_tuning, ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 from .config import EngineConfig
 from .config_moe import kv_cache_token_values
 from .models.decoder import TORCH_DTYPES
+from .placement import DEFAULT_GPU_MEMORY_UTILIZATION
 from .models.linear import DenseLinear, cpu_packing_supported, pack_for_cpu
 from .quant import set_activation_quant
 from .decode_graphs import StaticDecode
+from .gemm_warmup import warm_up_gemms
 from .device_step import DeviceStepOptions, StepBuffers, build_metadata
 from .sampler import Sampler
 from .sampler_device import DeviceSampler
@@ -29,7 +31,6 @@ from .step_arrays import StepArrays
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB when no budget and no block count is given on CPU
-GPU_MEMORY_FRACTION = 0.85       # of the free memory after the weights, on CUDA
 
 
 def kv_cache_dtype(cfg: EngineConfig) -> torch.dtype:
@@ -63,8 +64,13 @@ def num_blocks_for_budget(cfg: EngineConfig, device: torch.device, kv_cache_memo
     """How many blocks fit the memory budget (bytes); a default budget per device when None."""
     if kv_cache_memory_bytes is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory_bytes = int(free * GPU_MEMORY_FRACTION)
+            # No budget was planned (placement.plan_kv_memory did not run): the default
+            # gpu_memory_utilization share of the whole device less what this process already
+            # holds (its weights), never more than is free, instead of a share of free memory
+            # that a second instance or a draft engine would also take.
+            free, total = torch.cuda.mem_get_info(device)
+            share = int(total * DEFAULT_GPU_MEMORY_UTILIZATION) - torch.cuda.memory_allocated(device)
+            kv_cache_memory_bytes = max(0, min(free, share))
         else:
             # No point in more than every sequence of a full batch at max length.
             full = cfg.limits.max_batch_size * -(-cfg.limits.max_seq_len // cfg.limits.block_size)
@@ -127,6 +133,11 @@ class ModelRunner:
             if cfg.deterministic:
                 _pack_deterministic(model)
             model.pack_for_cpu()  # bf16 weights packed for their CPU kernels (no-op for other dtypes)
+        if device.type == "cuda":
+            if cfg.deterministic:
+                gemm_tuning.CACHE.batch_invariant = True  # docs/kernels.md#tuned-and-stable-kernels
+            # every row bucket of every quantized linear tuned and compiled now, not while serving
+            warm_up_gemms(model, TORCH_DTYPES[cfg.dtype], max(cfg.limits.max_batch_size, cfg.limits.max_seq_len))
         static = opts.cuda_graphs and _graphable(model)
         # Static decode: one scratch block past the block manager's, where padding rows write.
         self.scratch_block: Optional[int] = num_blocks if static else None

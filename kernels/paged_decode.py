@@ -117,13 +117,7 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, s
                                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
     d = tl.arange(0, BLOCK_D)
-    row = (seq * tl.num_programs(1) + head) * num_splits + s
-    m_s = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
-    # merge: out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)
     # gpt-oss: the head's sink logit (log2 units) joins the denominator as exp(sink - m_all),
     # with m_all raised to the sink when it is larger so that no term overflows; without sinks
     # sink = -inf adds exactly 0
@@ -131,11 +125,29 @@ def _paged_decode_reduce_kernel(part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, s
         sink = tl.load(sinks_ptr + head)
     else:
         sink = float("-inf")
-    m_all = tl.maximum(tl.max(m_s, axis=0), sink)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
-    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
-    denom = tl.sum(w * l_s, axis=0) + tl.exp2(sink - m_all)
-    out = tl.sum(acc * w[:, None], axis=0) / denom
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    # pass 1: m_all = max(sink, max_s m_s), over chunks of BLOCK_S splits (a fixed constexpr, so
+    # one compiled kernel serves every context length)
+    m_all = tl.zeros((), tl.float32) + sink
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=s < num_splits, other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(m_s, axis=0))
+    # pass 2: out = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - m_all)), w_s = exp(m_s - m_all),
+    # chunks summed in a fixed order
+    num = tl.zeros((BLOCK_D,), tl.float32)
+    denom = tl.zeros((), tl.float32) + tl.exp2(sink - m_all)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        smask = s < num_splits
+        row = base + s
+        m_s = tl.load(part_ml_ptr + row * 2, mask=smask, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_all))
+        acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+        denom += tl.sum(w * l_s, axis=0)
+        num += tl.sum(acc * w[:, None], axis=0)
+    out = num / denom
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d,
              out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
@@ -196,6 +208,9 @@ def check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_sc
 # Thinking Machines Lab, 2025: a fixed split size, not a fixed split count). The cost: a small
 # batch of short contexts fills fewer SMs than splits sized per step would (docs/determinism.md).
 DECODE_PARTITION = 256
+# Partials merged per step of the reduce kernel's loop: fixed, like the partition, so that the
+# compile-time constants of both kernels never depend on the context length.
+REDUCE_CHUNK = 16
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -210,8 +225,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     where the partitions merge.
 
     Caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks); returns/fills (B, Hq, D).
-    partition_size: keys per split-K partition (power of two >= 16); default: sized so that
-    the grid fills the GPU's SMs (512 off-GPU). max_seq_len (host int) avoids a device sync.
+    partition_size: keys per split-K partition (power of two >= 16); default DECODE_PARTITION
+    for every context length, so one compiled kernel serves them all. max_seq_len (host int) avoids a device sync.
     """
     kv_quant = check_paged_cache(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale)
     b, hq, d = q.shape
@@ -258,5 +273,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         # partials (B, Hq, S, D_pad) -> out (B, Hq, D). Grid: (sequence, query head).
         _paged_decode_reduce_kernel[(b, hq)](
             part_acc, part_ml, part_ml if sinks is None else sinks, out, out.stride(0), out.stride(1), d, num_splits,
-            BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4)
+            BLOCK_S=REDUCE_CHUNK, BLOCK_D=block_d, HAS_SINKS=sinks is not None, num_warps=4)
     return out

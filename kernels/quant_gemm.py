@@ -17,6 +17,7 @@ from .kv_write_triton import round_to_e4m3
 from .triton_common import (TORCH_FLOATS, check_device, check_dtype, check_last_contiguous, check_shape,
                             dot_upcast, is_interpreter, mm, next_pow2)
 from .gemm_ref import FP8_MIN_AMAX
+from .gemm_tuning import CACHE, GemmConfig, split_ranges
 
 # Group scales / zeros as engines store them: float16 (format 3), bfloat16, or float32 (imported
 # and older engines); every kernel widens them to float32 as it loads them.
@@ -24,25 +25,50 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_o_m + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+def _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split,
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """The tile's result: to out (+ bias), or as float32 partial `split` of a split-K GEMM."""
+    omask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        # partials: (splits, M, N) float32, row-major
+        tl.store(part_ptr + (split * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_o_m + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr, out_ptr,
-                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size,
+def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_o_m, num_splits,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # out[m, n] = sum_s part[s, m, n] (+ bias[n]), s in order 0..S-1: the same bits every run
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, num_splits):
+        acc += tl.load(part_ptr + s * M * N + i, mask=mask, other=0.0)
+    rm = i // N
+    rn = i % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rm * stride_o_m + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr, out_ptr, part_ptr,
+                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size, k_per_split,
                        HAS_GIDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2).to(tl.int64)
     mmask = rm < M
     nmask = rn < N
+    rb = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -50,9 +76,12 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
         if UPCAST:
             cdt = tl.float32
         wmask = kmask[:, None] & nmask[None, :]
-        # byte k // 2 of row n holds k (low nibble if k even, high nibble if odd)
-        packed = tl.load(qw_ptr + rn[None, :] * stride_qw_n + (rk // 2)[:, None], mask=wmask, other=0)
-        q = ((packed.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF).to(tl.float32)
+        # byte j of row n holds k = 2j (low nibble) and k = 2j + 1 (high nibble): each byte is
+        # loaded once, (BLOCK_N, BLOCK_K/2) bytes a tile, and both nibbles unpacked in registers
+        kb = k0 // 2 + rb
+        packed = tl.load(qw_ptr + rn[:, None] * stride_qw_n + kb[None, :],
+                         mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+        q = tl.trans(tl.interleave(packed & 0xF, (packed >> 4) & 0xF)).to(tl.float32)  # (BLOCK_K, BLOCK_N)
         if HAS_GIDX:
             g = tl.load(gidx_ptr + rk, mask=kmask, other=0).to(tl.int64)
             s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
@@ -69,21 +98,23 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
         # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]
         w = (q - 8.0) * s + z
         acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
-    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+    _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size,
+def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
+                       M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size, k_per_split,
                        GROUPED: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2).to(tl.int64)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -114,7 +145,7 @@ def _w8a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
     if not GROUPED:
         # per-output-channel scale factors out of the K sum: y = (x @ q^T) * scale[n]
         acc = acc * tl.load(scales_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+    _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -137,29 +168,35 @@ def _fp8_quant_per_token_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x_m, stride_
 
 
 @triton.jit
-def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr,
-                     M, N, K, stride_x_m, stride_qw_n, stride_o_m,
+def _fp8_gemm_kernel(xq_ptr, x_scale_ptr, qw_ptr, w_scale_ptr, bias_ptr, out_ptr, part_ptr,
+                     M, N, K, stride_x_m, stride_qw_n, stride_o_m, k_per_split,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, OPERANDS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, OPERANDS: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2).to(tl.int64)
     mmask = rm < M
     nmask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         a = tl.load(xq_ptr + rm[:, None] * stride_x_m + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(qw_ptr + rn[None, :] * stride_qw_n + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         if OPERANDS == 0:  # native FP8 tensor cores (sm89+)
-            acc += tl.dot(a, b)
+            # Hopper's FP8 wgmma sums in reduced precision; Triton's sm90 default (2^30) lets a
+            # whole BLOCK_K tile (BLOCK_K / 32 wgmma steps) pile up there before it reaches fp32.
+            # 32 = one wgmma K step: every instruction's sum goes to the fp32 accumulator (the
+            # sm90 PTX has one set of fp32 adds per wgmma), so any tile shape rounds alike
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=32)
         else:  # interpreter: E4M3 values are exact in fp32
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     # y = (x_q @ w_q^T) * x_scale[m] * w_scale[n]
     xs = tl.load(x_scale_ptr + rm, mask=mmask, other=0.0)
     ws = tl.load(w_scale_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     acc = acc * xs[:, None] * ws[None, :]
-    _store_out(acc, out_ptr, bias_ptr, rm, rn, M, N, stride_o_m, HAS_BIAS)
+    _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split, HAS_BIAS, SPLIT)
 
 
 def _prep_x(x: torch.Tensor, k: int, name: str = "x") -> torch.Tensor:
@@ -186,10 +223,29 @@ def _out_2d(out: Optional[torch.Tensor], x: torch.Tensor, m: int, n: int) -> tor
     return out.view(m, n)
 
 
-def _tiles(m: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K): skinny M for decode batches; tl.dot wants every dim >= 16."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return block_m, 64, 64
+def _run_tuned(name: str, variant: tuple, kernel, m: int, n: int, k: int, x2: torch.Tensor,
+               out: torch.Tensor, bias: Optional[torch.Tensor], ptrs: tuple, ints: tuple, consts,
+               block_k_of=lambda bk: bk) -> None:
+    """Launch `kernel` with the config of (name, variant, row bucket, N, K) from gemm_tuning.CACHE.
+
+    Kernel arguments: *ptrs, bias, out, part, M, N, K, *ints, k_per_split, constexprs;
+    consts(block_k) gives the variant's constexprs for a K tile. split_k > 1: float32 partials
+    (splits, M, N), then a fixed-order sum (deterministic, no atomics) adds the bias and casts."""
+    def launch(cfg: GemmConfig) -> None:
+        block_k = block_k_of(cfg.block_k)
+        splits, per_split = split_ranges(k, block_k, cfg.split_k)
+        part = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if splits > 1 else out
+        # Grid: (M tiles, N tiles, K splits)
+        kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)](
+            *ptrs, bias if bias is not None else x2, out, part, m, n, k, *ints, per_split,
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            SPLIT=splits > 1, **consts(block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if splits > 1:
+            # partials (S, M, N) -> out (M, N); one program per 1024 outputs
+            _split_k_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+                part, bias if bias is not None else x2, out, m, n, out.stride(0), splits,
+                HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+    launch(CACHE.pick(name, variant, m, n, k, x2.device, launch))
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -216,18 +272,16 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     m = x2.shape[0]
     out = _out_2d(out, x, m, n)
     if m:
-        block_m, block_n, block_k = _tiles(m)
-        if group_size & (group_size - 1) == 0:
-            block_k = max(16, min(block_k, group_size))  # a K tile inside one group when possible
         upcast = dot_upcast(x.dtype)
-        # x: (M, K); qweight: (N, K//2) uint8; scales/zeros: (K//G, N); out: (M, N). Grid: (M tiles, N tiles).
-        _w4a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-            bias if bias is not None else x2, out,
-            m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size,
-            HAS_GIDX=g_idx is not None, GROUP_ALIGNED=group_size % block_k == 0, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-            IEEE=upcast or x.dtype == torch.float32, num_warps=4)
+        pow2 = group_size & (group_size - 1) == 0
+        # x: (M, K); qweight: (N, K//2) uint8; scales/zeros: (K//G, N); out: (M, N)
+        _run_tuned("w4a16", (g_idx is not None, group_size, x.dtype), _w4a16_gemm_kernel, m, n, k, x2, out, bias,
+                   (x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight),
+                   (x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size),
+                   lambda bk: dict(HAS_GIDX=g_idx is not None, GROUP_ALIGNED=group_size % bk == 0,
+                                   UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32),
+                   # a K tile inside one group when possible
+                   block_k_of=lambda bk: max(16, min(bk, group_size)) if pow2 else bk)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -260,20 +314,18 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m = x2.shape[0]
     out = _out_2d(out, x, m, n)
     if m:
-        block_m, block_n, block_k = _tiles(m)
         grouped = group_size is not None
-        if grouped and group_size & (group_size - 1) == 0:
-            block_k = max(16, min(block_k, group_size))  # a K tile inside one group when possible
+        pow2 = grouped and group_size & (group_size - 1) == 0
         upcast = dot_upcast(x.dtype)
-        # x: (M, K); qweight: (N, K); scales: (N,) or (K//G, N); zeros: (K//G, N); out: (M, N).
-        # Grid: (M tiles, N tiles).
-        _w8a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            x2, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else x2, out,
-            m, n, k, x2.stride(0), qweight.stride(0), scales.stride(0) if grouped else 0, out.stride(0),
-            group_size or 1, GROUPED=grouped, HAS_ZEROS=zeros is not None,
-            GROUP_ALIGNED=grouped and group_size % block_k == 0,
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32, num_warps=4)
+        # x: (M, K); qweight: (N, K); scales: (N,) or (K//G, N); zeros: (K//G, N); out: (M, N)
+        _run_tuned("w8a16", (str(qweight.dtype), group_size, zeros is not None, x.dtype), _w8a16_gemm_kernel,
+                   m, n, k, x2, out, bias, (x2, qweight, scales, zeros if zeros is not None else scales),
+                   (x2.stride(0), qweight.stride(0), scales.stride(0) if grouped else 0, out.stride(0),
+                    group_size or 1),
+                   lambda bk: dict(GROUPED=grouped, HAS_ZEROS=zeros is not None,
+                                   GROUP_ALIGNED=grouped and group_size % bk == 0,
+                                   UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32),
+                   block_k_of=lambda bk: max(16, min(bk, group_size)) if pow2 else bk)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -318,11 +370,8 @@ def fp8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = _out_2d(out, x, m, n)
     if m:
         xq, xs = quantize_fp8_per_token(x2)
-        block_m, block_n, block_k = _tiles(m)
-        # x_q: (M, K) e4m3; x_scale: (M,); qweight: (N, K) e4m3; scales: (N,); out: (M, N).
-        _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            xq, xs, qweight, scales, bias if bias is not None else x2, out,
-            m, n, k, xq.stride(0), qweight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            OPERANDS=_fp8_operands(x.device), num_warps=4)
+        operands = _fp8_operands(x.device)
+        # x_q: (M, K) e4m3; x_scale: (M,); qweight: (N, K) e4m3; scales: (N,); out: (M, N)
+        _run_tuned("fp8", (x.dtype,), _fp8_gemm_kernel, m, n, k, x2, out, bias, (xq, xs, qweight, scales),
+                   (xq.stride(0), qweight.stride(0), out.stride(0)), lambda bk: dict(OPERANDS=operands))
     return out.reshape(*x.shape[:-1], n)

@@ -16,6 +16,7 @@ import triton
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+@pytest.mark.slow  # about 60 compiles (every GEMM config): 1-3 minutes on two busy cores
 @pytest.mark.skipif(not os.path.exists(PTXAS) and shutil.which("ptxas") is None,
                     reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_kernels_compile_for_sm90():
@@ -23,4 +24,4 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert r.stdout.count("ok ") >= 20, r.stdout
+    assert r.stdout.count("ok ") >= 60, r.stdout  # every GEMM config of gemm_tuning.SPACES
