@@ -24,8 +24,9 @@ ActMul = Callable[[torch.Tensor], torch.Tensor]  # (..., 2I) [gate | up] -> (...
 class QuantExperts:
     """E quantized expert matrices (N, K), each in a per-linear layout of quant_layouts.py, stacked
     on a leading expert dimension: int8  qweight int8 (E, N, K), scales float32 (E, N);
+    fp8  qweight float8_e4m3fn (E, N, K), scales float32 (E, N) (one scale per output channel);
     int4  qweight uint8 (E, N, K // 2), scales / zeros float32 (E, K // G, N)."""
-    method: str  # "int8" | "int4"
+    method: str  # "int8" | "fp8" | "int4"
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: Optional[torch.Tensor] = None
@@ -38,7 +39,7 @@ class QuantExperts:
 
     def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert e's float weight (N, K)."""
-        if self.method == "int8":
+        if self.method in ("int8", "fp8"):
             return dequantize_rowwise(self.qweight[e], self.scales[e], dtype)
         return dequantize_int4(self.qweight[e], self.scales[e], self.zeros[e], self.group_size, dtype=dtype)
 

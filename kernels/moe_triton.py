@@ -44,7 +44,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_ex
                     mask=valid[:, None] & (offs_k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
-        if INT8:  # W8A16: codes to the activation dtype, the per-channel scale in the epilogue
+        if INT8:  # W8A16 (int8 or E4M3 codes): codes to the activation dtype, the per-channel scale in the epilogue
             if UPCAST:
                 b = b.to(tl.float32)
             else:
@@ -64,7 +64,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_ex
 
 
 def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row_div, mul_weight):
-    """w: float (E, N, K) or QuantExperts int8 (codes (E, N, K), scales (E, N))."""
+    """w: float (E, N, K) or QuantExperts int8 / fp8 (codes (E, N, K), scales (E, N))."""
     scales = None
     if isinstance(w, QuantExperts):
         w, scales = w.qweight, w.scales.float().contiguous()
@@ -82,13 +82,14 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, act_mul: ActMul = silu_mul_ref) -> torch.Tensor:
-    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 QuantExperts
-    (int4 experts take the torch path in ops.fused_moe)."""
+    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 / fp8 (E4M3,
+    per-channel scales) QuantExperts (int4 experts take the torch path in ops.fused_moe)."""
     check_dtype("x", x, TORCH_FLOATS)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(w, QuantExperts):
-            if w.method != "int8":
-                raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; allowed: int8")
+            if w.method not in ("int8", "fp8"):
+                raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; "
+                                 f"allowed: int8, fp8")
         else:
             check_dtype(name, w, TORCH_FLOATS)
     x = x.contiguous()
