@@ -42,7 +42,7 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> Tup
 class Experts(nn.Module):
     """The stacked expert weights one fused-MoE call reads, per projection ("gate_up", "down")
     float `{proj}_weight` (E, N, K) or, when QuantConfig.layers["layers.{i}.experts.{proj}"] says
-    so, the per-linear int8 / int4 layout stacked per expert: `{proj}_qweight`, `{proj}_scales`
+    so, the per-linear int8 / fp8 (per output channel) / int4 layout stacked per expert: `{proj}_qweight`, `{proj}_scales`
     (and int4's `{proj}_zeros`), see kernels/moe_ref.QuantExperts."""
 
     def __init__(self, cfg, idx: int, dtype: torch.dtype):
@@ -55,8 +55,9 @@ class Experts(nn.Module):
             method = getattr(lq, "method", "none")
             if method == "none":
                 self.register_buffer(f"{proj}_weight", torch.empty(e, n, k, dtype=dtype))
-            elif method == "int8":
-                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=torch.int8))
+            elif method in ("int8", "fp8"):
+                code = torch.int8 if method == "int8" else torch.float8_e4m3fn
+                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=code))
                 self.register_buffer(f"{proj}_scales", torch.empty(e, n, dtype=torch.float32))
             elif method == "int4":
                 g = lq.group_size
@@ -65,7 +66,7 @@ class Experts(nn.Module):
                 self.register_buffer(f"{proj}_zeros", torch.empty(e, k // g, n, dtype=torch.float32))
             else:
                 raise ValueError(f"quantization.layers.layers.{idx}.experts.{proj}.method {method!r} not supported; "
-                                 f"allowed: none, int8, int4")
+                                 f"allowed: none, int8, fp8, int4")
             self.quant[proj] = (method, getattr(lq, "group_size", None))
 
     def weights(self, proj: str):
@@ -110,12 +111,20 @@ class SparseMoE(GatedMLP):
         # Load-balance counters: tokens routed to each expert since the last read (moe_metrics).
         self.expert_tokens = torch.zeros(m.num_experts, dtype=torch.int64)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sparse:
-            return GatedMLP.mlp(self, x)
+    def select_experts(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route x (T, hidden): (weights (T, k), expert ids (T, k), router scores (T, E) float32:
+        softmax probabilities, or DeepSeek's sigmoid scores; the builder's per-expert calibration
+        ranks tokens by them, builder/quant/moe_calibration.py)."""
         logits = self.router(x)
         weights, ids = route(self, logits) if self.grouped_router else \
             route_softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        sigmoid = self.grouped_router and self.router_scoring == "sigmoid"
+        return weights, ids, logits.float().sigmoid() if sigmoid else torch.softmax(logits.float(), -1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sparse:
+            return GatedMLP.mlp(self, x)
+        weights, ids, _ = self.select_experts(x)
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
