@@ -8,7 +8,7 @@ width I, top-k) against a dense Qwen3 whose MLP width is k * I, attention, norms
 depth identical, so every token multiplies the same number of weights; greedy decode of B
 streams (B = 1 and 16) after a 16-token prompt. Prints ms per decode step (the time of S steps
 minus the time of one, over S - 1) and output tokens/s, medians over interleaved rounds, and
-MoE / dense.
+the MoE / dense throughput ratio.
 
 --tp N: the MoE model at TP = 1 and TP = N over gloo (experts split by columns, one thread per
 rank and a one-thread TP = 1). Also prints, per decode step, the bytes rank 0 sent through
@@ -61,17 +61,21 @@ def _ids(n: int, seed: int):
     return torch.randint(10, 4000, (n,), generator=g).tolist()
 
 
-def _decode(engine, batch: int, steps: int, seed: int) -> float:
-    """Seconds per decode step of `batch` streams (S steps minus one step, over S - 1)."""
+def _decode(engine, batch: int, steps: int, seed: int, counter=None):
+    """Seconds per decode step of `batch` streams (S steps minus one step, over S - 1); with a
+    _Counter, also {collective: bytes per decode step} by the same difference."""
     from tritium.backend.sampling_params import SamplingParams
     prompts = [_ids(16, seed + i) for i in range(batch)]
 
     def run(n):
+        before = dict(counter.bytes) if counter else {}
         t = time.perf_counter()
         engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=n, temperature=0.0,
                                                                         ignore_eos=True))
-        return time.perf_counter() - t
-    return (run(steps) - run(1)) / (steps - 1)
+        return time.perf_counter() - t, {k: v - before.get(k, 0) for k, v in (counter.bytes if counter else {}).items()}
+    (t_s, b_s), (t_1, b_1) = run(steps), run(1)
+    per_step = {k: (b_s[k] - b_1.get(k, 0)) / (steps - 1) for k in b_s}
+    return ((t_s - t_1) / (steps - 1), per_step) if counter else (t_s - t_1) / (steps - 1)
 
 
 class _Counter:
@@ -80,12 +84,12 @@ class _Counter:
     def __init__(self):
         from tritium.backend.models.moe import SparseMoE
         from tritium.backend.parallel.comm import TPGroup
-        self.bytes, self.routes, self.patched = 0, [], []
+        self.bytes, self.routes, self.patched = {}, [], []
         for cls, name in ((TPGroup, "all_reduce"), (TPGroup, "broadcast"), (TPGroup, "gather_logits")):
             orig = getattr(cls, name)
 
-            def wrap(obj, t, *a, _orig=orig, **kw):
-                self.bytes += t.numel() * t.element_size()
+            def wrap(obj, t, *a, _orig=orig, _name=name, **kw):
+                self.bytes[_name] = self.bytes.get(_name, 0) + t.numel() * t.element_size()
                 return _orig(obj, t, *a, **kw)
             self.patched.append((cls, name, orig))
             setattr(cls, name, wrap)
@@ -144,9 +148,9 @@ def main(argv=None) -> int:
     tag = f"e{args.experts}k{args.top_k}i{args.moe_width}"
     moe_src = _checkpoint("moe", os.path.join(w, f"moe-{tag}-hf"), args)
     if args.tp == 1:
-        systems = {"moe": _engine(moe_src, os.path.join(w, f"moe-{tag}-{args.dtype}"), args.dtype, 1),
-                   "dense": _engine(_checkpoint("dense", os.path.join(w, f"dense-{tag}-hf"), args),
-                                    os.path.join(w, f"dense-{tag}-{args.dtype}"), args.dtype, 1)}
+        systems = {"dense": _engine(_checkpoint("dense", os.path.join(w, f"dense-{tag}-hf"), args),
+                                    os.path.join(w, f"dense-{tag}-{args.dtype}"), args.dtype, 1),
+                   "moe": _engine(moe_src, os.path.join(w, f"moe-{tag}-{args.dtype}"), args.dtype, 1)}
     else:
         systems = {"tp1": _engine(moe_src, os.path.join(w, f"moe-{tag}-{args.dtype}"), args.dtype, 1),
                    f"tp{args.tp}": _engine(moe_src, os.path.join(w, f"moe-{tag}-{args.dtype}-tp{args.tp}"),
@@ -165,34 +169,33 @@ def main(argv=None) -> int:
                     if key != "tp1" and args.tp > 1 and r == 0:
                         c = _Counter()
                         try:
-                            before = c.bytes
-                            _decode(eng, b, args.steps, 7)
-                            comm[b] = (c.bytes - before, [x for x in c.routes if x.shape[0] == b])
+                            _, per_step = _decode(eng, b, args.steps, 7, c)
+                            comm[b] = (per_step, [x for x in c.routes if x.shape[0] == b])
                         finally:
                             c.remove()
                     runs[key][b].append(_decode(eng, b, args.steps, 100 * r + b))
             print(f"round {r + 1} {key}: " + ", ".join(f"B={b} {runs[key][b][-1] * 1000:.2f} ms/step"
                                                        for b in batches), flush=True)
     a, bkey = list(systems)
-    print(f"\n| batch | {a} ms/step | {bkey} ms/step | {a} tokens/s | {bkey} tokens/s | {bkey} / {a} time |")
+    print(f"\n| batch | {a} ms/step | {bkey} ms/step | {a} tokens/s | {bkey} tokens/s | "
+          f"{bkey} / {a} throughput |")
     print("|---|---|---|---|---|---|")
     for b in batches:
         ta, tb = _med(runs[a][b]), _med(runs[bkey][b])
-        print(f"| {b} | {ta * 1000:.2f} | {tb * 1000:.2f} | {b / ta:.1f} | {b / tb:.1f} | {tb / ta:.2f} |")
+        print(f"| {b} | {ta * 1000:.2f} | {tb * 1000:.2f} | {b / ta:.1f} | {b / tb:.1f} | {ta / tb:.2f} |")
     if args.tp > 1:
         elem = 2 if args.dtype == "bfloat16" else 4
         h, layers = SHAPE["hidden_size"], SHAPE["num_hidden_layers"]
         print(f"\nbytes per decode step (rank 0 of {args.tp}; ring all-reduce moves 2(N-1)/N of the buffer per rank)")
-        print("| batch | measured, all collectives (buffer bytes) | MoE all-reduces (buffer bytes) | "
-              "all-to-all EP + DP attention, estimated | EP load imbalance (max/mean) |")
-        print("|---|---|---|---|---|")
+        print("| batch | all-reduce (measured) | broadcast (measured) | logits gather (measured) | "
+              "of which MoE outputs | two all-to-alls, EP + DP attention (estimated) | EP load imbalance (max/mean) |")
+        print("|---|---|---|---|---|---|---|")
         for b in batches:
-            total, routes = comm[b]
-            steps_seen = args.steps  # S-step run (the counter covers the one-step run too: subtract below)
+            per_step, routes = comm[b]
             moe_ar = layers * b * h * elem
             est, imb = _all_to_all_estimate(routes, args.tp, args.experts, h, elem) if routes else (0.0, 1.0)
-            per_step = total / (steps_seen + 1)  # S + 1 forward passes (S-step run + 1-step run)
-            print(f"| {b} | {per_step:,.0f} | {moe_ar:,} | {est * layers:,.0f} | {imb:.2f} |")
+            print(f"| {b} | {per_step.get('all_reduce', 0):,.0f} | {per_step.get('broadcast', 0):,.0f} | "
+                  f"{per_step.get('gather_logits', 0):,.0f} | {moe_ar:,} | {est * layers:,.0f} | {imb:.2f} |")
     return 0
 
 
