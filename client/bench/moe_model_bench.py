@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     if args.steps < 2:
         p.error("--steps must be >= 2")
     from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
     torch.set_num_threads(1)
     w = args.workdir
     tag = f"e{args.experts}k{args.top_k}i{args.moe_width}"
@@ -162,9 +163,8 @@ def main(argv=None) -> int:
         for key in (list(systems) if r % 2 == 0 else list(reversed(systems))):
             kw = {"threads_per_rank": 1} if key.startswith("tp") and key != "tp1" else {}
             with LLMEngine(systems[key], device="cpu", num_kv_blocks=512, **kw) as eng:
-                eng.generate(prompt_token_ids=[_ids(16, 99)], params=__import__(
-                    "tritium.backend.sampling_params", fromlist=["SamplingParams"]).SamplingParams(
-                    max_tokens=2, ignore_eos=True))  # warm
+                eng.generate(prompt_token_ids=[_ids(16, 99)],
+                             params=SamplingParams(max_tokens=2, ignore_eos=True))  # warm
                 for b in batches:
                     if key != "tp1" and args.tp > 1 and r == 0:
                         c = _Counter()
