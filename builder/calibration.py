@@ -115,7 +115,9 @@ class LayerwiseRunner:
             embed = getattr(model, "embed", None)
             self.hidden.append(embed(ids) if embed is not None else model.embed_tokens_weight[ids])
             self.residual.append(None)
-        self.kv_shape = (m.num_kv_heads, m.head_dim)
+        # multi-head latent attention caches one latent row per token (backend/model_runner.py)
+        self.latent = bool(m.kv_lora_rank)
+        self.kv_shape = (1, m.kv_lora_rank + m.qk_rope_head_dim) if self.latent else (m.num_kv_heads, m.head_dim)
         self.num_tokens = sum(len(s) for s in samples)
 
     @torch.no_grad()
@@ -131,6 +133,8 @@ class LayerwiseRunner:
                 on_chunk(self.positions[c])
             shape = (self.num_blocks[c], self.block_size) + self.kv_shape
             kv = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            if self.latent:
+                kv = (kv[0], kv[0][..., :0])
             h, r = layer(self.positions[c], self.hidden[c], self.residual[c], kv, meta,
                          self.model.rope_state(self.positions[c]))
             if advance:

@@ -35,8 +35,8 @@ def moe_layer_tensors(m: ModelConfig, fam, i: int, g: Callable[[str, tuple], tor
             yield f"layers.{i}.shared_expert_gate.weight", g(p + "shared_expert_gate.weight", (1, h))
 
 
-# Round-to-nearest per expert (builder/quant/quant_moe.py); the calibrated methods are not wired for experts.
-MOE_QUANTIZATION = ("none", "int8", "int4-rtn")
+# Per expert (builder/quant/quant_moe.py): round to nearest, or GPTQ on each expert's routed tokens.
+MOE_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-gptq")
 
 
 def check_moe_build(m: ModelConfig, opts, imported, mxfp4: bool = False) -> None:

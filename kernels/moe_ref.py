@@ -27,9 +27,10 @@ ActMul = Callable[[torch.Tensor], torch.Tensor]  # (..., 2I) [gate | up] -> (...
 class QuantExperts:
     """E quantized expert matrices (N, K), each in a per-linear layout of quant_layouts.py, stacked
     on a leading expert dimension: int8  qweight int8 (E, N, K), scales float32 (E, N);
+    fp8  qweight float8_e4m3fn (E, N, K), scales float32 (E, N) (one scale per output channel);
     int4  qweight uint8 (E, N, K // 2), scales / zeros float32 (E, K // G, N);
     mxfp4  qweight uint8 (E, N, K // 2), scales uint8 (E, N, K // 32) (kernels/mxfp4.py)."""
-    method: str  # "int8" | "int4" | "mxfp4"
+    method: str  # "int8" | "fp8" | "int4" | "mxfp4"
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: Optional[torch.Tensor] = None
@@ -42,7 +43,7 @@ class QuantExperts:
 
     def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert e's float weight (N, K)."""
-        if self.method == "int8":
+        if self.method in ("int8", "fp8"):
             return dequantize_rowwise(self.qweight[e], self.scales[e], dtype)
         if self.method == "mxfp4":
             return dequantize_mxfp4(self.qweight[e], self.scales[e], dtype)

@@ -70,7 +70,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, bias_ptr, sorted_ids_ptr
         else:
             b = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None],
                         mask=bmask, other=0.0)
-        if INT8:  # W8A16: codes to the activation dtype, the per-channel scale in the epilogue
+        if INT8:  # W8A16 (int8 or E4M3 codes): codes to the activation dtype, the per-channel scale in the epilogue
             if UPCAST:
                 b = b.to(tl.float32)
             else:
@@ -93,7 +93,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, s_ptr, bias_ptr, sorted_ids_ptr
 
 
 def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row_div, mul_weight, bias=None):
-    """w: float (E, N, K) or QuantExperts int8 (codes (E, N, K), scales (E, N)) or mxfp4 (codes
+    """w: float (E, N, K) or QuantExperts int8 / fp8 (codes (E, N, K), scales (E, N)) or mxfp4 (codes
     (E, N, K // 2), exponents (E, N, K // 32)); bias: None or (E, N)."""
     scales, mxfp4 = None, False
     if isinstance(w, QuantExperts):
@@ -120,14 +120,14 @@ def _grouped_gemm(a, w, out, weights, sorted_ids, block_expert, num_pairs, a_row
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, act_mul: ActMul = silu_mul_ref, b_gate_up: Optional[torch.Tensor] = None,
               b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 / mxfp4
-    QuantExperts (int4 experts take the torch path in ops.fused_moe); biases (E, N) or None."""
+    """Same contract as moe_ref.fused_moe_ref; the experts float (E, N, K) or int8 / fp8 (E4M3,
+    per-channel scales) / mxfp4 QuantExperts (int4 experts take the torch path in ops.fused_moe); biases (E, N) or None."""
     check_dtype("x", x, TORCH_FLOATS)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(w, QuantExperts):
-            if w.method not in ("int8", "mxfp4"):
+            if w.method not in ("int8", "fp8", "mxfp4"):
                 raise ValueError(f"{name}: {w.method} experts are not supported by the Triton MoE kernel; "
-                                 f"allowed: int8, mxfp4")
+                                 f"allowed: int8, fp8, mxfp4")
         else:
             check_dtype(name, w, TORCH_FLOATS)
     x = x.contiguous()

@@ -216,9 +216,11 @@ def linear_fp8(x, qweight, scales, bias=None):
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul=silu_mul_ref, b_gate_up=None, b_down=None):
     """Mixture-of-experts FFN (kernels/moe_ref.py has the formula): the Triton grouped GEMMs on
     GPU, on CPU only the experts that received tokens (moe_cpu.py). Experts are float (E, N, K)
-    tensors or moe_ref.QuantExperts (int8 and mxfp4: in the Triton kernel; int4: dequantized per
-    routed expert by the torch path); b_gate_up (E, 2I) / b_down (E, H): gpt-oss's expert biases."""
-    int4 = any(getattr(w, "method", None) == "int4" for w in (w_gate_up, w_down))
-    if use_triton(x) and not int4:  # int4 experts: the torch path on any device (dequantized per routed expert)
+    tensors or moe_ref.QuantExperts (int8, mxfp4, and fp8 from compute capability 8.9: in the Triton
+    kernel; int4: dequantized per routed expert by the torch path); b_gate_up (E, 2I) / b_down (E, H):
+    gpt-oss's expert biases."""
+    methods = {getattr(w, "method", None) for w in (w_gate_up, w_down)}
+    torch_path = "int4" in methods or ("fp8" in methods and not _fp8_kernels_ok(x))
+    if use_triton(x) and not torch_path:  # int4 experts: the torch path on any device (dequantized per routed expert)
         return _tk("moe_triton").fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul, b_gate_up, b_down)
     return fused_moe_cpu(x, w_gate_up, w_down, topk_weights, topk_ids, act_mul, b_gate_up, b_down)

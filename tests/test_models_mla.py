@@ -351,17 +351,18 @@ def test_tp2_heads_and_experts_split_equals_tp1(ds_engine):
     assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
 
 
-@pytest.mark.parametrize("method", ["int8", "int4-rtn"])
+@pytest.mark.parametrize("method", ["int8", "int4-rtn", "int4-gptq", "fp8"])
 def test_quantized_experts_serve_their_dequantized_weights(method, ds_engine):
-    """A V3 engine with int8 / int4 (RTN) experts (and o_proj / dense MLP quantized; the MLA
+    """A V3 engine with int8 / int4 (RTN, or GPTQ per expert on the tokens its sigmoid,
+    group-limited router sends it) / fp8 experts (and o_proj / dense MLP quantized; the MLA
     projections float): the logits equal those of the engine holding the dequantized experts."""
     import dataclasses
     from test_models_moe import _dequantized
     from tritium.backend.models.decoder import DecoderLM
-    path = ds_engine("deepseek_v3", quantization=method, eval_tokens=0)
+    path = ds_engine("deepseek_v3", quantization=method, eval_tokens=0, calibration_samples=4)
     cfg, model, _ = load_engine(path, "cpu")
     tensors = load_file(f"{path}/rank0.safetensors")
-    kind = "int8" if method == "int8" else "int4"
+    kind = method.split("-")[0]
     assert cfg.quantization.layers["layers.1.experts.gate_up"].method == kind
     assert "layers.1.experts.down_weight" not in tensors and "layers.0.gate_up_proj.qweight" in tensors
     assert "layers.1.kv_b_proj.weight" in tensors and "layers.1.qkv_proj" not in cfg.quantization.layers

@@ -53,7 +53,7 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int) -> Tuple[torch.Tensor, 
 class Experts(nn.Module):
     """The stacked expert weights one fused-MoE call reads, per projection ("gate_up", "down")
     float `{proj}_weight` (E, N, K) or, when QuantConfig.layers["layers.{i}.experts.{proj}"] says
-    so, the per-linear int8 / int4 layout stacked per expert: `{proj}_qweight`, `{proj}_scales`
+    so, the per-linear int8 / fp8 (per output channel) / int4 layout stacked per expert: `{proj}_qweight`, `{proj}_scales`
     (and int4's `{proj}_zeros`), see kernels/moe_ref.QuantExperts."""
 
     def __init__(self, cfg, idx: int, dtype: torch.dtype):
@@ -66,8 +66,9 @@ class Experts(nn.Module):
             method = getattr(lq, "method", "none")
             if method == "none":
                 self.register_buffer(f"{proj}_weight", torch.empty(e, n, k, dtype=dtype))
-            elif method == "int8":
-                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=torch.int8))
+            elif method in ("int8", "fp8"):
+                code = torch.int8 if method == "int8" else torch.float8_e4m3fn
+                self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k, dtype=code))
                 self.register_buffer(f"{proj}_scales", torch.empty(e, n, dtype=torch.float32))
             elif method == "mxfp4":  # gpt-oss's checkpoint format, kept as stored (kernels/mxfp4.py)
                 self.register_buffer(f"{proj}_qweight", torch.empty(e, n, k // 2, dtype=torch.uint8))
@@ -79,7 +80,7 @@ class Experts(nn.Module):
                 self.register_buffer(f"{proj}_zeros", torch.empty(e, k // g, n, dtype=torch.float32))
             else:
                 raise ValueError(f"quantization.layers.layers.{idx}.experts.{proj}.method {method!r} not supported; "
-                                 f"allowed: none, int8, int4, mxfp4")
+                                 f"allowed: none, int8, fp8, int4, mxfp4")
             self.quant[proj] = (method, getattr(lq, "group_size", None))
             # gpt-oss: each expert's bias, added before the routing weight
             self.register_buffer(f"{proj}_bias", torch.empty(e, n, dtype=dtype) if m.expert_bias else None)
@@ -128,9 +129,10 @@ class SparseMoE(GatedMLP):
         # Load-balance counters: tokens routed to each expert since the last read (moe_metrics).
         self.expert_tokens = torch.zeros(m.num_experts, dtype=torch.int64)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sparse:
-            return GatedMLP.mlp(self, x)
+    def select_experts(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route x (T, hidden): (weights (T, k), expert ids (T, k), router scores (T, E) float32:
+        softmax probabilities, or DeepSeek's sigmoid scores; the builder's per-expert calibration
+        ranks tokens by them, builder/quant/moe_calibration.py)."""
         logits = self.router(x)
         if self.grouped_router:
             weights, ids = route(self, logits)
@@ -138,6 +140,14 @@ class SparseMoE(GatedMLP):
             weights, ids = route_topk_softmax(logits, self.top_k)
         else:
             weights, ids = route_softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        # gpt-oss ranks by its logits too (top-k then softmax): a softmax over all experts keeps that order
+        sigmoid = self.grouped_router and self.router_scoring == "sigmoid"
+        return weights, ids, logits.float().sigmoid() if sigmoid else torch.softmax(logits.float(), -1)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sparse:
+            return GatedMLP.mlp(self, x)
+        weights, ids, _ = self.select_experts(x)
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())

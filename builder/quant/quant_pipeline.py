@@ -278,7 +278,8 @@ def _quantize_layers(cfg: EngineConfig, model, new: dict, plan: dict, o: QuantOp
         stats = _collect_layer_inputs(runner, i, o.quantization) if calibrated else None
         layer_reports.update(quantize_layer(cfg, i, layer, new, plan, o.quantization, stats))
         if cfg.model.sparse(i):
-            layer_reports.update(quantize_experts(cfg, i, layer, new, plan, o.quantization))
+            experts = stats.pop("experts").finish() if stats and "experts" in stats else None
+            layer_reports.update(quantize_experts(cfg, i, layer, new, plan, o.quantization, experts))
         if runner is None or not (i < cfg.model.num_layers - 1 or o.kv_cache_dtype != "auto" or head_calibrated):
             progress.done(i)
             continue
@@ -339,8 +340,8 @@ def _collect_layer_inputs(runner, i: int, method: str) -> dict:
     GPTQ keeps a Hessian per input; AWQ keeps mean |x| and a strided subsample of rows."""
     from .gptq import HessianAccumulator
     layer = runner.model.layers[i]
-    mods = {lin: getattr(layer, lin) for lin in LINEARS}
-    stats: dict = {lin: {} for lin in LINEARS}
+    mods = {lin: getattr(layer, lin) for lin in LINEARS if hasattr(layer, lin)}  # a sparse layer: no dense MLP
+    stats: dict = {lin: {} for lin in mods}
 
     def on_input(name, x):
         s = stats[name]
@@ -352,13 +353,17 @@ def _collect_layer_inputs(runner, i: int, method: str) -> dict:
             stride = max(1, runner.num_tokens // AWQ_SEARCH_TOKENS)
             s.setdefault("rows", []).append(x[::stride])
     handles = calib.capture_inputs(mods, on_input)
+    if getattr(layer, "sparse", False) and method in HESSIAN_METHODS:  # GPTQ per expert
+        from .moe_calibration import ExpertHessians
+        stats["experts"] = ExpertHessians(layer)
+        handles.append(stats["experts"].hook())
     try:
         runner.run_layer(i)
     finally:
         for h in handles:
             h.remove()
     for s in stats.values():
-        if "rows" in s:
+        if isinstance(s, dict) and "rows" in s:
             s["x"] = torch.cat(s.pop("rows"))[:AWQ_SEARCH_TOKENS]
             s["mean_abs"] = s.pop("abs_sum") / s["n"]
     return stats
