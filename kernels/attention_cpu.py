@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from . import cpu_native
 from .attention_ref import paged_attention_ref
-from .kv_write import dequantize_kv_ref
+from .kv_write_ref import dequantize_kv_ref
 
 
 # The torch route, fewer and larger ops than the reference:

@@ -1,7 +1,7 @@
 """Attention over a paged KV cache: the plain-torch reference (the test oracle).
 
-The CPU production path is attention_cpu.py; the Triton kernels prefill_attention.py and
-paged_decode.py.
+The CPU production path is attention_cpu.py; the Triton kernels attention_prefill_triton.py and
+attention_decode_triton.py.
 
 Layouts:
     q:        (T, Hq, D)   new tokens of all sequences, packed (cu_seqlens = query_start_loc)
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .kv_write import dequantize_kv_ref
+from .kv_write_ref import dequantize_kv_ref
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The per-step split of a mixed batch for the Triton attention kernels, built once per step.
 
-paged_attention (prefill_attention.py) sends sequences with one query token to the split-K
+paged_attention (attention_prefill_triton.py) sends sequences with one query token to the split-K
 decode kernel and the others to the varlen prefill kernel. The index tensors that split needs
 are made here from the host copies of the lengths, once per step (the runner calls it while
 building the step's metadata), so the layer loop makes no host -> device copy and no host sync:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe_ref import ActMul, ExpertWeights, QuantExperts
-from .silu_mul import silu_mul_ref
+from .silu_mul_ref import silu_mul_ref
 
 
 def _expert(w: ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:

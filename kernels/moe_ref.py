@@ -18,7 +18,7 @@ import torch
 
 from .mxfp4 import dequantize_mxfp4
 from .quant_layouts import dequantize_int4, dequantize_rowwise
-from .silu_mul import silu_mul_ref
+from .silu_mul_ref import silu_mul_ref
 
 ActMul = Callable[[torch.Tensor], torch.Tensor]  # (..., 2I) [gate | up] -> (..., I)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .moe_ref import ActMul, QuantExperts, moe_align
-from .silu_mul import silu_mul_ref
+from .silu_mul_ref import silu_mul_ref
 from .triton_common import TORCH_FLOATS, check_dtype, dot_upcast, mm
 
 BLOCK_M = 16

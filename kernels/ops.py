@@ -21,14 +21,14 @@ from typing import Optional
 
 from . import cpu_native
 from .gemm_ref import fp8_gemm_ref, w4a16_gemm_ref, w8a16_gemm_ref
-from .kv_write import kv_write_ref
+from .kv_write_ref import kv_write_ref
 from . import cpu_linear as _cpu_linear
 from .moe_cpu import fused_moe_cpu
 from .attention_split import attention_split
 from .attention_cpu import CpuAttentionPlan, paged_attention_cpu, plan_attention
-from .rms_norm import rms_norm_cpu
-from .rotary import rotary_cpu, rotary_ref, rotary_tables
-from .silu_mul import silu_mul_ref
+from .rms_norm_ref import rms_norm_cpu
+from .rotary_ref import rotary_cpu, rotary_ref, rotary_tables
+from .silu_mul_ref import silu_mul_ref
 
 import torch
 
@@ -143,7 +143,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale, sliding_window=None, k_sca
     softcap: scores -> softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2).
     sinks: (Hq,) per-head logits added to each softmax's denominator (gpt-oss), or None."""
     if use_triton(q) and (k_cache.dtype != _FP8 or _fp8_kernels_ok(q)):
-        return _tk("prefill_attention").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
+        return _tk("attention_prefill_triton").paged_attention(q, k_cache, v_cache, meta, scale, sliding_window,
                                                         k_scale, v_scale, softcap=softcap, sinks=sinks)
     # CPU (same contract as attention_ref.paged_attention_ref, the oracle)
     return paged_attention_cpu(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale,
@@ -194,7 +194,7 @@ def cpu_linear(x, packed):
 def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):
     """x (..., K) @ int4 weight (packed layout of gemm_ref.py)^T (+ bias)."""
     if use_triton(x):
-        return _tk("quant_gemm").w4a16_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)
+        return _tk("gemm_triton").w4a16_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, g_idx, bias)
 
 
@@ -202,14 +202,14 @@ def linear_w8a16(x, qweight, scales, bias=None, zeros=None, group_size=None):
     """Weight-only int8 (or fp8) GEMM: x @ (qweight * scales[:, None])^T (+ bias); with group_size,
     the grouped layout x @ (qweight * scales[g, n] + zeros[g, n])^T."""
     if use_triton(x) and (qweight.dtype != _FP8 or _fp8_kernels_ok(x)):
-        return _tk("quant_gemm").w8a16_gemm(x, qweight, scales, bias, zeros=zeros, group_size=group_size)
+        return _tk("gemm_triton").w8a16_gemm(x, qweight, scales, bias, zeros=zeros, group_size=group_size)
     return w8a16_gemm_ref(x, qweight, scales, bias, zeros, group_size)
 
 
 def linear_fp8(x, qweight, scales, bias=None):
     """FP8 W8A8 with dynamic per-token activation scales (amax / 448)."""
     if use_triton(x) and _fp8_kernels_ok(x):
-        return _tk("quant_gemm").fp8_gemm(x, qweight, scales, bias)
+        return _tk("gemm_triton").fp8_gemm(x, qweight, scales, bias)
     return fp8_gemm_ref(x, qweight, scales, bias)
 
 

@@ -138,7 +138,7 @@ def smollm2_layer0_qkv(smollm2_gguf):
     from tritium.builder.gguf_loader import GGUFCheckpoint
     from tritium.builder.quant.gptq import HessianAccumulator
     from tritium.builder.quant.quant_pipeline import load_source_tokenizer
-    from tritium.kernels.rms_norm import rms_norm_ref
+    from tritium.kernels.rms_norm_ref import rms_norm_ref
     ck = GGUFCheckpoint(smollm2_gguf)
     tok = load_source_tokenizer(smollm2_gguf)
     emb = ck.get("model.embed_tokens.weight").float()

@@ -21,9 +21,9 @@ from tritium.kernels import elementwise_triton as ew  # noqa: E402
 from tritium.kernels import gemm_tuning  # noqa: E402
 from tritium.kernels import kv_write_triton as kvw  # noqa: E402
 from tritium.kernels import mla_triton as mla  # noqa: E402
-from tritium.kernels import paged_decode as pd  # noqa: E402
-from tritium.kernels import prefill_attention as pa  # noqa: E402
-from tritium.kernels import quant_gemm as qg  # noqa: E402
+from tritium.kernels import attention_decode_triton as pd  # noqa: E402
+from tritium.kernels import attention_prefill_triton as pa  # noqa: E402
+from tritium.kernels import gemm_triton as qg  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 227 * 1024

@@ -13,8 +13,8 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 # Kernel modules someone imported earlier (compiled mode) are re-decorated, in dependency order.
-for _name in ("triton_common", "kv_write_triton", "paged_decode", "prefill_attention",
-              "elementwise_triton", "quant_gemm", "moe_triton", "lora_triton", "mla_triton"):
+for _name in ("triton_common", "kv_write_triton", "attention_decode_triton", "attention_prefill_triton",
+              "elementwise_triton", "gemm_triton", "moe_triton", "lora_triton", "mla_triton"):
     _mod = sys.modules.get(f"tritium.kernels.{_name}")
     if _mod is not None:
         importlib.reload(_mod)

@@ -13,8 +13,8 @@ from kernel_env import assert_close, new_rng
 
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.attention_ref import paged_attention_ref
-from tritium.kernels.paged_decode import DECODE_PARTITION
-from tritium.kernels.prefill_attention import paged_attention
+from tritium.kernels.attention_decode_triton import DECODE_PARTITION
+from tritium.kernels.attention_prefill_triton import paged_attention
 
 from test_determinism_kernels import _cache
 

@@ -12,10 +12,10 @@ import torch
 from kernel_env import NUM_CASES, assert_close, new_rng
 
 from tritium.kernels.attention_metadata import AttentionMetadata
-from tritium.kernels.kv_write import quantize_kv_ref
+from tritium.kernels.kv_write_ref import quantize_kv_ref
 from tritium.kernels.attention_ref import paged_attention_ref
-from tritium.kernels.paged_decode import paged_decode
-from tritium.kernels.prefill_attention import paged_attention, prefill_attention
+from tritium.kernels.attention_decode_triton import paged_decode
+from tritium.kernels.attention_prefill_triton import paged_attention, prefill_attention
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 80, 128)

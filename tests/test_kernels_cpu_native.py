@@ -70,10 +70,10 @@ def test_int8_to_bf16_is_exact():
 @pytest.mark.parametrize("t", [1, 3, 16])
 def test_glue_kernels_match_references(t):
     """Residual add + RMSNorm, RoPE + KV write and SiLU-mul (cpu_glue.c) vs the torch references."""
-    from tritium.kernels.kv_write import kv_write_ref
-    from tritium.kernels.rms_norm import rms_norm_ref
-    from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref, rotary_tables
-    from tritium.kernels.silu_mul import silu_mul_ref
+    from tritium.kernels.kv_write_ref import kv_write_ref
+    from tritium.kernels.rms_norm_ref import rms_norm_ref
+    from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref, rotary_tables
+    from tritium.kernels.silu_mul_ref import silu_mul_ref
     assert cpu_native.available()
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_env import assert_close, new_rng
 
-from tritium.kernels import paged_decode as pd
+from tritium.kernels import attention_decode_triton as pd
 from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.kernels.attention_ref import paged_attention_ref
 

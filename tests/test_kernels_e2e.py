@@ -169,7 +169,7 @@ def test_ops_registry_kernel_sides_agree(monkeypatch):
     from tritium.builder.quant.quantize_int4 import quantize_int4
     from tritium.builder.quant.quantize_int8 import quantize_int8, quantize_int8_source_grid
     from tritium.kernels import ops
-    from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+    from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq
     rng, seed = new_rng()
     x, w, b = torch.randn(5, 64), torch.randn(48, 64) * 0.1, torch.randn(48)
     q4 = quantize_int4(w, 32)

@@ -10,11 +10,11 @@ import torch
 from kernel_env import FP8_STEP, NUM_CASES, assert_close, nan_like, new_rng
 
 from tritium.kernels.elementwise_triton import rms_norm, rotary, silu_mul
-from tritium.kernels.kv_write import dequantize_kv_ref, kv_write_ref
+from tritium.kernels.kv_write_ref import dequantize_kv_ref, kv_write_ref
 from tritium.kernels.kv_write_triton import kv_write
-from tritium.kernels.rms_norm import rms_norm_ref
-from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
-from tritium.kernels.silu_mul import silu_mul_ref
+from tritium.kernels.rms_norm_ref import rms_norm_ref
+from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+from tritium.kernels.silu_mul_ref import silu_mul_ref
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 80, 128)
@@ -144,8 +144,8 @@ def test_rms_norm_kernel_rejects_bad_input():
 @pytest.mark.parametrize("case", range(NUM_CASES))
 def test_cpu_rms_norm_and_rotary_match_references(case):
     """The CPU fast paths (fused rms_norm, rotary from per-step tables) vs the references."""
-    from tritium.kernels.rms_norm import rms_norm_cpu
-    from tritium.kernels.rotary import rotary_cpu, rotary_tables
+    from tritium.kernels.rms_norm_ref import rms_norm_cpu
+    from tritium.kernels.rotary_ref import rotary_cpu, rotary_tables
     rng, seed = new_rng()
     dtype = DTYPES[case % 3]
     t, h = rng.choice([1, 2, 5, 13]), rng.choice([64, 96, 576])

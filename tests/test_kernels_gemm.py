@@ -9,7 +9,7 @@ import torch
 from kernel_env import FP8_STEP, NUM_CASES, assert_close, new_rng
 
 from tritium.kernels import gemm_ref
-from tritium.kernels.quant_gemm import fp8_gemm, quantize_fp8_per_token, w4a16_gemm, w8a16_gemm
+from tritium.kernels.gemm_triton import fp8_gemm, quantize_fp8_per_token, w4a16_gemm, w8a16_gemm
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

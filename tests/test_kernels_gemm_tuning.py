@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_env import assert_close, new_rng
 
-from tritium.kernels import gemm_ref, gemm_tuning, quant_gemm
+from tritium.kernels import gemm_ref, gemm_tuning, gemm_triton
 from tritium.kernels.gemm_tuning import LARGE, ROW_BUCKETS, SPACES, GemmConfig, row_bucket
 
 
@@ -35,7 +35,7 @@ def test_split_ranges_cover_k_without_empty_splits():
 
 
 def _force(monkeypatch, cfg: GemmConfig):
-    monkeypatch.setattr(quant_gemm.CACHE, "pick", lambda *a, **kw: cfg)
+    monkeypatch.setattr(gemm_triton.CACHE, "pick", lambda *a, **kw: cfg)
 
 
 def _int4(n, k, group, act_order):
@@ -58,7 +58,7 @@ def test_every_w4a16_config_matches_reference(monkeypatch, cfg):
         m, n, k = rng.choice([1, 5, 17]), rng.choice([40, 72]), group * rng.randint(2, 4)
         qw, s, z, g_idx = _int4(n, k, group, act_order)
         x, bias = torch.randn(m, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
-        got = quant_gemm.w4a16_gemm(x, qw, s, z, group, g_idx, bias)
+        got = gemm_triton.w4a16_gemm(x, qw, s, z, group, g_idx, bias)
         ref = gemm_ref.w4a16_gemm_ref(x, qw, s, z, group, g_idx, bias)
         assert_close(got, ref, torch.bfloat16, f"seed={seed} {cfg} m={m} n={n} k={k} G={group}")
 
@@ -71,14 +71,14 @@ def test_every_w8a16_config_matches_reference(monkeypatch, cfg):
     x = torch.randn(m, k).to(torch.float16)
     qw = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     sc = torch.rand(n) * 0.01
-    assert_close(quant_gemm.w8a16_gemm(x, qw, sc), gemm_ref.w8a16_gemm_ref(x, qw, sc), torch.float16,
+    assert_close(gemm_triton.w8a16_gemm(x, qw, sc), gemm_ref.w8a16_gemm_ref(x, qw, sc), torch.float16,
                  f"seed={seed} {cfg} per-channel m={m} n={n} k={k}")
     g = 32
     k = g * rng.randint(2, 5)
     x = torch.randn(m, k).to(torch.float16)
     qw = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     sg, zg = torch.rand(k // g, n) * 0.01, torch.randn(k // g, n) * 0.01
-    assert_close(quant_gemm.w8a16_gemm(x, qw, sg, zeros=zg, group_size=g),
+    assert_close(gemm_triton.w8a16_gemm(x, qw, sg, zeros=zg, group_size=g),
                  gemm_ref.w8a16_gemm_ref(x, qw, sg, None, zg, g), torch.float16,
                  f"seed={seed} {cfg} grouped fp8 m={m} n={n} k={k}")
 
@@ -92,7 +92,7 @@ def test_every_fp8_config_matches_reference(monkeypatch, cfg):
     scales = w.abs().amax(dim=1) / 448.0
     qw = (w / scales[:, None]).to(torch.float8_e4m3fn)
     x, bias = torch.randn(m, k), torch.randn(n)
-    assert_close(quant_gemm.fp8_gemm(x, qw, scales, bias), gemm_ref.fp8_gemm_ref(x, qw, scales, bias),
+    assert_close(gemm_triton.fp8_gemm(x, qw, scales, bias), gemm_ref.fp8_gemm_ref(x, qw, scales, bias),
                  torch.float32, f"seed={seed} {cfg} m={m} n={n} k={k}")
 
 
@@ -106,16 +106,16 @@ def test_split_k_every_split_odd_shapes(monkeypatch, split):
     x = torch.randn(m, k)
     qw4, s4, z4, _ = _int4(n, k, k // 2 if (k // 2) % 2 == 0 else k, False)
     g4 = k // 2 if (k // 2) % 2 == 0 else k
-    assert_close(quant_gemm.w4a16_gemm(x, qw4, s4, z4, g4), gemm_ref.w4a16_gemm_ref(x, qw4, s4, z4, g4),
+    assert_close(gemm_triton.w4a16_gemm(x, qw4, s4, z4, g4), gemm_ref.w4a16_gemm_ref(x, qw4, s4, z4, g4),
                  torch.float32, f"seed={seed} w4a16 split={split} m={m} n={n} k={k}")
     qw8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01
     bias = torch.randn(n)
-    assert_close(quant_gemm.w8a16_gemm(x, qw8, s8, bias), gemm_ref.w8a16_gemm_ref(x, qw8, s8, bias),
+    assert_close(gemm_triton.w8a16_gemm(x, qw8, s8, bias), gemm_ref.w8a16_gemm_ref(x, qw8, s8, bias),
                  torch.float32, f"seed={seed} w8a16 split={split} m={m} n={n} k={k}")
     w = torch.randn(n, k)
     sf = w.abs().amax(dim=1) / 448.0
     qf = (w / sf[:, None]).to(torch.float8_e4m3fn)
-    assert_close(quant_gemm.fp8_gemm(x, qf, sf, bias), gemm_ref.fp8_gemm_ref(x, qf, sf, bias),
+    assert_close(gemm_triton.fp8_gemm(x, qf, sf, bias), gemm_ref.fp8_gemm_ref(x, qf, sf, bias),
                  torch.float32, f"seed={seed} fp8 split={split} m={m} n={n} k={k}")
 
 
@@ -123,7 +123,7 @@ def test_split_k_is_run_to_run_identical(monkeypatch):
     _force(monkeypatch, GemmConfig(16, 32, 32, split_k=4))
     x = torch.randn(3, 256)
     qw, s = torch.randint(-127, 128, (40, 256), dtype=torch.int8), torch.rand(40) * 0.01
-    a, b = quant_gemm.w8a16_gemm(x, qw, s), quant_gemm.w8a16_gemm(x, qw, s)
+    a, b = gemm_triton.w8a16_gemm(x, qw, s), gemm_triton.w8a16_gemm(x, qw, s)
     assert torch.equal(a, b)
 
 
@@ -134,7 +134,7 @@ def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
     from tritium.backend.quant import Fp8Linear, Int4Linear, Int8Linear
     from types import SimpleNamespace as NS
     monkeypatch.setenv("TRITIUM_KERNELS", "triton")
-    monkeypatch.setattr(quant_gemm, "CACHE", gemm_tuning.ConfigCache())
+    monkeypatch.setattr(gemm_triton, "CACHE", gemm_tuning.ConfigCache())
     model = torch.nn.Sequential(
         Int4Linear(64, 48, False, torch.float32, NS(group_size=32, act_order=False)),
         Int8Linear(64, 32, False, torch.float32, NS(group_size=None)),
@@ -152,14 +152,14 @@ def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
                 buf.zero_()
     runs = warm_up_gemms(model, torch.float32, max_rows=80)
     shapes = {("w4a16", 48, 64), ("w8a16", 32, 64), ("w8a16", 64, 32), ("fp8", 16, 64)}
-    visited = {(key[0], key[2], key[3], key[4]) for key in quant_gemm.CACHE.visited}
+    visited = {(key[0], key[2], key[3], key[4]) for key in gemm_triton.CACHE.visited}
     want = {(kern, b, n, k) for kern, n, k in shapes for b in ROW_BUCKETS}
     assert visited == want, sorted(want ^ visited)
     assert runs == len(shapes) * len(ROW_BUCKETS)
     # a step that never exceeds 8 rows warms buckets 1, 2-4 and 5-8 only
-    quant_gemm.CACHE.visited.clear()
+    gemm_triton.CACHE.visited.clear()
     assert warm_up_gemms(model, torch.float32, max_rows=8) == len(shapes) * 3
-    assert {key[2] for key in quant_gemm.CACHE.visited} == {1, 4, 8}
+    assert {key[2] for key in gemm_triton.CACHE.visited} == {1, 4, 8}
 
 
 def test_batch_invariant_cache_keeps_the_bucket_defaults(monkeypatch):

@@ -23,8 +23,8 @@ from tritium.kernels.moe_cpu import fused_moe_cpu
 from tritium.kernels.moe_ref import QuantExperts, fused_moe_ref, swiglu_clamped_ref
 from tritium.kernels.moe_triton import fused_moe
 from tritium.kernels.mxfp4 import dequantize_mxfp4
-from tritium.kernels.paged_decode import paged_decode
-from tritium.kernels.prefill_attention import paged_attention
+from tritium.kernels.attention_decode_triton import paged_decode
+from tritium.kernels.attention_prefill_triton import paged_attention
 from test_kernels_attention import _prefill_lens, make_batch
 from test_kernels_moe import CORNERS
 

@@ -16,7 +16,7 @@ from kernel_env import NUM_CASES, assert_close, new_rng
 from tritium.kernels.moe_cpu import fused_moe_cpu
 from tritium.kernels.moe_ref import QuantExperts, fused_moe_ref, moe_align
 from tritium.kernels.moe_triton import fused_moe
-from tritium.kernels.silu_mul import silu_mul_ref
+from tritium.kernels.silu_mul_ref import silu_mul_ref
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (experts, top_k, tokens): the corners first, then random draws

@@ -14,7 +14,7 @@ from tritium.builder.quant.quantize_fp8 import dequantize_fp8, quantize_fp8
 from tritium.builder.quant.quantize_int4 import quantize_int4
 from tritium.kernels.quant_layouts import dequantize_int4, pack_int4
 from tritium.builder.quant.quantize_int8 import dequantize_int8, quantize_int8
-from tritium.kernels.quant_gemm import fp8_gemm, w4a16_gemm, w8a16_gemm
+from tritium.kernels.gemm_triton import fp8_gemm, w4a16_gemm, w8a16_gemm
 
 
 def _shapes(rng):

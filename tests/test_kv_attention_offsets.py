@@ -7,7 +7,7 @@ import torch
 
 from tritium.builder.calibration import _accumulate_attention
 from tritium.builder.quant.kv_scales import attention_weighted_offsets
-from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq
+from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq
 
 
 def _rope(x, pos, theta=10000.0):

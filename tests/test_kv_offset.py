@@ -8,7 +8,7 @@ from tritium.kernels.attention_metadata import AttentionMetadata
 from tritium.backend.loader import load_engine
 from simple_generate import alloc_kv_caches
 from tritium.builder.quant.kv_scales import kv_head_offsets, kv_head_scales
-from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
+from tritium.kernels.kv_write_ref import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.attention_ref import paged_attention_ref
 
 

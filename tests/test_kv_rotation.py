@@ -10,7 +10,7 @@ from tritium.backend.loader import load_engine
 from tritium.backend.models.kv_rotation import hadamard, rotate, rotation_supported
 from tritium.builder.quant import quant_pipeline as qp
 from tritium.builder.quant.kv_scales import kv_head_scales
-from tritium.kernels.kv_write import quantize_kv_ref
+from tritium.kernels.kv_write_ref import quantize_kv_ref
 from tritium.kernels.attention_ref import paged_attention_ref
 
 from test_kv_offset import chunked_then_decode_logits

@@ -16,8 +16,8 @@ import torch
 from kernel_env import assert_close, new_rng
 
 from tritium.kernels.attention_ref import paged_attention_ref
-from tritium.kernels.paged_decode import paged_decode
-from tritium.kernels.prefill_attention import paged_attention
+from tritium.kernels.attention_decode_triton import paged_decode
+from tritium.kernels.attention_prefill_triton import paged_attention
 from test_kernels_attention import _prefill_lens, make_batch
 
 NUM_SOFTCAP_CASES = 6

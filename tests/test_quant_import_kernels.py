@@ -18,7 +18,7 @@ from prequant_ct import float_source
 from tritium.backend.config import EngineConfig
 from tritium.backend.quant import Int4Linear
 from tritium.builder.build import BuildOptions, build_engine
-from tritium.kernels.quant_gemm import w4a16_gemm
+from tritium.kernels.gemm_triton import w4a16_gemm
 from tritium.kernels.quant_layouts import dequantize_int4
 
 

@@ -1,5 +1,5 @@
 """KV-cache scales against their definitions, with the runtime's own KV quantizer
-(kernels/kv_write.py) as the oracle for what a scale costs: FP8 scales are headroom x amax / 448
+(kernels/kv_write_ref.py) as the oracle for what a scale costs: FP8 scales are headroom x amax / 448
 and never saturate the calibration values; INT8 scales are the MSE-best clip of the candidate
 grid; calibration K is rotated at positions drawn over the whole RoPE table."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from tritium.builder.calibration import kv_sample_hook
 from tritium.builder.quant.kv_scales import FP8_HEADROOM, INT8_CLIP_RATIOS, kv_head_scales
-from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
-from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+from tritium.kernels.kv_write_ref import dequantize_kv_ref, quantize_kv_ref
+from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
 
 def _stored_error(x, scale, dtype):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tritium.kernels.attention_metadata import AttentionMetadata
-from tritium.kernels.kv_write import dequantize_kv_ref, quantize_kv_ref
+from tritium.kernels.kv_write_ref import dequantize_kv_ref, quantize_kv_ref
 from tritium.kernels.attention_cpu import paged_attention_cpu
 from tritium.kernels.attention_ref import paged_attention_ref
 

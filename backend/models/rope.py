@@ -113,7 +113,7 @@ def rope_parameters(r, dim: int, max_position_embeddings: int, seq_len: Optional
 
 
 def rope_table(r, dim: int, max_position_embeddings: int, max_positions: int) -> torch.Tensor:
-    """(max_positions, dim) float32 [cos | sin] table (the layout kernels/rotary.py reads), both
+    """(max_positions, dim) float32 [cos | sin] table (the layout kernels/rotary_ref.py reads), both
     halves multiplied by the variant's attention factor (as transformers scales cos and sin)."""
     inv_freq, attention = rope_parameters(r, dim, max_position_embeddings, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

@@ -1,7 +1,7 @@
 """Per-KV-head scales of a quantized KV cache, chosen from calibration K (after RoPE) and V.
 
 The runtime writes x / scale[head] rounded to the cache dtype and multiplies by the scale when
-attention reads it back (kernels/kv_write.py); the scale is the only free parameter.
+attention reads it back (kernels/kv_write_ref.py); the scale is the only free parameter.
 
 - FP8 (E4M3) keeps 3 mantissa bits at every magnitude, so the relative rounding error does not
   depend on the scale; what the scale decides is only where values saturate (448) and where

@@ -60,7 +60,7 @@ def _gemm_cases(m: int) -> Dict[str, Callable]:
 
 
 def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
-    from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_tables
+    from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_tables
     bs = 16
     nblk = (ctx + bs - 1) // bs
     kc = torch.randn(rows * nblk, bs, HKV, D).bfloat16()

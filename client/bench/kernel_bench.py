@@ -76,13 +76,13 @@ def cases(dtype, device, quick: bool) -> List[Tuple[str, Callable, Callable, flo
     or None) per benchmark."""
     import torch.nn.functional as F
     from tritium.kernels.attention_metadata import AttentionMetadata
-    from tritium.kernels import elementwise_triton as ew, gemm_ref, kv_write_triton as kvw, quant_gemm as qg
-    from tritium.kernels import paged_decode as pd, prefill_attention as pa
-    from tritium.kernels.kv_write import kv_write_ref
+    from tritium.kernels import elementwise_triton as ew, gemm_ref, kv_write_triton as kvw, gemm_triton as qg
+    from tritium.kernels import attention_decode_triton as pd, attention_prefill_triton as pa
+    from tritium.kernels.kv_write_ref import kv_write_ref
     from tritium.kernels.attention_ref import paged_attention_ref
-    from tritium.kernels.rms_norm import rms_norm_ref
-    from tritium.kernels.rotary import rope_cos_sin_cache, rope_inv_freq, rotary_ref
-    from tritium.kernels.silu_mul import silu_mul_ref
+    from tritium.kernels.rms_norm_ref import rms_norm_ref
+    from tritium.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+    from tritium.kernels.silu_mul_ref import silu_mul_ref
     e = torch.empty((), dtype=dtype).element_size()
     t = 256 if quick else 4096
     out = []

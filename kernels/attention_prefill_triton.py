@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .attention_split import attention_split
-from .paged_decode import (LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode, sinks_log2,
-                           softcap)
+from .attention_decode_triton import (LOG2E, check_paged_cache, check_softcap, load_kv_tile, paged_decode,
+                                      sinks_log2, softcap)
 from .triton_common import check_shape, dot_upcast, mm, next_pow2
 
 

@@ -1,4 +1,4 @@
-"""MoE decode-step benchmark on CPU: `python -m tritium.kernels.moe_bench`.
+"""MoE decode-step benchmark on CPU: `python -m tritium.client.bench.moe_bench`.
 
 Times one decode step's feed-forward for a batch of B tokens three ways, in the same run:
     moe     ops.fused_moe over E experts, top-k routing (the CPU path: only routed experts)
@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from .silu_mul import silu_mul_ref
+from tritium.kernels import ops
+from tritium.kernels.silu_mul_ref import silu_mul_ref
 
 
 def _median_ms(fn, reps: int) -> float:

@@ -1,4 +1,4 @@
-"""Multi-head latent attention decode benchmark on CPU: `python -m tritium.kernels.mla_bench`.
+"""Multi-head latent attention decode benchmark on CPU: `python -m tritium.client.bench.mla_bench`.
 
 Times one layer's decode attention for B sequences at a context of L tokens, two ways, in the
 same run, from the same paged latent cache:
@@ -19,8 +19,8 @@ import argparse
 
 import torch
 
-from . import ops
-from .attention_metadata import AttentionMetadata
+from tritium.kernels import ops
+from tritium.kernels.attention_metadata import AttentionMetadata
 from .moe_bench import _median_ms
 
 
