@@ -22,7 +22,7 @@ V2 and V3 are told apart by `expert_gating_func` (2 = sigmoid: V3's noaux_tc rou
 group by the sum of its two best experts (llama-graph.cpp build_moe_ffn), which is V3's rule;
 V2's group_limited_greedy (a group's best expert) has no GGUF spelling, so a softmax file with
 expert groups is refused. llama.cpp assumes YaRN's mscale equal to mscale_all_dim (the file keeps
-only `rope.scaling.yarn_log_mul` = 0.1 * mscale_all_dim), and so does this import.
+only `rope.scaling.yarn_log_multiplier` = 0.1 * mscale_all_dim), and so does this import.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def deepseek_config(m, cfg: dict, tensors) -> None:
         cfg.update(topk_method="greedy", n_group=None, topk_group=None)
     rp = cfg["rope_parameters"]
     if rp["rope_type"] == "yarn":
-        log_mul = m.get("rope.scaling.yarn_log_mul", None, float)
+        log_mul = m.get("rope.scaling.yarn_log_multiplier", None, float)
         if log_mul is not None:  # written as 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])
             ms = f32(log_mul / 0.1)
             rp["mscale"] = rp["mscale_all_dim"] = cfg["rope_scaling"]["mscale"] = \
