@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional
 
 from .convert import CheckpointError
 from .gguf_meta import Meta
+from .gguf_mla import deepseek_config
 from .gguf_moe import moe_config
 from .gguf_rope import rope_parameters
 
@@ -35,6 +36,8 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    # DeepSeek-V2 / V2-Lite / V3 (builder/gguf_mla.py; V2 or V3 from its gating function)
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # Tensors that carry configuration rather than weights (consumed here, never loaded as weights).
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -80,8 +83,10 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
     heads = m.req("attention.head_count")
     layers = m.req("block_count")
     head_dim = m.get("attention.key_length", hidden // heads, int)
+    if arch == "deepseek2":  # HF's head_dim there is the rope part (gguf_mla.py)
+        head_dim = m.req("rope.dimension_count")
     v_dim = m.get("attention.value_length", head_dim, int)
-    if v_dim != head_dim:
+    if v_dim != head_dim and arch != "deepseek2":  # deepseek2: the latent's MQA view (gguf_mla.py)
         raise CheckpointError(f"{path}: metadata {arch}.attention.value_length = {v_dim} is not supported; "
                               f"allowed: {head_dim} (attention.key_length)")
     if "token_embd.weight" not in tensor_rows:
@@ -112,7 +117,7 @@ def hf_config_from_gguf(field: Callable[[str], object], tensor_rows: Dict[str, i
         cfg["model_type"], cfg["architectures"] = "mixtral", ["MixtralForCausalLM"]
         cfg["sliding_window"] = None
     _FAMILY[arch](m, cfg, tensors)
-    if m.get("expert_count", 0, int):
+    if m.get("expert_count", 0, int) and arch != "deepseek2":
         moe_config(m, cfg, cfg["model_type"])
     if cfg.get("sliding_window") is None:
         # the spelling of "no windowed layers" transformers writes for Qwen3 / SmolLM3 / ...
@@ -227,4 +232,5 @@ def _gpt_oss(m, cfg, tensors):
 
 _FAMILY = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen, "qwen3": _qwen, "gemma2": _gemma2,
            "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2, "granite": _granite, "smollm3": _smollm3,
-           "qwen3moe": _qwen, "olmoe": _llama, "gpt-oss": _gpt_oss}
+           "qwen3moe": _qwen, "olmoe": _llama, "gpt-oss": _gpt_oss,
+           "deepseek2": deepseek_config}

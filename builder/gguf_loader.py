@@ -15,6 +15,7 @@ import torch
 
 from .convert import CheckpointError
 from .gguf_config import CONFIG_TENSORS, GGUF_ARCHITECTURES, hf_config_from_gguf
+from .gguf_mla import mla_sources
 from .gguf_moe import moe_sources
 from .gguf_names import hf_to_gguf_names, undo_converter_edits
 
@@ -48,12 +49,15 @@ class GGUFFile:
         self.arch = self.field("general.architecture")
         self._hf_to_gguf = hf_to_gguf_names(self.arch, self.hf_config["num_hidden_layers"])
         # MoE: HF expert / router names served from llama.cpp's stacked tensors (gguf_moe.py)
-        n_exp = self.hf_config.get("num_local_experts") or self.hf_config.get("num_experts") or 0
+        n_exp = self.hf_config.get("num_local_experts") or self.hf_config.get("num_experts") or \
+            self.hf_config.get("n_routed_experts") or 0
         mxfp4 = any(t.tensor_type.name == "MXFP4" for n, t in self.tensors.items() if "_exps." in n)
         if mxfp4 and self.hf_config["model_type"] == "gpt_oss":  # kept as stored (gguf_moe.py)
             self.hf_config["quantization_config"] = {"quant_method": "mxfp4"}
         self._moe = moe_sources(self.hf_config["model_type"], self.hf_config["num_hidden_layers"], n_exp,
                                 "quantization_config" in self.hf_config) if n_exp else {}
+        if self.arch == "deepseek2" and "blk.0.attn_kv_b.weight" not in self.tensors:  # k_b / v_b split (gguf_mla.py)
+            self._moe.update(mla_sources(self.hf_config["num_hidden_layers"]))
         self._stacked: Dict[Tuple[str, bool], torch.Tensor] = {}  # the layer's stacked expert tensors, read once
         known = set(self._hf_to_gguf.values()) | set(CONFIG_TENSORS) | {g for gs, _, _ in self._moe.values() for g in gs}
         for name in self.tensors:

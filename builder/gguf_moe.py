@@ -27,7 +27,9 @@ from .convert import CheckpointError
 # HF model_type -> (module holding router and experts, the expert's gate / up / down names)
 _PER_EXPERT = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-               "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+               "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # An HF tensor assembled from GGUF tensors: (their GGUF names, tensors as read -> the HF tensor,
 # whether they are read as stored bytes rather than dequantized)
 Source = Tuple[Tuple[str, ...], Callable[[List[torch.Tensor]], torch.Tensor], bool]

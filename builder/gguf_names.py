@@ -15,6 +15,8 @@ from typing import Dict
 
 import torch
 
+from .gguf_mla import MLA_LAYER_NAMES
+
 # layer tensor suffix in GGUF -> suffix under model.layers.{i}. in HF
 _ATTN = {
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -47,6 +49,7 @@ LAYER_NAMES: Dict[str, Dict[str, str]] = {
     "olmoe": {**_PRE_NORMS, **_QK_NORMS, **_ATTN},
     "gpt-oss": {"attn_norm.weight": "input_layernorm.weight",
                 "post_attention_norm.weight": "post_attention_layernorm.weight", **_ATTN},
+    "deepseek2": MLA_LAYER_NAMES,
     "phi3": {**_PRE_NORMS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
              "attn_output.weight": "self_attn.o_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight",
              "ffn_down.weight": "mlp.down_proj.weight"},

@@ -76,6 +76,27 @@ MOE_FAMILIES = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
 }
+# DeepSeek (tests/test_gguf_mla.py; llama.cpp's arch deepseek2). V3: q_lora_rank, a dense first
+# layer, a shared expert, sigmoid scores with a correction bias (made random by the test), top-3
+# among the 2 best of 4 groups, scoring_func / topk_method as DeepSeek-V3's config.json spells them.
+# Its YaRN variant has mscale == mscale_all_dim, which is all a GGUF can say (builder/gguf_mla.py).
+# V2-Lite's layout: q_proj (no q_lora_rank), softmax greedy top-2, 2 shared experts.
+_DS_V3 = dict(model_type="deepseek_v3", num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
+              moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+              first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8,
+              qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5, tie_word_embeddings=False,
+              scoring_func="sigmoid", topk_method="noaux_tc")
+MLA_FAMILIES = {
+    "deepseek_v3": _DS_V3,
+    "deepseek_v3_yarn": dict(_DS_V3, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                          original_max_position_embeddings=64, beta_fast=32.0,
+                                                          beta_slow=1.0, mscale=0.8, mscale_all_dim=0.8)),
+    "deepseek_v2_lite": dict(model_type="deepseek_v2", num_hidden_layers=2, num_key_value_heads=4,
+                             intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                             first_k_dense_replace=1, n_shared_experts=2, kv_lora_rank=40, q_lora_rank=None,
+                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32, routed_scaling_factor=1.5,
+                             tie_word_embeddings=False),
+}
 SPM_FAMILIES = ("gemma2", "gemma3", "phi3", "qwen2")
 # HF config.json keys that llama.cpp's converter does not carry over and that do not change the
 # model's numerics (or that the GGUF side spells differently); the rest must round-trip.
@@ -130,7 +151,7 @@ def make_checkpoint(family: str, path: str, tmp: str, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     os.makedirs(path, exist_ok=True)
-    spec = {**_COMMON, **(FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family])}
+    spec = {**_COMMON, **{**FAMILIES, **MOE_FAMILIES, **MLA_FAMILIES}[family]}
     model_type = spec.pop("model_type")
     spm_family = family in SPM_FAMILIES
     ids = dict(bos_token_id=2, eos_token_id=1, pad_token_id=0) if family.startswith("gemma") else \
