@@ -3,7 +3,8 @@
 `tritium build --repo` writes some of them into the served model's config.pbtxt, `tritium
 generate --engine` takes some as flags, and the Triton backend reads them back from the model's
 parameters: all three go through this table and `engine_setup`, so a flag, its parameter key,
-its type, range and default are written once.
+its type, range and default are written once. `--lora NAME=PATH` (repeatable) is the command
+line's spelling of lora_adapters for both commands (add_lora_arguments, lora_adapters_from_args).
 
     opts = options_from_args(args, ("num_kv_blocks", "speculative_method", ...))   # CLI
     opts = options_from_params(model_config_parameters)                           # config.pbtxt

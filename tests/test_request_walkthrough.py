@@ -11,6 +11,11 @@ test_every_field_is_walked. The surfaces are the real ones: one `tritium serve` 
   - the OpenAI API through the official `openai` package (vLLM's extra fields in extra_body),
   - `tritium generate --url` (remote) and `tritium generate --engine` (in-process).
 
+The model serves one LoRA adapter (`tritium build --repo --lora ad1=PATH`, a random rank-2 PEFT
+adapter), so lora_name / lora_task_id are walked too: on the OpenAI API the adapter is the `model`
+(an unknown one is 404 model_not_found, param model), `tritium generate --engine` serves it with
+`--lora ad1=PATH`, and lora_task_id (a Triton tensor only) travels with its lora_weights / lora_config.
+
 The backend writes the SamplingParams each admitted request reaches the engine with
 (TRITIUM_REQUEST_LOG), so "the engine receives the same SamplingParams" is read from the server,
 not recomputed here. A bad value gets the same error code naming the same field on every surface
