@@ -236,7 +236,8 @@ def test_lora_flags_are_declared_once_for_build_and_generate(tmp_path):
     assert (cfg.adapters, cfg.max_lora_rank, name) == ({"a": str(tmp_path / "a"), "b": "/b"}, 8, "b")
     for args, needle in ((["--lora", "a=/x", "--lora", "a=/y"], "--lora: adapter 'a' is given twice"),
                          (["--lora", "a=/x,y"], "must not contain ','"),
-                         (["--lora", "a=/x", "--max-lora-rank", "0"], "--max-lora-rank must be an integer in [1, inf]")):
+                         (["--lora", "a=/x", "--max-lora-rank", "0"],
+                          "--max-lora-rank must be an integer in [1, inf]")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             lora_options(sub["generate"].parse_args(["--engine", "e", "x", *args]))
     with pytest.raises(RequestError) as e:  # an adapter it does not serve: as the engine answers it
