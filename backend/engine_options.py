@@ -3,7 +3,8 @@
 `tritium build --repo` writes some of them into the served model's config.pbtxt, `tritium
 generate --engine` takes some as flags, and the Triton backend reads them back from the model's
 parameters: all three go through this table and `engine_setup`, so a flag, its parameter key,
-its type, range and default are written once.
+its type, range and default are written once. `--lora NAME=PATH` (repeatable) is the command
+line's spelling of lora_adapters for both commands (add_lora_arguments, lora_adapters_from_args).
 
     opts = options_from_args(args, ("num_kv_blocks", "speculative_method", ...))   # CLI
     opts = options_from_params(model_config_parameters)                           # config.pbtxt
@@ -34,6 +35,7 @@ class EngineOption:
     lo: Optional[int] = 1       # "int": smallest value
     hi: Optional[int] = None
     choices: Optional[tuple] = None
+    metavar: Optional[str] = None  # the flag's value in --help (default: N, F, DIR or VALUE by kind)
 
     def parse(self, value, where: str):
         """A flag's or a parameter's value -> its Python value; ValueError names `where`."""
@@ -115,24 +117,53 @@ OPTIONS = (
     EngineOption("max_cpu_loras", "int", "--max-cpu-loras",
                  "LoRA adapters cached in host memory (default: max(max_loras, the adapters listed))"),
     EngineOption("max_lora_rank", "int", "--max-lora-rank",
-                 f"largest LoRA adapter rank per module (default {DEFAULT_MAX_LORA_RANK})"),
+                 f"largest LoRA adapter rank per module (default {DEFAULT_MAX_LORA_RANK})", metavar="R"),
     EngineOption("enable_lora", "bool", "--enable-lora",
                  "serve adapters sent with requests (lora_task_id) even without lora_adapters"),
 )
 OPTION = {o.name: o for o in OPTIONS}
 SPECULATIVE = ("speculative_method", "draft_engine_dir", "num_speculative_tokens")
 LORA = ("lora_adapters", "max_loras", "max_cpu_loras", "max_lora_rank", "enable_lora")
+# The command line's spelling of lora_adapters (`tritium build --repo`, `tritium generate --engine`):
+# one repeatable flag per adapter, joined into lora_adapters by lora_adapters_from_args.
+LORA_FLAG = "--lora"
+LORA_FLAG_HELP = ("a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) served as adapter NAME "
+                  "(repeatable); requests pick it by name (docs/lora.md)")
 
 
-def add_option_arguments(p, names: Iterable[str], title: str) -> None:
-    """Flags for the named options (dest: the option name; absent: None)."""
-    g = p.add_argument_group(title)
+def add_option_arguments(p, names: Iterable[str], title: str, group=None):
+    """Flags for the named options (dest: the option name; absent: None), in a new argument group
+    (or `group`); returns the group."""
+    g = group if group is not None else p.add_argument_group(title)
     for name in names:
         o = OPTION[name]
         kw = {"choices": o.choices} if o.choices else {}
-        metavar = None if o.choices else ("N" if o.kind == "int" else "F" if o.kind == "float"
-                                          else "DIR" if o.kind == "path" else "VALUE")
+        metavar = None if o.choices else o.metavar or ("N" if o.kind == "int" else "F" if o.kind == "float"
+                                                       else "DIR" if o.kind == "path" else "VALUE")
         g.add_argument(o.cli, dest=o.name, default=None, metavar=metavar, help=o.help, **kw)
+    return g
+
+
+def add_lora_arguments(p, limits: Iterable[str], title: str) -> None:
+    """`--lora NAME=PATH` (repeatable, dest "lora") and the named LoRA limit options' flags."""
+    g = p.add_argument_group(title)
+    g.add_argument(LORA_FLAG, dest="lora", action="append", default=[], metavar="NAME=PATH", help=LORA_FLAG_HELP)
+    add_option_arguments(p, limits, title, group=g)
+
+
+def lora_adapters_from_args(args: argparse.Namespace) -> Dict[str, str]:
+    """{name: path} of the --lora NAME=PATH flags, in order (errors name the flag)."""
+    from .lora.adapter import parse_lora_spec
+    out = {}
+    for spec in getattr(args, "lora", None) or []:
+        name, path = parse_lora_spec(spec)
+        if name in out:
+            raise ValueError(f"{LORA_FLAG}: adapter {name!r} is given twice")
+        if "," in path:
+            raise ValueError(f"{LORA_FLAG} {name}: the path must not contain ',' (lora_adapters separates entries "
+                             f"with it)")
+        out[name] = path
+    return out
 
 
 def options_from_args(args: argparse.Namespace, names: Iterable[str]) -> Dict[str, object]:

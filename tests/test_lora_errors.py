@@ -207,3 +207,39 @@ def test_lora_options_come_from_the_engine_options_table(tmp_path):
                            ({"lora_adapters": "a=x,a=y"}, "adapter 'a' is listed twice")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             engine_setup(options_from_params(params))
+
+
+def test_lora_flags_are_declared_once_for_build_and_generate(tmp_path):
+    """`tritium build --repo` and `tritium generate --engine` take --lora NAME=PATH and the LoRA limits
+    from backend/engine_options.py: the same help and value name in both, limits checked by the table's
+    range (the error names the flag), and the flags turn into the lora_adapters option."""
+    from tritium.backend.engine_options import OPTION
+    from tritium.backend.errors import RequestError
+    from tritium.builder.lora_repo import lora_params
+    from tritium.client.cli.engine_generate import lora_options
+    from tritium.client.cli.main import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = {cmd: {o: a for a in sub[cmd]._actions for o in a.option_strings} for cmd in ("build", "generate")}
+    for flag in ("--lora", "--max-lora-rank"):
+        b, g = flags["build"][flag], flags["generate"][flag]
+        assert (b.help, b.metavar, b.default, b.dest) == (g.help, g.metavar, g.default, g.dest), flag
+    assert flags["build"]["--max-lora-rank"].help == OPTION["max_lora_rank"].help
+    assert flags["build"]["--max-loras"].help == OPTION["max_loras"].help
+    (tmp_path / "a").mkdir()
+    build = sub["build"].parse_args(["ck", "-o", "e", "--repo", "r", "--lora", f"a={tmp_path / 'a'}",
+                                     "--max-loras", "0"])
+    with pytest.raises(ValueError, match=re.escape("--max-loras must be an integer in [1, inf], got 0")):
+        lora_params(build)
+    gen = sub["generate"].parse_args(["--engine", "e", "x", "--lora", f"a={tmp_path / 'a'}", "--lora", "b=/b",
+                                      "--lora-name", "b", "--max-lora-rank", "8"])
+    cfg, name = lora_options(gen)
+    assert (cfg.adapters, cfg.max_lora_rank, name) == ({"a": str(tmp_path / "a"), "b": "/b"}, 8, "b")
+    for args, needle in ((["--lora", "a=/x", "--lora", "a=/y"], "--lora: adapter 'a' is given twice"),
+                         (["--lora", "a=/x,y"], "must not contain ','"),
+                         (["--lora", "a=/x", "--max-lora-rank", "0"],
+                          "--max-lora-rank must be an integer in [1, inf]")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            lora_options(sub["generate"].parse_args(["--engine", "e", "x", *args]))
+    with pytest.raises(RequestError) as e:  # an adapter it does not serve: as the engine answers it
+        lora_options(sub["generate"].parse_args(["--engine", "e", "x", "--lora", "a=/x", "--lora-name", "nope"]))
+    assert (e.value.code, e.value.field) == ("bad_parameter", "lora_name")

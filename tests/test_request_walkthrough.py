@@ -11,6 +11,11 @@ test_every_field_is_walked. The surfaces are the real ones: one `tritium serve` 
   - the OpenAI API through the official `openai` package (vLLM's extra fields in extra_body),
   - `tritium generate --url` (remote) and `tritium generate --engine` (in-process).
 
+The model serves one LoRA adapter (`tritium build --repo --lora ad1=PATH`, a random rank-2 PEFT
+adapter), so lora_name / lora_task_id are walked too: on the OpenAI API the adapter is the `model`
+(an unknown one is 404 model_not_found, param model), `tritium generate --engine` serves it with
+`--lora ad1=PATH`, and lora_task_id (a Triton tensor only) travels with its lora_weights / lora_config.
+
 The backend writes the SamplingParams each admitted request reaches the engine with
 (TRITIUM_REQUEST_LOG), so "the engine receives the same SamplingParams" is read from the server,
 not recomputed here. A bad value gets the same error code naming the same field on every surface
@@ -18,6 +23,7 @@ not recomputed here. A bad value gets the same error code naming the same field 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -37,29 +43,45 @@ GOOD = {
     "max_tokens": 5, "temperature": 0.5, "top_k": 7, "top_p": 0.875, "min_p": 0.0625,
     "repetition_penalty": 1.125, "presence_penalty": 0.5, "frequency_penalty": 0.25, "seed": 1234,
     "min_tokens": 2, "ignore_eos": True, "stop": ["zz"], "stop_token_ids": [3], "bad_words": ["qq"],
-    "logprobs": 2, "n": 2, "logit_bias": {5: -1.5},
+    "logprobs": 2, "n": 2, "logit_bias": {5: -1.5}, "lora_name": "ad1", "lora_task_id": 41,
 }
 BAD = {
     "max_tokens": 0, "temperature": 2.5, "top_k": -5, "top_p": 1.5, "min_p": 1.5, "repetition_penalty": 0.0,
     "presence_penalty": 3.0, "frequency_penalty": -3.0, "seed": 2 ** 63, "min_tokens": -1, "ignore_eos": "yes",
     "stop": ["s"] * 33, "stop_token_ids": [-1], "bad_words": ["w" * 129], "logprobs": 21, "n": 65,
-    "logit_bias": {5: 150.0},
+    "logit_bias": {5: 150.0}, "lora_name": "nope", "lora_task_id": 42,
 }
 PROMPT = "The quick brown fox"
-# The adapter a request picks (lora_name, lora_task_id) is judged against the adapters the engine
-# serves, so a value good on one server is bad on another: tests/test_lora_serving.py walks them
-# through tensors, sampling_parameters and the OpenAI API (adapters as models), and
-# tests/test_lora_errors.py their errors (bad_parameter naming the field).
+# The adapter a request picks is judged against the adapters the engine serves (the module's
+# server serves one, "ad1"): lora_name "nope" is unknown, lora_task_id 42 was never sent. A request
+# names one adapter, so the all-fields request leaves lora_task_id out (it is walked alone), and
+# lora_task_id 41 travels with its lora_weights / lora_config (tensorrtllm_backend's first use).
 ADAPTER_FIELDS = {"lora_name", "lora_task_id"}
+ALL = {k: v for k, v in GOOD.items() if k != "lora_task_id"}
+# Fields a surface has no spelling for, by the schema (checked, not skipped quietly: see spelled()).
+UNSPELLED = {"tensors": set(), "json": {"lora_task_id"}, "openai": {"lora_task_id"},
+             "cli_remote": {"lora_task_id"}, "cli_engine": {"lora_task_id"}}
+
+
+def spelled(surface: str, name: str) -> bool:
+    """Does the schema give `name` a spelling on this surface? (asserted against UNSPELLED)"""
+    f = FIELD[name]
+    has = {"tensors": bool(f.tensor or f.json_key), "json": bool(f.json_key), "openai": bool(f.openai or f.json_key),
+           "cli_remote": bool(f.cli), "cli_engine": bool(f.cli)}[surface]
+    assert has == (name not in UNSPELLED[surface]), (surface, name)
+    return has
 
 
 def test_every_field_is_walked():
-    assert set(GOOD) == set(BAD) == {f.name for f in FIELDS} - ADAPTER_FIELDS
-    expected = SamplingParams(**GOOD)
+    assert set(GOOD) == set(BAD) == {f.name for f in FIELDS}
+    expected = SamplingParams(**ALL)
     for name, v in GOOD.items():
         assert v != FIELD[name].default, f"{name}: pick a value that is not the default"
-        assert getattr(expected, name) == v
+        assert getattr(expected if name in ALL else SamplingParams(**{name: v}), name) == v
     for name, v in BAD.items():
+        if name in ADAPTER_FIELDS:  # well-formed: only the engine, which knows its adapters, refuses it
+            assert getattr(SamplingParams(**{name: v}), name) == v
+            continue
         with pytest.raises(RequestError) as e:
             SamplingParams(**{name: v})
         assert e.value.field == name and e.value.code == "bad_parameter"
@@ -93,16 +115,22 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lora_utils import make_peft_adapter
     from tritium.client.cli.main import main
     root = tmp_path_factory.mktemp("walk")
-    engine, repo = str(root / "engine"), str(root / "repo")
+    engine, repo, adapter = str(root / "engine"), str(root / "repo"), str(root / "ad1")
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32)
+    make_peft_adapter(base, adapter, r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
     assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--max-batch-size", "8",
-                 "--quiet", "--repo", repo, "--name", "tiny"]) == 0
+                 "--quiet", "--repo", repo, "--name", "tiny", "--lora", f"ad1={adapter}"]) == 0
     log = str(root / "requests.jsonl")
     env = dict(os.environ, TRITIUM_CACHE=str(root / "cache"), TRITIUM_REQUEST_LOG=log)
     with tritium_serve(repo, root, env=env) as (proc, lines):
         s = Served(proc, "".join(lines), log)
-        s.engine = engine
+        s.engine, s.adapter = engine, adapter
         yield s
 
 
@@ -122,6 +150,11 @@ def via_tensors(served, fields: dict):
         tensors["return_log_probs"] = True
     if rest:
         tensors["sampling_parameters"] = json.dumps(_wire(rest))
+    if fields.get("lora_task_id") == GOOD["lora_task_id"]:  # with its weights every time (the same weights
+        # re-cache the same id); BAD's id comes alone, never sent before
+        from test_lora_peft import trtllm_tensors
+        w, cfg = trtllm_tensors(served.adapter)
+        tensors.update(lora_weights=w[0], lora_config=cfg[0])
     TritiumClient(served.grpc, model="tiny").generate_all(PROMPT, **tensors)
     return served.received(1)[0]
 
@@ -140,12 +173,15 @@ def via_openai(served, fields: dict):
     client = openai.OpenAI(base_url=served.openai, api_key="unused", max_retries=0, timeout=120)
     std = ("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "n",
            "logit_bias", "logprobs")
-    kw, extra = {}, {}
+    kw, extra, model = {}, {}, "tiny"
     for k, v in fields.items():
+        if k == "lora_name":  # an adapter is a model of its own (parent: the LLM model)
+            model = v
+            continue
         name = FIELD[k].openai or k  # logprobs: the completions endpoint's own parameter
         v = {str(t): b for t, b in v.items()} if FIELD[k].kind == "bias" else v
         (kw if k in std else extra)[name] = v
-    client.completions.create(model="tiny", prompt=PROMPT, extra_body=extra or None, **kw)
+    client.completions.create(model=model, prompt=PROMPT, extra_body=extra or None, **kw)
     return served.received(1)[0]
 
 
@@ -175,17 +211,20 @@ def via_cli_remote(served, fields: dict):
 
 
 def via_cli_engine(served, fields: dict):
-    """`tritium generate --engine`: the SamplingParams its engine's add_request receives."""
+    """`tritium generate --engine`: the SamplingParams its engine's add_request receives, with the
+    adapter add_request is given beside them (--lora ad1=PATH serves it in-process)."""
     from tritium.backend.engine import LLMEngine
     from tritium.client.cli.main import build_parser
     got = []
     real = LLMEngine.add_request
 
     def spy(self, request_id, prompt=None, prompt_token_ids=None, params=None, priority=0, **lora):
-        got.append(params)
+        got.append(dataclasses.replace(params, lora_name=lora.get("lora_name") or params.lora_name,
+                                       lora_task_id=lora.get("lora_task_id") or params.lora_task_id))
         return real(self, request_id, prompt, prompt_token_ids, params, priority, **lora)
     args = build_parser().parse_args(["generate", "--engine", served.engine, "--json", "--num-kv-blocks", "64",
-                                      PROMPT, *_cli_args(fields)])
+                                      PROMPT, *_cli_args(fields),
+                                      *(["--lora", f"ad1={served.adapter}"] if "lora_name" in fields else [])])
     LLMEngine.add_request = spy
     try:
         args.func(args)
@@ -214,9 +253,12 @@ def test_every_field_reaches_the_engine_unchanged(served, surface, capsys):
     """All fields at once, then each field alone (so no field hides behind another's default)."""
     cli = surface.startswith("cli")
     served.mark()
-    got = SURFACES[surface](served, GOOD)
-    assert got == _given(GOOD, cli), surface
+    every = {k: v for k, v in ALL.items() if spelled(surface, k)}
+    got = SURFACES[surface](served, every)
+    assert got == _given(every, cli), surface
     for name, v in GOOD.items():
+        if not spelled(surface, name):
+            continue
         fields = {name: v, "max_tokens": GOOD["max_tokens"]} if name != "max_tokens" else {name: v}
         got = SURFACES[surface](served, fields)
         assert got == _given(fields, cli), (surface, name)
@@ -229,7 +271,7 @@ def _error(surface, served, fields):
     served.mark()
     try:
         SURFACES[surface](served, fields)
-    except openai.BadRequestError as e:
+    except openai.APIStatusError as e:
         return e.body["code"], e.body["param"]
     except Exception as e:
         return getattr(e, "code", None), getattr(e, "field", None)
@@ -242,8 +284,12 @@ def test_a_bad_value_gets_the_same_code_and_field_everywhere(served, surface, ca
     for name, v in BAD.items():
         if surface.startswith("cli") and FIELD[name].kind == "bool":
             continue  # a flag without a value: nothing out of range can be typed
+        if not spelled(surface, name):
+            continue
         code, field = _error(surface, served, {name: v})
-        if surface == "openai":
+        if surface == "openai" and name == "lora_name":  # the adapter is the model: unknown, 404
+            assert (code, field) == ("model_not_found", "model")
+        elif surface == "openai":
             assert (code, field) == (OPENAI_CODE_OF["bad_parameter"], openai_param(name, "completion")), name
         else:
             assert (code, field) == ("bad_parameter", name), (surface, name)

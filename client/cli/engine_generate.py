@@ -15,7 +15,8 @@ import argparse
 import json
 import sys
 
-from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, engine_setup, options_from_args
+from tritium.backend.engine_options import (SPECULATIVE, add_lora_arguments, add_option_arguments, engine_setup,
+                                            lora_adapters_from_args, lora_config, options_from_args)
 from tritium.backend.errors import RequestError, error_info
 from tritium.client.cli.generate_inputs import (chat_messages, field_kwargs, guide_from_args, parse_prompt_ids,
                                                 read_input_file)
@@ -23,6 +24,7 @@ from tritium.client.cli.generate_inputs import (chat_messages, field_kwargs, gui
 # The engine options `tritium generate --engine` takes (backend/engine_options.py).
 ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device", "device_sampling",
                 "cuda_graphs", "activation_quant") + SPECULATIVE
+LORA_LIMITS = ("max_lora_rank",)  # beside --lora NAME=PATH
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,32 +34,28 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         'field by its sampling_parameters key (max_tokens, temperature, stop, ...)')
     g.add_argument("--stats", action="store_true", help="after the results, print engine stats as one JSON object")
     add_option_arguments(p, ENGINE_FLAGS, "in-process engine options (docs/cli.md)")
-    g = p.add_argument_group("LoRA adapters in-process (docs/lora.md)")
-    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                   help="serve a PEFT LoRA adapter folder under NAME (repeatable); the prompts use it (with "
-                        "several, pick one with --lora-name)")
-    g.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
-                   help="largest adapter rank per module the engine takes (default 16)")
+    add_lora_arguments(p, LORA_LIMITS, "LoRA adapters in-process (docs/lora.md; with several --lora, the prompts' "
+                                       "one is --lora-name)")
 
 
 def lora_options(args):
     """--lora NAME=PATH (repeatable) / --lora-name / --max-lora-rank -> (LoRAConfig or None, the prompts' adapter)."""
-    from tritium.backend.lora.adapter import DEFAULT_MAX_LORA_RANK, parse_lora_spec
-    from tritium.backend.lora.manager import LoRAConfig
-    adapters = dict(parse_lora_spec(s) for s in getattr(args, "lora", []) or [])
+    adapters = lora_adapters_from_args(args)
+    limits = options_from_args(args, LORA_LIMITS)
     name = getattr(args, "lora_name", None)
     if not adapters:
-        if name is not None or getattr(args, "max_lora_rank", None) is not None:
+        if name is not None or limits:
             raise ValueError("--lora-name and --max-lora-rank need --lora NAME=PATH (with --engine)")
         return None, None
     if name is None:
         if len(adapters) > 1:
             raise ValueError(f"several --lora adapters ({', '.join(adapters)}): pick the prompts' one with --lora-name")
         name = next(iter(adapters))
-    elif name not in adapters:
-        raise ValueError(f"--lora-name {name!r} is not among the --lora adapters ({', '.join(adapters)})")
-    rank = args.max_lora_rank if args.max_lora_rank is not None else DEFAULT_MAX_LORA_RANK
-    return LoRAConfig(adapters, max_lora_rank=rank), name
+    elif name not in adapters:  # what the engine answers for an adapter it does not serve: the field named
+        raise RequestError(f"unknown LoRA adapter {name!r}; the --lora adapters: {', '.join(adapters)}",
+                           field="lora_name")
+    cfg = lora_config({"lora_adapters": ",".join(f"{n}={p}" for n, p in adapters.items()), **limits})
+    return cfg, name
 
 
 def _params(args, overrides: dict):
