@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import triton
 
 # Row buckets: the upper bound of each bucket; LARGE stands for "more than 64 rows".
 LARGE = 128
@@ -81,9 +80,13 @@ for _k, _d in _DEFAULTS.items():
 
 def split_ranges(k: int, block_k: int, split_k: int) -> Tuple[int, int]:
     """(effective splits, K per split): K per split is a multiple of block_k, no split is empty."""
-    tiles = triton.cdiv(k, block_k)
-    per = triton.cdiv(tiles, max(1, split_k)) * block_k
-    return triton.cdiv(k, per), per
+    tiles = _cdiv(k, block_k)
+    per = _cdiv(tiles, max(1, split_k)) * block_k
+    return _cdiv(k, per), per
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def tuning_enabled(device: torch.device) -> bool:
@@ -111,6 +114,7 @@ class ConfigCache:
         if not folder or not torch.cuda.is_available():
             return None
         name = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+        import triton  # only on CUDA, where the cache lives: CPU-only installs need not have triton
         return os.path.join(folder, f"{name}-triton{triton.__version__}.json")
 
     def _load_disk(self) -> None:
