@@ -28,30 +28,69 @@
 #define MR 4   /* rows of x per tile */
 
 #if defined(TRITIUM_AVX512)
-#define NR 4   /* output channels per tile: MR * NR accumulators + NR weights stay in registers */
+#define NR 4   /* output channels per tile: MRB * NR accumulators + NR weights stay in registers */
+#define MRB 6  /* rows of x per bf16 tile: 24 accumulators, 4 weights and one x in 32 zmm */
 #define NR1 16 /* channels of the one-row kernel */
 
 INLINE __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
 }
 
+/* 16 horizontal sums at once, each in _mm512_reduce_add_ps's tree (GCC and clang: lane i + i+8,
+ * then j + j+4, then (0+2, 1+3), then the two halves), so every sum has the bits of a separate
+ * reduce: a[0..15] -> lane 4q + j holds the sum of a[4j + q] (a 4 x 4 transpose). */
+INLINE __m512 reduce16(const __m512 *a) {
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 4; i++)
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int i = 0; i < 2; i++)
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* out[r][c] = x[r] . w[c] over K for MR_ rows and NR_ channels (compile-time counts). */
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int MR_, const int NR_) {
-    __m512 acc[MR][NR];
+    __m512 acc[MRB][NR];
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+    const int64_t K32 = K / 32 * 32;
+    for (int64_t k = 0; k < K32; k += 32) { /* whole blocks of 32: plain loads */
         __m512bh wv[NR];
-        for (int c = 0; c < NR_; c++) {
-            _mm_prefetch((const char *)(w + c * K + k + 8 * 32), _MM_HINT_T0);
-            wv[c] = load_bh(w + c * K + k, m);
-        }
+        for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
-            __m512bh xv = load_bh(x + r * K + k, m);
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
             for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
         }
+    }
+    if (K32 < K) { /* the last K % 32 values, masked (zeros add exact zeros, as before) */
+        const __mmask32 m = (__mmask32)((1u << (K - K32)) - 1);
+        __m512bh wv[NR];
+        for (int c = 0; c < NR_; c++) wv[c] = load_bh(w + c * K + K32, m);
+        for (int r = 0; r < MR_; r++) {
+            __m512bh xv = load_bh(x + r * K + K32, m);
+            for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    if (NR_ == 4) { /* per 4 rows: a[4c + r] -> lane 4r + c, so row r's 4 sums are quarter r */
+        for (int r0 = 0; r0 < MR_; r0 += 4) {
+            __m512 a[16];
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < 4; r++) a[4 * c + r] = r0 + r < MR_ ? acc[r0 + r][c] : _mm512_setzero_ps();
+            __m512 s = reduce16(a);
+            float *o = out + r0 * ldo;
+            if (r0 + 0 < MR_) _mm_storeu_ps(o, _mm512_extractf32x4_ps(s, 0));
+            if (r0 + 1 < MR_) _mm_storeu_ps(o + ldo, _mm512_extractf32x4_ps(s, 1));
+            if (r0 + 2 < MR_) _mm_storeu_ps(o + 2 * ldo, _mm512_extractf32x4_ps(s, 2));
+            if (r0 + 3 < MR_) _mm_storeu_ps(o + 3 * ldo, _mm512_extractf32x4_ps(s, 3));
+        }
+        return;
     }
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
@@ -70,6 +109,11 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
             _mm_prefetch((const char *)(w + c * K + k + 8 * 32), _MM_HINT_T0); /* 8 lines ahead */
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
+    }
+    if (NC == 16) { /* lane 4q + j holds channel 4j + q: permute back to channel order */
+        const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, reduce16(acc)));
+        return;
     }
     for (int c = 0; c < NC; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
 }
@@ -264,11 +308,21 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 #endif
 
 #define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * N + n, N, R, C)
+#ifdef MRB
+#define ROWS(C)                                                                  \
+    switch (mr) {                                                                \
+    case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
+    case 3: TILE(3, C); break; case 4: TILE(4, C); break;                        \
+    case 5: TILE(5, C); break; default: TILE(6, C); break;                       \
+    }
+#else
+#define MRB MR
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
     case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
     case 3: TILE(3, C); break; default: TILE(4, C); break;                       \
     }
+#endif
 
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t nblocks = (N + NB - 1) / NB;
@@ -290,8 +344,8 @@ void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M
             const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
             for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
         }
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
+        for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+            const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
             int64_t n = nb * NB;
             for (; n + NR <= n1; n += NR) ROWS(NR)
             for (; n < n1; n++) ROWS(1)
