@@ -26,6 +26,7 @@
 
 #define NB 32  /* output channels per parallel work item */
 #define MR 4   /* rows of x per tile */
+#define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 
 #if defined(TRITIUM_AVX512)
 #define NR 4   /* output channels per tile: MRB * NR accumulators + NR weights stay in registers */
@@ -326,26 +327,35 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t nblocks = (N + NB - 1) / NB;
+    if (M == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-        if (M == 1) {
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
             for (int64_t n = nb * NB; n < n1; n += NR1) {
                 const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
                 if (nc == NR1) bf16_row(x, w + n * K, K, y + n, NR1);
                 else bf16_row(x, w + n * K, K, y + n, (int)nc);
             }
-            continue;
         }
-        /* Several rows: the tiles read a few weight rows at a time, too few loads in flight to
-         * stream the weight at memory speed; ask for the whole next block in L2 first. */
+        return;
+    }
+    /* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a
+     * chunk of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
+    const int64_t nchunks = (M + MC - 1) / MC;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < nchunks * nblocks; item++) {
+        const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
+        const int64_t c1 = c0 + MC < M ? c0 + MC : M;
+        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+        /* the tiles read a few weight rows at a time, too few loads in flight to stream the
+         * weight at memory speed; ask for the whole next block in L2 first */
         if (nb + 1 < nblocks) {
             const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
             const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
             for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
         }
-        for (int64_t m0 = 0; m0 < M; m0 += MRB) {
-            const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
+        for (int64_t m0 = c0; m0 < c1; m0 += MRB) {
+            const int64_t mr = c1 - m0 < MRB ? c1 - m0 : MRB;
             int64_t n = nb * NB;
             for (; n + NR <= n1; n += NR) ROWS(NR)
             for (; n < n1; n++) ROWS(1)
