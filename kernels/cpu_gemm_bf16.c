@@ -308,7 +308,7 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 }
 #endif
 
-#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * N + n, N, R, C)
+#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, yo + (m0 - ym) * ldy + (n - yn), ldy, R, C)
 #ifdef MRB
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
@@ -325,17 +325,32 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
     }
 #endif
 
-void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+/* float32 -> bfloat16 as torch's vectorized conversion does it (the per-op path's .to(bfloat16)):
+ * round to nearest even, any NaN -> 0xFFFF. */
+static inline uint16_t out_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0xFFFFu;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* y (float32) or, where y16 is given instead, y16 (bf16: each float32 result rounded once with
+ * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). */
+static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
+                      int64_t K) {
     const int64_t nblocks = (N + NB - 1) / NB;
     if (M == 1) {
 #pragma omp parallel for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+            float buf[NB];
             for (int64_t n = nb * NB; n < n1; n += NR1) {
                 const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
-                if (nc == NR1) bf16_row(x, w + n * K, K, y + n, NR1);
-                else bf16_row(x, w + n * K, K, y + n, (int)nc);
+                float *o = y16 ? buf + (n - nb * NB) : y + n;
+                if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
+                else bf16_row(x, w + n * K, K, o, (int)nc);
             }
+            if (y16)
+                for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
         }
         return;
     }
@@ -347,6 +362,10 @@ void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M
         const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
         const int64_t c1 = c0 + MC < M ? c0 + MC : M;
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+        float buf[MC * NB];
+        /* where the tiles write: y itself, or a float32 block of this item for y16 */
+        float *yo = y16 ? buf : y;
+        const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
         /* the tiles read a few weight rows at a time, too few loads in flight to stream the
          * weight at memory speed; ask for the whole next block in L2 first */
         if (nb + 1 < nblocks) {
@@ -360,7 +379,19 @@ void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M
             for (; n + NR <= n1; n += NR) ROWS(NR)
             for (; n < n1; n++) ROWS(1)
         }
+        if (y16)
+            for (int64_t m = c0; m < c1; m++)
+                for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
     }
+}
+
+void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    bf16_gemm(x, w, y, 0, M, N, K);
+}
+
+/* The same products rounded to bfloat16 in the kernel: y16 (M, N) bf16. */
+void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16, int64_t M, int64_t N, int64_t K) {
+    bf16_gemm(x, w, 0, y16, M, N, K);
 }
 
 /* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;

@@ -194,9 +194,10 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
         return CpuLinear("dense_bf16", (w,))
 
 
-def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+def run(x: torch.Tensor, p: CpuLinear, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x (M, K) @ W^T for a packed weight: float32 (M, N) from the native and float32 kinds,
-    the compute dtype from the others; the caller rounds once to the engine dtype."""
+    the compute dtype from the others; the caller rounds once to the engine dtype. out_dtype
+    bfloat16 lets the dense native GEMM round in the kernel (same bits, half the bytes written)."""
     m = x.shape[0]
     if p.perm is not None:
         x = x[:, p.perm]
@@ -205,7 +206,7 @@ def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.tensors[0], None, "none", [], "")
     if p.kind == "bf16_native":
-        return cpu_native.bf16_gemm(x, p.tensors[0])
+        return cpu_native.bf16_gemm(x, p.tensors[0], torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     if p.kind == "dense_bf16":
         return torch.nn.functional.linear(x.to(torch.bfloat16), p.tensors[0])
     if p.kind == "int8_native":

@@ -49,6 +49,24 @@ def test_bf16_gemm_matches_float32_and_is_row_invariant(n, k):
         assert torch.equal(cpu_native.bf16_gemm(x[:m], w), solo[:m]), f"seed={seed} M={m}"
 
 
+@pytest.mark.parametrize("n,k", [(7, 45), (40, 64), (100, 576)])
+def test_bf16_gemm_bf16_output_is_torch_rounding_of_the_float32_output(n, k):
+    """The kernel's own rounding (out_dtype bfloat16) gives the bits of torch's .to(bfloat16) on the
+    float32 result, inf and NaN included, for the one-row and the tiled kernels."""
+    seed = _seed()
+    w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    for m in (1, 6, 101):
+        x = torch.randn(m, k).bfloat16()
+        x[m // 2, 3] = float("nan")
+        x[0, 1] = float("inf")
+        want = cpu_native.bf16_gemm(x, w).to(torch.bfloat16)
+        got = cpu_native.bf16_gemm(x, w, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"seed={seed} M={m}"
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+        cpu_native.bf16_gemm(x, w, torch.float16)
+
+
 def test_w4_gemm_equals_dequantize_then_bf16_gemm():
     seed = _seed()
     n, k, g = 40, 256, 64
