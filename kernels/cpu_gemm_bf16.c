@@ -7,8 +7,10 @@
  * K % 32 != 0), then _mm512_reduce_add_ps sums the lanes in a fixed tree. On AVX2 (no bf16 dot
  * product) bf16 is widened to float32 in registers with shifts: 8 float32 lanes take the even and
  * the odd elements of each block of 16 (cpu_simd.h), FMA, a fixed 8-lane tree. The portable path
- * keeps 16 float32 lanes per output (lane i takes k = 16 j + i) and sum16. The tiles below (MR rows
- * x NR channels) only decide which outputs are computed together.
+ * keeps 16 float32 lanes per output (lane i takes k = 16 j + i) and sum16. The tiles below (MRB rows
+ * x NR channels; on avx512 6 x 4, their 16-lane sums taken 16 at a time by reduce16 in the tree of
+ * _mm512_reduce_add_ps), the work items (MC rows x NB channels) and the bf16 output
+ * (tritium_bf16_gemm_bf16) only decide which outputs are computed together and where they go.
  *
  * The same inner order as w8_rows / w8g_rows in cpu_gemm.c: a weight dequantized to bfloat16
  * first (tritium_int8_to_bf16, _int8g_to_bf16, _int4_to_bf16) and multiplied here gives the same

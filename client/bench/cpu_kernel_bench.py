@@ -90,7 +90,7 @@ def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
     w = torch.randn(HIDDEN).bfloat16()
     gu = torch.randn(rows, 2 * FFN).bfloat16()
     qkv = torch.randn(rows, (HQ + 2 * HKV) * D).bfloat16()
-    tabs = rotary_tables(torch.arange(rows), rope_cos_sin_cache(rope_inv_freq(D, 10000.0), 64), torch.bfloat16)
+    tabs = rotary_tables(torch.arange(rows), rope_cos_sin_cache(rope_inv_freq(D, 10000.0), max(64, rows)), torch.bfloat16)
     slots = torch.arange(rows)
     return {
         f"decode attention rows={rows} ctx={ctx}":
