@@ -7,8 +7,10 @@
  * K % 32 != 0), then _mm512_reduce_add_ps sums the lanes in a fixed tree. On AVX2 (no bf16 dot
  * product) bf16 is widened to float32 in registers with shifts: 8 float32 lanes take the even and
  * the odd elements of each block of 16 (cpu_simd.h), FMA, a fixed 8-lane tree. The portable path
- * keeps 16 float32 lanes per output (lane i takes k = 16 j + i) and sum16. The tiles below (MR rows
- * x NR channels) only decide which outputs are computed together.
+ * keeps 16 float32 lanes per output (lane i takes k = 16 j + i) and sum16. The tiles below (MRB rows
+ * x NR channels; on avx512 6 x 4, their 16-lane sums taken 16 at a time by reduce16 in the tree of
+ * _mm512_reduce_add_ps), the work items (MC rows x NB channels) and the bf16 output
+ * (tritium_bf16_gemm_bf16) only decide which outputs are computed together and where they go.
  *
  * The same inner order as w8_rows / w8g_rows in cpu_gemm.c: a weight dequantized to bfloat16
  * first (tritium_int8_to_bf16, _int8g_to_bf16, _int4_to_bf16) and multiplied here gives the same
@@ -26,32 +28,72 @@
 
 #define NB 32  /* output channels per parallel work item */
 #define MR 4   /* rows of x per tile */
+#define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 
 #if defined(TRITIUM_AVX512)
-#define NR 4   /* output channels per tile: MR * NR accumulators + NR weights stay in registers */
+#define NR 4   /* output channels per tile: MRB * NR accumulators + NR weights stay in registers */
+#define MRB 6  /* rows of x per bf16 tile: 24 accumulators, 4 weights and one x in 32 zmm */
 #define NR1 16 /* channels of the one-row kernel */
 
 INLINE __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
 }
 
+/* 16 horizontal sums at once, each in _mm512_reduce_add_ps's tree (GCC and clang: lane i + i+8,
+ * then j + j+4, then (0+2, 1+3), then the two halves), so every sum has the bits of a separate
+ * reduce: a[0..15] -> lane 4q + j holds the sum of a[4j + q] (a 4 x 4 transpose). */
+INLINE __m512 reduce16(const __m512 *a) {
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 4; i++)
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int i = 0; i < 2; i++)
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* out[r][c] = x[r] . w[c] over K for MR_ rows and NR_ channels (compile-time counts). */
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int MR_, const int NR_) {
-    __m512 acc[MR][NR];
+    __m512 acc[MRB][NR];
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+    const int64_t K32 = K / 32 * 32;
+    for (int64_t k = 0; k < K32; k += 32) { /* whole blocks of 32: plain loads */
         __m512bh wv[NR];
-        for (int c = 0; c < NR_; c++) {
-            _mm_prefetch((const char *)(w + c * K + k + 8 * 32), _MM_HINT_T0);
-            wv[c] = load_bh(w + c * K + k, m);
-        }
+        for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
-            __m512bh xv = load_bh(x + r * K + k, m);
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
             for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
         }
+    }
+    if (K32 < K) { /* the last K % 32 values, masked (zeros add exact zeros, as before) */
+        const __mmask32 m = (__mmask32)((1u << (K - K32)) - 1);
+        __m512bh wv[NR];
+        for (int c = 0; c < NR_; c++) wv[c] = load_bh(w + c * K + K32, m);
+        for (int r = 0; r < MR_; r++) {
+            __m512bh xv = load_bh(x + r * K + K32, m);
+            for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    if (NR_ == 4) { /* per 4 rows: a[4c + r] -> lane 4r + c, so row r's 4 sums are quarter r */
+        for (int r0 = 0; r0 < MR_; r0 += 4) {
+            __m512 a[16];
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < 4; r++) a[4 * c + r] = r0 + r < MR_ ? acc[r0 + r][c] : _mm512_setzero_ps();
+            __m512 s = reduce16(a);
+            float *o = out + r0 * ldo;
+            if (r0 + 0 < MR_) _mm_storeu_ps(o, _mm512_extractf32x4_ps(s, 0));
+            if (r0 + 1 < MR_) _mm_storeu_ps(o + ldo, _mm512_extractf32x4_ps(s, 1));
+            if (r0 + 2 < MR_) _mm_storeu_ps(o + 2 * ldo, _mm512_extractf32x4_ps(s, 2));
+            if (r0 + 3 < MR_) _mm_storeu_ps(o + 3 * ldo, _mm512_extractf32x4_ps(s, 3));
+        }
+        return;
     }
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
@@ -70,6 +112,11 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
             _mm_prefetch((const char *)(w + c * K + k + 8 * 32), _MM_HINT_T0); /* 8 lines ahead */
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
+    }
+    if (NC == 16) { /* lane 4q + j holds channel 4j + q: permute back to channel order */
+        const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, reduce16(acc)));
+        return;
     }
     for (int c = 0; c < NC; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
 }
@@ -263,40 +310,90 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 }
 #endif
 
-#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * N + n, N, R, C)
+#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, yo + (m0 - ym) * ldy + (n - yn), ldy, R, C)
+#ifdef MRB
+#define ROWS(C)                                                                  \
+    switch (mr) {                                                                \
+    case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
+    case 3: TILE(3, C); break; case 4: TILE(4, C); break;                        \
+    case 5: TILE(5, C); break; default: TILE(6, C); break;                       \
+    }
+#else
+#define MRB MR
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
     case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
     case 3: TILE(3, C); break; default: TILE(4, C); break;                       \
     }
+#endif
 
-void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+/* float32 -> bfloat16 as torch's vectorized conversion does it (the per-op path's .to(bfloat16)):
+ * round to nearest even, any NaN -> 0xFFFF. */
+static inline uint16_t out_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0xFFFFu;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* y (float32) or, where y16 is given instead, y16 (bf16: each float32 result rounded once with
+ * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). */
+static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
+                      int64_t K) {
     const int64_t nblocks = (N + NB - 1) / NB;
+    if (M == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-        if (M == 1) {
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+            float buf[NB];
             for (int64_t n = nb * NB; n < n1; n += NR1) {
                 const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
-                if (nc == NR1) bf16_row(x, w + n * K, K, y + n, NR1);
-                else bf16_row(x, w + n * K, K, y + n, (int)nc);
+                float *o = y16 ? buf + (n - nb * NB) : y + n;
+                if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
+                else bf16_row(x, w + n * K, K, o, (int)nc);
             }
-            continue;
+            if (y16)
+                for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
         }
-        /* Several rows: the tiles read a few weight rows at a time, too few loads in flight to
-         * stream the weight at memory speed; ask for the whole next block in L2 first. */
+        return;
+    }
+    /* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a
+     * chunk of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
+    const int64_t nchunks = (M + MC - 1) / MC;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < nchunks * nblocks; item++) {
+        const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
+        const int64_t c1 = c0 + MC < M ? c0 + MC : M;
+        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+        float buf[MC * NB];
+        /* where the tiles write: y itself, or a float32 block of this item for y16 */
+        float *yo = y16 ? buf : y;
+        const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
+        /* the tiles read a few weight rows at a time, too few loads in flight to stream the
+         * weight at memory speed; ask for the whole next block in L2 first */
         if (nb + 1 < nblocks) {
             const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
             const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
             for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
         }
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
+        for (int64_t m0 = c0; m0 < c1; m0 += MRB) {
+            const int64_t mr = c1 - m0 < MRB ? c1 - m0 : MRB;
             int64_t n = nb * NB;
             for (; n + NR <= n1; n += NR) ROWS(NR)
             for (; n < n1; n++) ROWS(1)
         }
+        if (y16)
+            for (int64_t m = c0; m < c1; m++)
+                for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
     }
+}
+
+void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+    bf16_gemm(x, w, y, 0, M, N, K);
+}
+
+/* The same products rounded to bfloat16 in the kernel: y16 (M, N) bf16. */
+void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16, int64_t M, int64_t N, int64_t K) {
+    bf16_gemm(x, w, 0, y16, M, N, K);
 }
 
 /* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;

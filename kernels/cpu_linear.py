@@ -9,13 +9,14 @@ Numerics, by engine dtype:
   The fused kernels (w8a16, w8g, w4) serve small batches; from DEQUANT_MIN_ROWS rows the weight is
   dequantized to bfloat16 into a scratch buffer and multiplied by the native bf16 GEMM, which gives
   the same bits (same per-32 dequantization, same accumulation order), so the switch is invisible.
-  Dense bf16 weights use oneDNN (pre-packed) where its result was measured batch-invariant
-  (K <= ONEDNN_INVARIANT_MAX_K on this project's CPUs: oneDNN's bf16 GEMM splits K differently
-  with M above that, see tests/test_determinism_kernels.py) and the native bf16 GEMM elsewhere,
-  or everywhere with `deterministic` (an engine option: oneDNN is then never used). oneDNN's and
-  torch's bf16 GEMMs are only fast with bf16 dot products (AVX512-BF16: the avx512 path); on the
-  avx2 and generic paths the native GEMM (bf16 widened to float32 in registers) takes every
-  dense bf16 weight.
+  Dense bf16 weights take the native bf16 GEMM too (as fast as oneDNN's pre-packed bf16 GEMM
+  from 16 to 256 rows at SmolLM2's shapes on the avx512 path, faster at 1-8 rows; docs/kernels.md),
+  so every linear of a bf16 engine can run inside the native decode step. TRITIUM_CPU_ONEDNN=1
+  (read when a weight is packed) puts dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on
+  oneDNN (pre-packed) instead, as before, where its result was measured batch-invariant (above
+  that K oneDNN's bf16 GEMM splits K differently with M, see tests/test_determinism_kernels.py);
+  `deterministic` (an engine option) never uses oneDNN. Such an engine runs per-op (the native
+  step cannot call oneDNN). oneDNN also packs dense weights when the native kernels are off.
 - float32 (and float16) engines: the quantized weight is dequantized once to float32 and the GEMM
   runs and returns float32, as float weights do (so tensor-parallel partial sums are never
   rounded to bfloat16).
@@ -30,6 +31,7 @@ Numerics, by engine dtype:
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -47,6 +49,7 @@ DEQUANT_MIN_ROWS = 64
 # Largest K for which oneDNN's pre-packed bf16 GEMM gave every row the same bits for every M
 # (1..512, SmolLM2 and test shapes, 1 and 2 threads); from K = 1088 on, rows differ from M = 2..23.
 ONEDNN_INVARIANT_MAX_K = 1024
+ONEDNN_ENV = "TRITIUM_CPU_ONEDNN"  # "1": dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on oneDNN
 _scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's quantized layers
 
 
@@ -83,11 +86,20 @@ def pack_dense(weight: torch.Tensor, deterministic: bool) -> Optional[CpuLinear]
         return None
     k = weight.shape[1]
     native = cpu_native.available()
-    if native and (deterministic or k > ONEDNN_INVARIANT_MAX_K or not cpu_native.has_bf16_dot()):
+    if native and (deterministic or not onednn_requested() or k > ONEDNN_INVARIANT_MAX_K
+                   or not cpu_native.has_bf16_dot()):
         return CpuLinear("bf16_native", (weight.contiguous(),))
     if _onednn_packing():
         return CpuLinear("onednn", (torch.ops.mkldnn._reorder_linear_weight(weight, None),))
     return None
+
+
+def onednn_requested() -> bool:
+    """TRITIUM_CPU_ONEDNN=1: dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on oneDNN."""
+    v = os.environ.get(ONEDNN_ENV, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"{ONEDNN_ENV} must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def _onednn_packing() -> bool:
@@ -211,9 +223,10 @@ def _int4_codes(qweight, g_idx, group_size: int, k: int):
     return q, perm
 
 
-def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
+def run(x: torch.Tensor, p: CpuLinear, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x (M, K) @ W^T for a packed weight: float32 (M, N) from the native and float32 kinds,
-    the compute dtype from the others; the caller rounds once to the engine dtype."""
+    the compute dtype from the others; the caller rounds once to the engine dtype. out_dtype
+    bfloat16 lets the dense native GEMM round in the kernel (same bits, half the bytes written)."""
     m = x.shape[0]
     if p.perm is not None:
         x = x[:, p.perm]
@@ -224,7 +237,7 @@ def run(x: torch.Tensor, p: CpuLinear) -> torch.Tensor:
     if p.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.tensors[0], None, "none", [], "")
     if p.kind == "bf16_native":
-        return cpu_native.bf16_gemm(x, p.tensors[0])
+        return cpu_native.bf16_gemm(x, p.tensors[0], torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     if p.kind == "dense_bf16":
         return torch.nn.functional.linear(x.to(torch.bfloat16), p.tensors[0])
     if p.kind == "int8_native":

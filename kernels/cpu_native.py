@@ -59,6 +59,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_w8a16_gemm.restype = None
     lib.tritium_bf16_gemm.argtypes = [p, p, p, i64, i64, i64]
     lib.tritium_bf16_gemm.restype = None
+    lib.tritium_bf16_gemm_bf16.argtypes = [p, p, p, i64, i64, i64]
+    lib.tritium_bf16_gemm_bf16.restype = None
     lib.tritium_w4_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]
     lib.tritium_w4_gemm.restype = None
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
@@ -131,14 +133,19 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     return y
 
 
-def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (M, K) @ weight bfloat16 (N, K)^T -> float32 (M, N), any K; each output reduced in an
-    order fixed by K alone (kernels/cpu_gemm_bf16.c), so row m is the same whatever M is."""
+    order fixed by K alone (kernels/cpu_gemm_bf16.c), so row m is the same whatever M is.
+    out_dtype bfloat16: the same results rounded to bfloat16 (nearest even) by the kernel, the
+    bits of .to(torch.bfloat16) on the float32 result without writing it."""
     n, k = weight.shape
     assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"bf16_gemm: out_dtype must be float32 or bfloat16, got {out_dtype}")
     xb = _check(x, k)
-    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-    _lib().tritium_bf16_gemm(xb.data_ptr(), weight.data_ptr(), y.data_ptr(), xb.shape[0], n, k)
+    y = torch.empty(xb.shape[0], n, dtype=out_dtype)
+    f = _lib().tritium_bf16_gemm if out_dtype == torch.float32 else _lib().tritium_bf16_gemm_bf16
+    f(xb.data_ptr(), weight.data_ptr(), y.data_ptr(), xb.shape[0], n, k)
     return y
 
 

@@ -185,10 +185,10 @@ def can_pack_dense_cpu(weight) -> bool:
     return _cpu_linear.dense_packable(weight)
 
 
-def cpu_linear(x, packed):
+def cpu_linear(x, packed, out_dtype=None):
     """x (M, K) @ W^T with a pack_cpu_linear weight (float32 or the compute dtype; the caller
-    rounds once to the engine dtype)."""
-    return _cpu_linear.run(x, packed)
+    rounds once to the engine dtype; out_dtype bfloat16 lets a kernel round it, cpu_linear.run)."""
+    return _cpu_linear.run(x, packed, out_dtype)
 
 
 def linear_w4a16(x, qweight, scales, zeros, group_size, g_idx=None, bias=None):

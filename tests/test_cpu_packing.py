@@ -18,7 +18,8 @@ def test_packing_applies_only_to_bf16_on_cpu():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_dense_linear_equals_f_linear(bias, cpu_path):
-    """On each native CPU path: oneDNN (avx512, K <= 1024) or the native bf16 GEMM (avx2, generic)."""
+    """On each native CPU path the native bf16 GEMM packs a dense weight (oneDNN only with
+    TRITIUM_CPU_ONEDNN=1, tests/test_determinism_kernels.py)."""
     torch.manual_seed(0)
     lin = DenseLinear(96, 160, bias, torch.bfloat16)
     lin.weight.copy_(torch.randn(160, 96))
@@ -29,7 +30,7 @@ def test_packed_dense_linear_equals_f_linear(bias, cpu_path):
     supported = cpu_packing_supported(lin.weight)
     assert lin.pack_for_cpu() is supported and lin.pack_for_cpu() is supported  # idempotent
     assert (lin.weight is None) is supported  # packed: the plain weight is released, not kept twice
-    assert lin.packed_weight.kind == ("onednn" if cpu_path == "avx512" else "bf16_native")
+    assert lin.packed_weight.kind == "bf16_native"
     for rows in (1, 7, 64):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())

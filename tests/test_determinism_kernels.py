@@ -45,8 +45,26 @@ def test_bf16_gemm_matches_float32_and_is_row_invariant(n, k):
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5, msg=lambda s: f"seed={seed}: {s}")
     solo = _solo(lambda a: cpu_native.bf16_gemm(a, w), x)
-    for m in (2, 3, 5, 17, 64, 70):
+    for m in (2, 3, 4, 5, 6, 7, 12, 13, 17, 64, 70):  # every tile height (1-6 rows) and tails
         assert torch.equal(cpu_native.bf16_gemm(x[:m], w), solo[:m]), f"seed={seed} M={m}"
+
+
+@pytest.mark.parametrize("n,k", [(7, 45), (40, 64), (100, 576)])
+def test_bf16_gemm_bf16_output_is_torch_rounding_of_the_float32_output(n, k):
+    """The kernel's own rounding (out_dtype bfloat16) gives the bits of torch's .to(bfloat16) on the
+    float32 result, inf and NaN included, for the one-row and the tiled kernels."""
+    seed = _seed()
+    w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    for m in (1, 6, 101):
+        x = torch.randn(m, k).bfloat16()
+        x[m // 2, 3] = float("nan")
+        x[0, 1] = float("inf")
+        want = cpu_native.bf16_gemm(x, w).to(torch.bfloat16)
+        got = cpu_native.bf16_gemm(x, w, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"seed={seed} M={m}"
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+        cpu_native.bf16_gemm(x, w, torch.float16)
 
 
 def test_w4_gemm_equals_dequantize_then_bf16_gemm():
@@ -122,14 +140,30 @@ def test_float32_engine_quantized_linear_computes_in_float32(method, lq):
                                msg=lambda s: f"seed={seed}: {s}")
 
 
+def test_dense_bf16_weights_default_to_the_native_gemm(monkeypatch):
+    """Every dense bf16 weight packs for the native GEMM by default (any K, with or without
+    `deterministic`); a bad TRITIUM_CPU_ONEDNN names the variable and its values."""
+    monkeypatch.delenv(cpu_linear.ONEDNN_ENV, raising=False)
+    for k in (72, 576, 1536):
+        w = torch.randn(96, k).bfloat16()
+        assert cpu_linear.pack_dense(w, deterministic=False).kind == "bf16_native"
+        assert cpu_linear.pack_dense(w, deterministic=True).kind == "bf16_native"
+    monkeypatch.setenv(cpu_linear.ONEDNN_ENV, "yes")
+    with pytest.raises(ValueError, match="TRITIUM_CPU_ONEDNN must be 0 or 1"):
+        cpu_linear.pack_dense(torch.randn(8, 64).bfloat16(), deterministic=False)
+
+
 @pytest.mark.parametrize("k", [72, 576, cpu_linear.ONEDNN_INVARIANT_MAX_K])
-def test_onednn_bf16_rows_invariant_up_to_the_measured_k(k):
-    """The default keeps oneDNN for K <= ONEDNN_INVARIANT_MAX_K on the avx512 path, on the claim
-    that its rows do not depend on M there; this checks the claim on this machine (SmolLM2-like
-    widths). Without bf16 dot products (avx2, generic) the native GEMM takes every bf16 weight."""
+def test_onednn_bf16_rows_invariant_up_to_the_measured_k(k, monkeypatch):
+    """TRITIUM_CPU_ONEDNN=1 puts K <= ONEDNN_INVARIANT_MAX_K on oneDNN on the avx512 path, on the
+    claim that its rows do not depend on M there; this checks the claim on this machine
+    (SmolLM2-like widths). Without bf16 dot products (avx2, generic) the native GEMM takes every
+    bf16 weight even then, and `deterministic` never uses oneDNN."""
     seed = _seed()
+    monkeypatch.setenv(cpu_linear.ONEDNN_ENV, "1")
     for n in (96, 960, 3072):
         w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+        assert cpu_linear.pack_dense(w, deterministic=True).kind == "bf16_native"
         p = cpu_linear.pack_dense(w, deterministic=False)
         assert p.kind == ("onednn" if cpu_native.has_bf16_dot() else "bf16_native"), cpu_native.isa()
         x = torch.randn(70, k).bfloat16()

@@ -86,9 +86,7 @@ def test_deterministic_option_packs_every_dense_weight_for_the_native_gemm(tiny_
         for (prompt, max_tokens), out in zip(reqs, run_staggered(eng, reqs, arrivals)):
             assert out.outputs[0].token_ids == alone(eng, prompt, max_tokens)
     with LLMEngine(path, device="cpu", num_kv_blocks=64) as eng:
-        # the default keeps oneDNN for K <= 1024 where it is fast (bf16 dot products: the avx512
-        # path); the avx2 and generic paths take the native GEMM for every dense weight
-        want = "onednn" if native_bf16 == "avx512" else "bf16_native"
-        assert eng.runner.model.layers[0].qkv_proj.packed_weight.kind == want
+        # the default packs every dense weight for the native GEMM too (oneDNN only on request)
+        assert eng.runner.model.layers[0].qkv_proj.packed_weight.kind == "bf16_native"
     with pytest.raises(ValueError, match="deterministic must be true or false"):
         LLMEngine(path, device="cpu", num_kv_blocks=8, deterministic="yes")

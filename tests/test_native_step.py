@@ -17,7 +17,7 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models import native_step
 from tritium.backend.models.native_step import NATIVE_STEP_MAX_ROWS, NativeStep, refusal
-from tritium.kernels import ops
+from tritium.kernels import cpu_native, ops
 from tritium.kernels.attention_metadata import AttentionMetadata
 
 from test_runtime_engine import alone, run_staggered, workload
@@ -179,17 +179,30 @@ def test_unsupported_engines_refused(tiny_checkpoint, tmp_path, what, kw, reason
     assert why is not None and reason in why, (what, why)
 
 
-def test_onednn_packed_bf16_refused(engine_dir, native_bf16):
-    """A bf16 engine whose small-K linears oneDNN runs (the default without deterministic, where
-    oneDNN's bf16 GEMM is available) keeps the per-op path: the native call has no oneDNN."""
+def test_default_bf16_engine_takes_the_native_step(engine_dir, native_bf16, monkeypatch):
+    """Without `deterministic`, a bf16 engine packs its dense linears for the native GEMM and its
+    decode steps run natively."""
+    monkeypatch.delenv("TRITIUM_CPU_ONEDNN", raising=False)
+    eng = LLMEngine(engine_dir("llama-gqa", "bf16"), num_kv_blocks=8, deterministic=False)
+    kinds = {native_step._packed(layer.qkv_proj)[0].kind for layer in eng.runner.model.layers}
+    assert kinds == {"bf16_native"} and refusal(eng.runner.model) is None
+
+
+def test_onednn_packed_bf16_refused(engine_dir, native_bf16, monkeypatch):
+    """A bf16 engine whose small-K linears oneDNN runs (TRITIUM_CPU_ONEDNN=1 without
+    deterministic, where oneDNN's bf16 GEMM is available) keeps the per-op path: the native call
+    has no oneDNN."""
     from tritium.kernels import cpu_linear
+    monkeypatch.setenv("TRITIUM_CPU_ONEDNN", "1")
     eng = LLMEngine(engine_dir("llama-gqa", "bf16"), num_kv_blocks=8, deterministic=False)
     kinds = {native_step._packed(layer.qkv_proj)[0].kind for layer in eng.runner.model.layers}
     why = refusal(eng.runner.model)
     if kinds == {"onednn"}:
         assert why is not None and "onednn" in why
-    else:  # no oneDNN bf16 here: the native GEMM packs every weight and the step is native
-        assert kinds == {"bf16_native"} and not cpu_linear._onednn_packing() and why is None
+    else:  # no oneDNN bf16 or no bf16 dot products (avx2, generic): the native GEMM packs every
+        # weight and the step is native
+        assert kinds == {"bf16_native"} and why is None
+        assert not cpu_linear._onednn_packing() or not cpu_native.has_bf16_dot()
 
 
 def test_steps_the_native_call_does_not_take(engine_dir, native_bf16, monkeypatch):

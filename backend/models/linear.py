@@ -34,7 +34,7 @@ def pack_for_cpu(weight: torch.Tensor, deterministic: bool = False):
 
 def packed_linear(x: torch.Tensor, packed, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x (..., K) @ packed^T (+ bias) with a weight from pack_for_cpu, rounded once to x's dtype."""
-    y = ops.cpu_linear(x.reshape(-1, x.shape[-1]), packed).to(x.dtype)
+    y = ops.cpu_linear(x.reshape(-1, x.shape[-1]), packed, x.dtype).to(x.dtype)
     y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 

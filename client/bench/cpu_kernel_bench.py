@@ -15,11 +15,11 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from tritium.kernels import cpu_isa, cpu_native
+from tritium.kernels import cpu_isa, cpu_linear, cpu_native
 
 HIDDEN, FFN, HQ, HKV, D = 576, 1536, 9, 3, 64
 
@@ -52,11 +52,28 @@ def _gemm_cases(m: int) -> Dict[str, Callable]:
         tag = f"M={m} N={n} K={k}"
         f32 = (lambda xf=xf, wf=wf: torch.nn.functional.linear(xf, wf))
         bf = (lambda x=x, wb=wb: torch.nn.functional.linear(x, wb))
-        cases[f"bf16 gemm {tag}"] = (lambda x=x, wb=wb: cpu_native.bf16_gemm(x, wb), f32, bf)
-        cases[f"int8 w8a16 {tag}"] = (lambda x=x, q=q8, s=s8: cpu_native.w8a16_gemm(x, q, s), f32, None)
-        cases[f"int8 grouped {tag}"] = (lambda x=x, q=q8, p=params: cpu_native.w8g_gemm(x, q, p, g), f32, None)
-        cases[f"int4 {tag}"] = (lambda x=x, q=q4, s=sg, z=zg: cpu_native.w4_gemm(x, q, s, z, g), f32, None)
+        cases[f"bf16 gemm {tag}"] = (lambda x=x, wb=wb: cpu_native.bf16_gemm(x, wb), f32, bf, _onednn(x, wb))
+        cases[f"int8 w8a16 {tag}"] = (lambda x=x, q=q8, s=s8: cpu_native.w8a16_gemm(x, q, s), f32, None, None)
+        cases[f"int8 grouped {tag}"] = (lambda x=x, q=q8, p=params: cpu_native.w8g_gemm(x, q, p, g), f32, None, None)
+        cases[f"int4 {tag}"] = (lambda x=x, q=q4, s=sg, z=zg: cpu_native.w4_gemm(x, q, s, z, g), f32, None, None)
+    # bf16 only: fused gate_up, o_proj / q_proj, k_proj / v_proj
+    for n, k in ((2 * FFN, HIDDEN), (HIDDEN, HIDDEN), (HKV * D, HIDDEN)):
+        x = torch.randn(m, k).bfloat16()
+        wb = (torch.randn(n, k) / k ** 0.5).bfloat16()
+        f32 = (lambda xf=x.float(), wf=wb.float(): torch.nn.functional.linear(xf, wf))
+        bf = (lambda x=x, wb=wb: torch.nn.functional.linear(x, wb))
+        cases[f"bf16 gemm M={m} N={n} K={k}"] = (lambda x=x, wb=wb: cpu_native.bf16_gemm(x, wb), f32, bf,
+                                                 _onednn(x, wb))
     return cases
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> Optional[Callable]:
+    """oneDNN's bf16 GEMM on a weight pre-packed as kernels/cpu_linear.py packs it (None where
+    this torch has no oneDNN bf16)."""
+    if not cpu_linear._onednn_packing():
+        return None
+    pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
 
 
 def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
@@ -73,7 +90,7 @@ def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
     w = torch.randn(HIDDEN).bfloat16()
     gu = torch.randn(rows, 2 * FFN).bfloat16()
     qkv = torch.randn(rows, (HQ + 2 * HKV) * D).bfloat16()
-    tabs = rotary_tables(torch.arange(rows), rope_cos_sin_cache(rope_inv_freq(D, 10000.0), 64), torch.bfloat16)
+    tabs = rotary_tables(torch.arange(rows), rope_cos_sin_cache(rope_inv_freq(D, 10000.0), max(64, rows)), torch.bfloat16)
     slots = torch.arange(rows)
     return {
         f"decode attention rows={rows} ctx={ctx}":
@@ -96,14 +113,16 @@ def run(paths: List[str], rounds: int, rows: List[int]) -> Dict[str, Dict[str, f
     for m in rows:
         cases.update(_gemm_cases(m))
     for m in rows:
-        cases.update({k: (v, None, None) for k, v in _other_cases(m, 256).items()})
+        cases.update({k: (v, None, None, None) for k, v in _other_cases(m, 256).items()})
     samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in cases}
     for _ in range(rounds):
         for path in paths:
             _use(path)
-            for name, (fn, _, _) in cases.items():
+            for name, (fn, _, _, _) in cases.items():
                 samples[name].setdefault(path, []).append(_time(fn))
-        for name, (_, f32, bf) in cases.items():
+        for name, (_, f32, bf, dnn) in cases.items():
+            if dnn is not None:
+                samples[name].setdefault("bf16 oneDNN", []).append(_time(dnn))
             if f32 is not None:
                 samples[name].setdefault("f32 torch", []).append(_time(f32))
             if bf is not None:
@@ -134,8 +153,9 @@ def main(argv=None) -> int:
         else:
             os.environ[cpu_isa.ENV] = saved
         cpu_native.reset()
-    cols = paths + ["f32 torch", "bf16 torch"]
-    print(f"threads={torch.get_num_threads()}  median us per call  (x: f32 torch time / path time)")
+    cols = paths + ["f32 torch", "bf16 torch", "bf16 oneDNN"]
+    print(f"threads={torch.get_num_threads()}  median us per call  (x: f32 torch time / path time; "
+          f"in the oneDNN column: {paths[0]} time / oneDNN time)")
     print(f"{'kernel':44s}" + "".join(f"{c:>18s}" for c in cols))
     for name, d in res.items():
         line = f"{name:44s}"
@@ -144,6 +164,8 @@ def main(argv=None) -> int:
                 line += f"{'':>18s}"
                 continue
             ratio = f" ({d['f32 torch'] / d[c]:.2f}x)" if "f32 torch" in d and c in paths else ""
+            if c == "bf16 oneDNN" and paths[0] in d:
+                ratio = f" ({d[paths[0]] / d[c]:.2f})"
             line += f"{d[c]:>10.1f}{ratio:>8s}"
         print(line)
     return 0

@@ -1,18 +1,20 @@
 """The native decode step against the per-op path, in-process: a benchmark that prints figures.
 
     python -m tritium.client.bench.native_step_bench ENGINE_DIR [ENGINE_DIR ...] [--batch 1,4]
-        [--tokens 128] [--rounds 3] [--threads N] [--deterministic]
+        [--tokens 128] [--rounds 3] [--threads N] [--deterministic] [--onednn] [--prefill 256]
 
 For each engine (an LLMEngine with its scheduler, sampler and KV manager, prefix caching off),
 rounds alternate the two paths on the same engine (TRITIUM_NATIVE_STEP=0, then 1, then the other
 order next round), each generating --tokens greedy tokens (EOS ignored) for --batch requests at
 once after a short prompt; only the steps after the first are timed. Prints the best decode
-tokens/s and tokens per CPU-second of each path and the ratio native / per-op. With
---deterministic every dense bf16 linear is packed for the native GEMM (the native step needs it;
-docs/kernels.md), and an unquantized engine gets a third column: the engine as it runs by
-default (oneDNN for the dense GEMMs with K <= 1024, per-op), interleaved too. The memory-bandwidth limit is
-engine bytes / bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step
-streams every weight once.
+tokens/s and tokens per CPU-second of each path and the ratio native / per-op. With --onednn an
+unquantized bf16 engine gets a third column: the same engine with its K <= 1024 dense GEMMs on
+oneDNN (TRITIUM_CPU_ONEDNN=1, so per-op: the native step cannot call oneDNN), interleaved too.
+With --prefill N, also prompt tokens/s of --batch requests of N-token prompts scheduled at once
+(one token generated each), default engine and the oneDNN one (with --onednn), interleaved.
+--deterministic: the engine option of that name. The memory-bandwidth limit is engine bytes /
+bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step streams every
+weight once.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.native_step import ENV
 from tritium.backend.sampling_params import SamplingParams
+from tritium.kernels.cpu_linear import ONEDNN_ENV
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -41,6 +44,32 @@ def _decode_rate(eng: LLMEngine, tokens: int, batch: int):
         steps += 1
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return steps * batch / wall, steps * batch / cpu
+
+
+def _prefill_rate(eng: LLMEngine, prompt_tokens: int, batch: int):
+    """Prompt tokens/s (wall, per CPU-second) of `batch` requests of prompt_tokens tokens each."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        ids = [(17 * i + 31 * j) % 1000 + 10 for j in range(prompt_tokens)]
+        eng.add_request(f"p{time.monotonic_ns()}-{i}", prompt_token_ids=ids, params=params)
+    t0, c0 = time.perf_counter(), time.process_time()
+    while eng.has_unfinished():
+        eng.step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return prompt_tokens * batch / wall, prompt_tokens * batch / cpu
+
+
+def _onednn_engine(path: str, deterministic) -> LLMEngine:
+    """The engine with its K <= 1024 dense bf16 GEMMs packed for oneDNN (kernels/cpu_linear.py)."""
+    old = os.environ.get(ONEDNN_ENV)
+    os.environ[ONEDNN_ENV] = "1"
+    try:
+        return LLMEngine(path, enable_prefix_caching=False, deterministic=deterministic)
+    finally:
+        if old is None:
+            os.environ.pop(ONEDNN_ENV, None)
+        else:
+            os.environ[ONEDNN_ENV] = old
 
 
 def engine_bytes(path: str) -> int:
@@ -69,7 +98,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--deterministic", action="store_true", help="bf16 engines: every dense linear on the native GEMM")
+    p.add_argument("--deterministic", action="store_true", help="the engine option `deterministic`")
+    p.add_argument("--onednn", action="store_true",
+                   help="bf16 engines: a third column, the engine with its K <= 1024 GEMMs on oneDNN (per-op)")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="also time a prefill of --batch prompts of this many tokens (default 0: off)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="host memory bandwidth for the limit column (default: measured, a float32 sum)")
     args = p.parse_args(argv)
@@ -79,13 +112,15 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--batch must be a comma list of integers >= 1, got {args.batch!r}")
+    if args.prefill < 0:
+        p.error(f"--prefill must be >= 0, got {args.prefill}")
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = args.bandwidth_gbs or read_bandwidth_gbs()
     print(f"torch threads {torch.get_num_threads()}, {args.tokens} tokens x {args.rounds} rounds (best); "
           f"memory read bandwidth {bw:.1f} GB/s{' (given)' if args.bandwidth_gbs else ' (measured)'}")
     print(f"{'engine':28s} {'batch':>5s} {'per-op tok/s':>12s} {'native tok/s':>12s} {'ratio':>6s} "
-          f"{'per-op tok/CPU-s':>16s} {'native tok/CPU-s':>16s} {'ratio':>6s}  default-engine tok/s, tok/CPU-s; limit")
+          f"{'per-op tok/CPU-s':>16s} {'native tok/CPU-s':>16s} {'ratio':>6s}  oneDNN-engine tok/s, tok/CPU-s; limit")
     old = os.environ.get(ENV)
     try:
         for path in args.engines:
@@ -97,8 +132,8 @@ def main(argv=None) -> int:
                 print(f"{path}: the native step does not take this engine: {why}")
                 continue
             dflt = None
-            if args.deterministic and model.cfg.dtype == "bfloat16" and model.cfg.quantization.method == "none":
-                dflt = LLMEngine(path, enable_prefix_caching=False, deterministic=False)
+            if args.onednn and model.cfg.dtype == "bfloat16" and model.cfg.quantization.method == "none":
+                dflt = _onednn_engine(path, args.deterministic or None)
                 _decode_rate(dflt, 4, 1)
             nbytes = engine_bytes(path)
             limit = f"limit {bw * 1e9 / nbytes:.0f} tok/s ({nbytes / 1e6:.0f} MB)"
@@ -116,6 +151,8 @@ def main(argv=None) -> int:
                 print(f"{name:28s} {batch:5d} {w0:12.1f} {w1:12.1f} {w1 / w0:6.2f} {c0:16.1f} {c1:16.1f} "
                       f"{c1 / c0:6.2f}  " + (f"{best['d'][0]:.1f}, {best['d'][1]:.1f}; " if dflt else "") + limit,
                       flush=True)
+                if args.prefill:
+                    _prefill(eng, dflt, args, batch, name)
             eng.close()
             if dflt is not None:
                 dflt.close()
@@ -125,6 +162,23 @@ def main(argv=None) -> int:
         else:
             os.environ[ENV] = old
     return 0
+
+
+def _prefill(eng: LLMEngine, onednn, args, batch: int, name: str) -> None:
+    """Prompt tokens/s of the engine as it runs (native step on) and of its oneDNN twin, best of
+    --rounds, interleaved."""
+    best = {"e": (0.0, 0.0), "d": (0.0, 0.0)}
+    for r in range(args.rounds):
+        for mode in (("e", "d") if r % 2 == 0 else ("d", "e")):
+            if mode == "d" and onednn is None:
+                continue
+            w, c = _prefill_rate(eng if mode == "e" else onednn, args.prefill, batch)
+            best[mode] = (max(best[mode][0], w), max(best[mode][1], c))
+    line = f"{name:28s} {batch:5d} prefill {args.prefill}-token prompts: {best['e'][0]:.1f} tok/s, {best['e'][1]:.1f} tok/CPU-s"
+    if onednn is not None:
+        line += (f"; oneDNN engine {best['d'][0]:.1f} tok/s, {best['d'][1]:.1f} tok/CPU-s; "
+                 f"ratio {best['e'][0] / best['d'][0]:.2f}, {best['e'][1] / best['d'][1]:.2f}")
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
