@@ -92,7 +92,7 @@ def test_dump_calibration_gives_the_builders_windows(tmp_path):
 
     class Model(types.SimpleNamespace):
         pass
-    cfg = types.SimpleNamespace(model=types.SimpleNamespace(num_kv_heads=1, head_dim=4),
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(num_kv_heads=1, head_dim=4, kv_lora_rank=0),
                                 limits=types.SimpleNamespace(block_size=16))
     import torch
     model = Model(cfg=cfg, embed_tokens_weight=torch.zeros(300, 4))
