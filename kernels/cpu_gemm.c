@@ -15,6 +15,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_simd.h"
 
@@ -234,6 +238,64 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 #endif
 
+#if defined(TRITIUM_AVX512) || defined(TRITIUM_AVX2)
+/* Several rows on the SIMD paths: NP channels at a time are dequantized to bfloat16 (the blocks
+ * above, so the rounding of the conversions) into a buffer per thread, and tritium_bf16_tiles
+ * (cpu_gemm_bf16.c) multiplies them by all M rows in its register tiles: the bits of the fused
+ * kernels (the same weights, the same per-output order), at the bf16 GEMM's speed plus one
+ * conversion per weight and call. params NULL: per-channel int8 (exact in bf16), scaled after.
+ * Returns 0 where the buffers cannot be allocated (the caller then runs the fused kernels). */
+#define NP 8
+void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
+                        int64_t ldy);
+static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *params, int64_t nz,
+                      float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#else
+    const int nt = 1;
+#endif
+    uint16_t *bufs = (uint16_t *)malloc((size_t)nt * NP * K * sizeof(uint16_t));
+    if (!bufs) return 0;
+    const int64_t npanels = (N + NP - 1) / NP, per_n = params ? (K / G) * nz : 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < npanels; p++) {
+#ifdef _OPENMP
+        uint16_t *buf = bufs + (size_t)omp_get_thread_num() * NP * K;
+#else
+        uint16_t *buf = bufs;
+#endif
+        const int64_t n0 = p * NP, nc = N - n0 < NP ? N - n0 : NP;
+        for (int64_t c = 0; c < nc; c++) {
+            const int8_t *q = w + (n0 + c) * K;
+            if (params) {
+                const float *pn = params + (n0 + c) * per_n;
+                for (int64_t k = 0; k < K; k += 32) {
+                    const float *pg = pn + k / G * nz;
+                    int8g_block(q + k, pg[0], nz == 2 ? pg[1] : 0.0f, buf + c * K + k);
+                }
+            } else {
+                for (int64_t k = 0; k < K; k += 32) int8_block(q + k, buf + c * K + k);
+            }
+        }
+        tritium_bf16_tiles(x, M, buf, nc, K, y + n0, N);
+        if (!params)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t c = 0; c < nc; c++) y[m * N + n0 + c] *= scale[n0 + c];
+    }
+    free(bufs);
+    return 1;
+}
+#define PANEL(M) ((M) >= 2)
+#else
+#define PANEL(M) 0
+static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *params, int64_t nz,
+                      float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    (void)x, (void)w, (void)scale, (void)params, (void)nz, (void)y, (void)M, (void)N, (void)K, (void)G;
+    return 0;
+}
+#endif
+
 #define DISPATCH(CALL, mr)                                   \
     switch (mr) {                                            \
     case 1: CALL(1); break; case 2: CALL(2); break;          \
@@ -244,6 +306,7 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 
 void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
                         int64_t M, int64_t N, int64_t K) {
+    if (PANEL(M) && panel_gemm(x, w, scale, 0, 0, y, M, N, K, 32)) return;
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
@@ -278,6 +341,7 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
  * laid out per channel so a channel's parameters are read in order; G % 32 == 0. */
 void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, int64_t nz, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t G) {
+    if (PANEL(M) && panel_gemm(x, w, 0, params, nz, y, M, N, K, G)) return;
     const int64_t nblocks = (N + NB - 1) / NB, per_n = (K / G) * nz;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {

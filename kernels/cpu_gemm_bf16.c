@@ -310,22 +310,30 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 }
 #endif
 
-#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, yo + (m0 - ym) * ldy + (n - yn), ldy, R, C)
-#ifdef MRB
+#ifndef MRB
+#define MRB MR
+#endif
+#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, R, C)
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
     case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
     case 3: TILE(3, C); break; case 4: TILE(4, C); break;                        \
-    case 5: TILE(5, C); break; default: TILE(6, C); break;                       \
+    case 5: TILE(MRB < 5 ? MRB : 5, C); break;                                   \
+    default: TILE(MRB < 6 ? MRB : 6, C); break;                                  \
     }
-#else
-#define MRB MR
-#define ROWS(C)                                                                  \
-    switch (mr) {                                                                \
-    case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
-    case 3: TILE(3, C); break; default: TILE(4, C); break;                       \
+
+/* y[m][c] (rows ldy apart) = x[m] . w[c] for m < M, c < nc in the tiles above, one thread.
+ * Also called by the fused int8 kernels (cpu_gemm.c) on a block of channels they dequantized
+ * to bfloat16, so a batch's rows share each conversion and get tritium_bf16_gemm's bits. */
+void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
+                        int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+        const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
+        int64_t n = 0;
+        for (; n + NR <= nc; n += NR) ROWS(NR)
+        for (; n < nc; n++) ROWS(1)
     }
-#endif
+}
 
 /* float32 -> bfloat16 as torch's vectorized conversion does it (the per-op path's .to(bfloat16)):
  * round to nearest even, any NaN -> 0xFFFF. */
@@ -375,12 +383,8 @@ static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
             const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
             for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
         }
-        for (int64_t m0 = c0; m0 < c1; m0 += MRB) {
-            const int64_t mr = c1 - m0 < MRB ? c1 - m0 : MRB;
-            int64_t n = nb * NB;
-            for (; n + NR <= n1; n += NR) ROWS(NR)
-            for (; n < n1; n++) ROWS(1)
-        }
+        tritium_bf16_tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K,
+                           yo + (c0 - ym) * ldy + (nb * NB - yn), ldy);
         if (y16)
             for (int64_t m = c0; m < c1; m++)
                 for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
