@@ -2,7 +2,8 @@
  * conversions that feed tritium_bf16_gemm (cpu_gemm_bf16.c) for big batches.
  *
  * x bfloat16 (M, K), q int8 (N, K) with a float32 scale per output channel, y float32.
- * Each block of weights is converted once and multiplies up to MR rows of x, so a batch's rows
+ * Each block of weights is converted once per call and multiplies every row of x (several rows on
+ * avx512 / avx2: panel_gemm below; portable: up to MR rows per conversion), so a batch's rows
  * share the conversion. Every output is reduced in the order of tritium_bf16_gemm on the same
  * path (cpu_gemm_bf16.c): a weight dequantized to bfloat16 first and multiplied there gives the
  * same bits as these fused kernels, so a layer may switch between them by batch size.
@@ -97,37 +98,9 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 
 #elif defined(TRITIUM_AVX2)
-INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m256 we, wo;
-        i8x16_eo(wn + k, &we, &wo);
-        for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
-    }
-    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
-}
-
-INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
-                     const int NZ, float *out, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
-        const __m256 s = _mm256_set1_ps(pn[0]), z = _mm256_set1_ps(NZ == 2 ? pn[1] : 0.0f);
-        for (int64_t k = g0; k < g0 + G; k += 16) {
-            __m256 we, wo;
-            i8x16_eo(wn + k, &we, &wo);
-            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
-            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
-            for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
-        }
-    }
-    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
-}
-
-/* One row of x against NC_ channels (the decode case): the same per-output order as w8_rows, but
- * NC_ independent accumulator chains, so the FMA latency no longer bounds a one-row GEMV. pn:
- * channel 0's parameters, per_n floats per channel. */
+/* One row of x against NC_ channels (several rows: one row at a time where panel_gemm cannot
+ * allocate): per output the order of the bf16 GEMM, NC_ independent accumulator chains, so the
+ * FMA latency does not bound a one-row GEMV. pn: channel 0's parameters, per_n floats per channel. */
 #define NC1 8
 INLINE void w8_cols(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int NC_) {
     __m256 acc[NC1];
@@ -312,17 +285,15 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS
-        if (M == 1) {
+        for (int64_t m = 0; m < M; m++)
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 float out[NC1];
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                if (nc == NC1) w8_cols(x, K, w + n * K, out, NC1);
-                else w8_cols(x, K, w + n * K, out, nc);
-                for (int c = 0; c < nc; c++) y[n + c] = out[c] * scale[n + c];
+                if (nc == NC1) w8_cols(x + m * K, K, w + n * K, out, NC1);
+                else w8_cols(x + m * K, K, w + n * K, out, nc);
+                for (int c = 0; c < nc; c++) y[m * N + n + c] = out[c] * scale[n + c];
             }
-            continue;
-        }
-#endif
+#else
         /* rows outer, channels inner: MR rows of x and NB rows of w both stay in L1 */
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
@@ -333,6 +304,7 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r] * scale[n];
             }
         }
+#endif
     }
 }
 
@@ -347,18 +319,17 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, i
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS
-        if (M == 1) {
+        for (int64_t m = 0; m < M; m++)
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                const float *pn = params + n * per_n;
-                if (nz == 2 && nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, NC1);
-                else if (nz == 2) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, nc);
-                else if (nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, NC1);
-                else w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, nc);
+                const float *pn = params + n * per_n, *xm = x + m * K;
+                float *ym = y + m * N + n;
+                if (nz == 2 && nc == NC1) w8g_cols(xm, K, G, w + n * K, pn, per_n, 2, ym, NC1);
+                else if (nz == 2) w8g_cols(xm, K, G, w + n * K, pn, per_n, 2, ym, nc);
+                else if (nc == NC1) w8g_cols(xm, K, G, w + n * K, pn, per_n, 1, ym, NC1);
+                else w8g_cols(xm, K, G, w + n * K, pn, per_n, 1, ym, nc);
             }
-            continue;
-        }
-#endif
+#else
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {
@@ -373,6 +344,7 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, i
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r];
             }
         }
+#endif
     }
 }
 
