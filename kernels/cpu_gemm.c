@@ -2,7 +2,8 @@
  * conversions that feed tritium_bf16_gemm (cpu_gemm_bf16.c) for big batches.
  *
  * x bfloat16 (M, K), q int8 (N, K) with a float32 scale per output channel, y float32.
- * Each block of weights is converted once and multiplies up to MR rows of x, so a batch's rows
+ * Each block of weights is converted once per call and multiplies every row of x (several rows on
+ * avx512 / avx2: panel_gemm below; portable: up to MR rows per conversion), so a batch's rows
  * share the conversion. Every output is reduced in the order of tritium_bf16_gemm on the same
  * path (cpu_gemm_bf16.c): a weight dequantized to bfloat16 first and multiplied there gives the
  * same bits as these fused kernels, so a layer may switch between them by batch size.
@@ -15,6 +16,10 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_simd.h"
 
@@ -93,37 +98,9 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 
 #elif defined(TRITIUM_AVX2)
-INLINE void w8_rows(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m256 we, wo;
-        i8x16_eo(wn + k, &we, &wo);
-        for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
-    }
-    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
-}
-
-INLINE void w8g_rows(const uint16_t *x, int64_t K, int64_t G, const int8_t *wn, const float *pn,
-                     const int NZ, float *out, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G, pn += NZ) {
-        const __m256 s = _mm256_set1_ps(pn[0]), z = _mm256_set1_ps(NZ == 2 ? pn[1] : 0.0f);
-        for (int64_t k = g0; k < g0 + G; k += 16) {
-            __m256 we, wo;
-            i8x16_eo(wn + k, &we, &wo);
-            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
-            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
-            for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
-        }
-    }
-    for (int r = 0; r < MR_; r++) out[r] = hsum8(acc[r]);
-}
-
-/* One row of x against NC_ channels (the decode case): the same per-output order as w8_rows, but
- * NC_ independent accumulator chains, so the FMA latency no longer bounds a one-row GEMV. pn:
- * channel 0's parameters, per_n floats per channel. */
+/* One row of x against NC_ channels (several rows: one row at a time where panel_gemm cannot
+ * allocate): per output the order of the bf16 GEMM, NC_ independent accumulator chains, so the
+ * FMA latency does not bound a one-row GEMV. pn: channel 0's parameters, per_n floats per channel. */
 #define NC1 8
 INLINE void w8_cols(const uint16_t *x, int64_t K, const int8_t *wn, float *out, const int NC_) {
     __m256 acc[NC1];
@@ -234,6 +211,64 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 }
 #endif
 
+#if defined(TRITIUM_AVX512) || defined(TRITIUM_AVX2)
+/* Several rows on the SIMD paths: NP channels at a time are dequantized to bfloat16 (the blocks
+ * above, so the rounding of the conversions) into a buffer per thread, and tritium_bf16_tiles
+ * (cpu_gemm_bf16.c) multiplies them by all M rows in its register tiles: the bits of the fused
+ * kernels (the same weights, the same per-output order), at the bf16 GEMM's speed plus one
+ * conversion per weight and call. params NULL: per-channel int8 (exact in bf16), scaled after.
+ * Returns 0 where the buffers cannot be allocated (the caller then runs the fused kernels). */
+#define NP 8
+void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
+                        int64_t ldy);
+static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *params, int64_t nz,
+                      float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#else
+    const int nt = 1;
+#endif
+    uint16_t *bufs = (uint16_t *)malloc((size_t)nt * NP * K * sizeof(uint16_t));
+    if (!bufs) return 0;
+    const int64_t npanels = (N + NP - 1) / NP, per_n = params ? (K / G) * nz : 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < npanels; p++) {
+#ifdef _OPENMP
+        uint16_t *buf = bufs + (size_t)omp_get_thread_num() * NP * K;
+#else
+        uint16_t *buf = bufs;
+#endif
+        const int64_t n0 = p * NP, nc = N - n0 < NP ? N - n0 : NP;
+        for (int64_t c = 0; c < nc; c++) {
+            const int8_t *q = w + (n0 + c) * K;
+            if (params) {
+                const float *pn = params + (n0 + c) * per_n;
+                for (int64_t k = 0; k < K; k += 32) {
+                    const float *pg = pn + k / G * nz;
+                    int8g_block(q + k, pg[0], nz == 2 ? pg[1] : 0.0f, buf + c * K + k);
+                }
+            } else {
+                for (int64_t k = 0; k < K; k += 32) int8_block(q + k, buf + c * K + k);
+            }
+        }
+        tritium_bf16_tiles(x, M, buf, nc, K, y + n0, N);
+        if (!params)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t c = 0; c < nc; c++) y[m * N + n0 + c] *= scale[n0 + c];
+    }
+    free(bufs);
+    return 1;
+}
+#define PANEL(M) ((M) >= 2)
+#else
+#define PANEL(M) 0
+static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, const float *params, int64_t nz,
+                      float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    (void)x, (void)w, (void)scale, (void)params, (void)nz, (void)y, (void)M, (void)N, (void)K, (void)G;
+    return 0;
+}
+#endif
+
 #define DISPATCH(CALL, mr)                                   \
     switch (mr) {                                            \
     case 1: CALL(1); break; case 2: CALL(2); break;          \
@@ -244,22 +279,21 @@ INLINE void int4_block(const uint8_t *b, float s, float z, uint16_t *out) {
 
 void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
                         int64_t M, int64_t N, int64_t K) {
+    if (PANEL(M) && panel_gemm(x, w, scale, 0, 0, y, M, N, K, 32)) return;
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS
-        if (M == 1) {
+        for (int64_t m = 0; m < M; m++)
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 float out[NC1];
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                if (nc == NC1) w8_cols(x, K, w + n * K, out, NC1);
-                else w8_cols(x, K, w + n * K, out, nc);
-                for (int c = 0; c < nc; c++) y[n + c] = out[c] * scale[n + c];
+                if (nc == NC1) w8_cols(x + m * K, K, w + n * K, out, NC1);
+                else w8_cols(x + m * K, K, w + n * K, out, nc);
+                for (int c = 0; c < nc; c++) y[m * N + n + c] = out[c] * scale[n + c];
             }
-            continue;
-        }
-#endif
+#else
         /* rows outer, channels inner: MR rows of x and NB rows of w both stay in L1 */
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
@@ -270,6 +304,7 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r] * scale[n];
             }
         }
+#endif
     }
 }
 
@@ -278,23 +313,23 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
  * laid out per channel so a channel's parameters are read in order; G % 32 == 0. */
 void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, int64_t nz, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t G) {
+    if (PANEL(M) && panel_gemm(x, w, 0, params, nz, y, M, N, K, G)) return;
     const int64_t nblocks = (N + NB - 1) / NB, per_n = (K / G) * nz;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS
-        if (M == 1) {
+        for (int64_t m = 0; m < M; m++)
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                const float *pn = params + n * per_n;
-                if (nz == 2 && nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, NC1);
-                else if (nz == 2) w8g_cols(x, K, G, w + n * K, pn, per_n, 2, y + n, nc);
-                else if (nc == NC1) w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, NC1);
-                else w8g_cols(x, K, G, w + n * K, pn, per_n, 1, y + n, nc);
+                const float *pn = params + n * per_n, *xm = x + m * K;
+                float *ym = y + m * N + n;
+                if (nz == 2 && nc == NC1) w8g_cols(xm, K, G, w + n * K, pn, per_n, 2, ym, NC1);
+                else if (nz == 2) w8g_cols(xm, K, G, w + n * K, pn, per_n, 2, ym, nc);
+                else if (nc == NC1) w8g_cols(xm, K, G, w + n * K, pn, per_n, 1, ym, NC1);
+                else w8g_cols(xm, K, G, w + n * K, pn, per_n, 1, ym, nc);
             }
-            continue;
-        }
-#endif
+#else
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {
@@ -309,6 +344,7 @@ void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, i
                 for (int r = 0; r < mr; r++) y[(m0 + r) * N + n] = out[r];
             }
         }
+#endif
     }
 }
 

@@ -261,25 +261,7 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
 #define NR 2
 #define NR1 4
 
-/* x . w over K. Kept out of line and free of prefetch hints: both made GCC give up vectorizing. */
-static __attribute__((noinline)) float dot_bf16(const uint16_t *x, const uint16_t *w, int64_t K) {
-    float acc[16] = {0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16)
-        for (int i = 0; i < 16; i++) acc[i] += bf16_to_f32(x[k + i]) * bf16_to_f32(w[k + i]);
-    for (int i = 0; k + i < K; i++) acc[i] += bf16_to_f32(x[k + i]) * bf16_to_f32(w[k + i]);
-    return sum16(acc);
-}
-
-INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                      const int MR_, const int NR_) {
-    for (int r = 0; r < MR_; r++)
-        for (int c = 0; c < NR_; c++) out[r * ldo + c] = dot_bf16(x + r * K, w + c * K, K);
-}
-
-INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
-    for (int c = 0; c < NC; c++) out[c] = dot_bf16(x, w + c * K, K);
-}
+#include "cpu_gemm_bf16_generic.h" /* dot_bf16, tile22, bf16_tile, bf16_row */
 
 /* acc[r] += x[r][0:16] . wv for mr rows (out of line, as dot_bf16) */
 static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], const uint16_t *restrict x, int64_t K,
@@ -310,22 +292,30 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
 }
 #endif
 
-#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, yo + (m0 - ym) * ldy + (n - yn), ldy, R, C)
-#ifdef MRB
+#ifndef MRB
+#define MRB MR
+#endif
+#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, R, C)
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
     case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
     case 3: TILE(3, C); break; case 4: TILE(4, C); break;                        \
-    case 5: TILE(5, C); break; default: TILE(6, C); break;                       \
+    case 5: TILE(MRB < 5 ? MRB : 5, C); break;                                   \
+    default: TILE(MRB < 6 ? MRB : 6, C); break;                                  \
     }
-#else
-#define MRB MR
-#define ROWS(C)                                                                  \
-    switch (mr) {                                                                \
-    case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
-    case 3: TILE(3, C); break; default: TILE(4, C); break;                       \
+
+/* y[m][c] (rows ldy apart) = x[m] . w[c] for m < M, c < nc in the tiles above, one thread.
+ * Also called by the fused int8 kernels (cpu_gemm.c) on a block of channels they dequantized
+ * to bfloat16, so a batch's rows share each conversion and get tritium_bf16_gemm's bits. */
+void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
+                        int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+        const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
+        int64_t n = 0;
+        for (; n + NR <= nc; n += NR) ROWS(NR)
+        for (; n < nc; n++) ROWS(1)
     }
-#endif
+}
 
 /* float32 -> bfloat16 as torch's vectorized conversion does it (the per-op path's .to(bfloat16)):
  * round to nearest even, any NaN -> 0xFFFF. */
@@ -375,12 +365,8 @@ static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
             const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
             for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
         }
-        for (int64_t m0 = c0; m0 < c1; m0 += MRB) {
-            const int64_t mr = c1 - m0 < MRB ? c1 - m0 : MRB;
-            int64_t n = nb * NB;
-            for (; n + NR <= n1; n += NR) ROWS(NR)
-            for (; n < n1; n++) ROWS(1)
-        }
+        tritium_bf16_tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K,
+                           yo + (c0 - ym) * ldy + (nb * NB - yn), ldy);
         if (y16)
             for (int64_t m = c0; m < c1; m++)
                 for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);

@@ -57,8 +57,42 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
 
 /* ---------------------------------------------------------------- activation quantization */
 
-/* One row: xq (K) codes, xd (K/32) scales, xs (K/32) code sums. */
+/* One row: xq (K) codes, xd (K/32) scales, xs (K/32) code sums. The AVX2 form (also taken by the
+ * AVX-512 build) computes the same values: the same float32 product, rounded half to even by
+ * VROUNDPS, clamped, the absolute maximum taken exactly. */
 static void quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int64_t b = 0; b < K / QB; b++) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + b * QB + 8 * i))), 16));
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        /* int32 -> int8 in k order: packs work within 128-bit lanes, a permute restores the order */
+        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16, p16b);
+        _mm256_storeu_si256((__m256i *)(xq + b * QB),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        xd[b] = amax / 127.0f;
+        xs[b] = _mm_cvtsi128_si32(s4);
+    }
+#else
     for (int64_t b = 0; b < K / QB; b++) {
         const uint16_t *xb = x + b * QB;
         int8_t *qb = xq + b * QB;
@@ -78,6 +112,7 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *xd, in
         xd[b] = amax / 127.0f;
         xs[b] = s;
     }
+#endif
 }
 
 /* The quantization alone (tests compare it with the torch definition). */
@@ -198,6 +233,35 @@ INLINE void dot_rows(const int8_t *xq, const float *xd, int64_t K, const uint8_t
     }
 }
 
+/* int8 weights (W8A8 on AVX2): dot_rows with each block's scale product taken as one vector
+ * multiply by the row's lane-repeated scales (xdx, as on AVX-512) instead of a scalar product and
+ * a broadcast per row and block; the weight scale is widened once per block for all rows: per
+ * block (T d) xd, the products of the AVX-512 path, in an order fixed by K. */
+INLINE void dot_rows8(const int8_t *xq, const float *xdx, int64_t K, const uint8_t *wn, const uint16_t *dn,
+                      float *out, const int MR_) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t K4 = K / 4;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < K; k += QB) {
+        const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dn[k / QB]));
+        const __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wn + k)), flip);
+        const __m256i a = _mm256_abs_epi8(c);
+        for (int r = 0; r < MR_; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + k));
+            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, c)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_loadu_ps(xdx + r * K4 + k / 4),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < MR_; r++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+}
+#define HAVE_ROWS8 1
+
 static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
@@ -262,7 +326,7 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
                        float *y, int64_t M, int64_t N, int64_t K, int64_t bits) {
     const int64_t KB = K / QB, K4 = K / 4;
     const int32_t off = bits == 8 ? 128 : 8;
-    /* scratch: codes, per-lane scales (AVX-512), per-block scales, xd x S, S */
+    /* scratch: codes, per-lane scales (AVX-512, AVX2 int8), per-block scales, xd x S, S */
     const size_t bytes = (size_t)M * (size_t)(K + 4 * K4 + 4 * KB + 4 * KB + 4 * KB) + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem) return -1;
@@ -294,7 +358,11 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
             for (int64_t n = nb * NB; n < n1; n++) {
                 float out[MR];
                 if (bits == 8) {
+#ifdef HAVE_ROWS8
+#define D8(R) dot_rows8(xq + m0 * K, xdx + m0 * K4, K, w + n * wrow, d + n * KB, out, R)
+#else
 #define D8(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 8, R)
+#endif
                     DISPATCH(D8, mr)
                 } else {
 #define D4(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 4, R)

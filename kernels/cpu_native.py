@@ -29,7 +29,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
                                                  "cpu_gemm_i8dot.c", "cpu_lora.c")]
-_HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
+_HEADERS = [os.path.join(_HERE, f) for f in ("cpu_simd.h", "cpu_gemm_bf16_generic.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 
@@ -126,6 +126,7 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     """x (M, K) @ (qweight int8 (N, K) * scales float32 (N,)[:, None])^T -> float32 (M, N)."""
     n, k = qweight.shape
     assert qweight.dtype == torch.int8 and qweight.is_contiguous() and scales.dtype == torch.float32
+    assert k % _ALIGN == 0, f"w8a16_gemm: K={k} must be a multiple of {_ALIGN}"
     xb = _check(x, k)
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
     _lib().tritium_w8a16_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(),

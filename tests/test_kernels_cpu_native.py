@@ -128,3 +128,30 @@ def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
         ref = w4a16_gemm_ref(x.float(), lin.qweight, lin.scales, lin.zeros, g, lin.g_idx).float()
         torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item(),
                                    msg=lambda s: f"seed={seed} m={m}: {s}")
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int8_gemms_have_the_bits_of_dequantize_then_bf16_gemm_alone_and_batched(zeros):
+    """The fused int8 GEMMs (several rows: a block of channels dequantized to bf16, then the bf16
+    GEMM's tiles) give every row the bits of the weight dequantized to bfloat16 by the conversion
+    kernels and multiplied by tritium_bf16_gemm, whatever the row count (1 row: the one-row
+    kernels), and stay within float32 summation error of the torch reference."""
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    for m, n, k, g in ((2, 37, 96, 32), (7, 16, 576, 64), (16, 45, 192, 32), (20, 9, 64, 32)):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        s = torch.rand(k // g, n) * 0.01 + 1e-4
+        z = torch.randn(k // g, n) * 0.01 if zeros else None
+        s8 = (torch.rand(n) / 50 + 1e-3).to(torch.bfloat16).float()
+        wb = cpu_native.int8g_to_bf16(q, s, z, g)
+        got = cpu_native.w8g_gemm(x, q, cpu_native.pack_group_params(s, z), g)
+        assert torch.equal(got, cpu_native.bf16_gemm(x, wb)), (seed, m, n, k)
+        got8 = cpu_native.w8a16_gemm(x, q, s8)
+        assert torch.equal(got8, cpu_native.bf16_gemm(x, q.to(torch.bfloat16)) * s8), (seed, m, n, k)
+        ref = x.float() @ wb.float().t()
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), (seed, m, n, k)
+        for r in range(m):
+            assert torch.equal(cpu_native.w8g_gemm(x[r:r + 1], q, cpu_native.pack_group_params(s, z), g)[0],
+                               got[r]), (seed, m, n, k, r)
+            assert torch.equal(cpu_native.w8a16_gemm(x[r:r + 1], q, s8)[0], got8[r]), (seed, m, n, k, r)

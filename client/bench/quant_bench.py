@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = args.activation_quant.split(",") if args.activation_quant else [None]
-    bad = [m for m in modes if m not in ("none", "int8")]
+    bad = [m for m in modes if m is not None and m not in ("none", "int8")]
     if bad:
         raise SystemExit(f"--activation-quant: {bad[0]!r} is not one of none, int8")
     runs = [(e, mode) for e in args.engines for mode in modes]
