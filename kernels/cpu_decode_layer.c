@@ -30,9 +30,18 @@
  * run); the step then wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* syscall() */
+#endif
+#include <limits.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -127,29 +136,45 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
     return linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1 < n0 ? n0 : n1);
 }
 
-/* A barrier for the threads of one parallel region: spin a while (the others are a few
- * microseconds away), then yield the core (one of them lost its core to another process). */
+/* A barrier for the threads of one parallel region: spin a while (the others are usually a few
+ * microseconds away), then sleep on a futex (one of them lost its core to another process, or
+ * thread 0 runs a long attention): a spinning thread would keep the core its peer needs. */
 typedef struct {
-    int count, gen;
+    int count, gen, sleepers;
 } step_barrier_t;
+
+#define BARRIER_SPINS 2000 /* about 40 us of pause instructions */
+
+static void futex_wait(int *addr, int val) {
+#ifdef __linux__
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+#else
+    (void)addr, (void)val;
+    sched_yield();
+#endif
+}
 
 static void barrier(step_barrier_t *b, int nt) {
     if (nt == 1) return;
     const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
     if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
         __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST))
+            syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
         return;
     }
-    for (int spins = 0; __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) == gen; spins++) {
-        if (spins < 20000) {
+    for (int spins = 0; spins < BARRIER_SPINS; spins++) {
+        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) return;
 #if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
-        } else {
-            sched_yield();
-        }
     }
+    __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
+    __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -216,7 +241,7 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
                                const uint16_t *cos, const uint16_t *ssin, const int64_t *slots,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *rows, int64_t nrows,
                                int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
-    step_barrier_t bar = {0, 0};
+    step_barrier_t bar = {0, 0, 0};
     int rc = 0;
 #define LAYERS(TID, NT)                                                                                              \
     layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
@@ -225,7 +250,12 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
 #ifdef _OPENMP
     if (threads > 1 && !omp_in_parallel()) {
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
-        rc |= LAYERS(omp_get_thread_num(), omp_get_num_threads());
+        {
+            /* this thread's own ICV: the kernels' parallel regions nested in this one get one
+             * thread (torch's OpenMP runtime allows nested teams) */
+            omp_set_num_threads(1);
+            rc |= LAYERS(omp_get_thread_num(), omp_get_num_threads());
+        }
         return rc ? -1 : 0;
     }
 #endif
