@@ -143,7 +143,7 @@ typedef struct {
     int count, gen, sleepers;
 } step_barrier_t;
 
-#define BARRIER_SPINS 2000 /* about 40 us of pause instructions */
+#define BARRIER_SPINS 200 /* a few microseconds of pause instructions */
 
 static void futex_wait(int *addr, int val) {
 #ifdef __linux__
