@@ -3,8 +3,8 @@
 `DecodeLayers` holds, once per model, a C array of per-layer descriptors (norm weights, the four
 linears as their CPU kernels hold them, the layer's KV cache); `run` passes one step's rows. The
 per-op path and this call run the same kernels in the same order, so their results are the same
-bits (tests/test_native_step.py). Which layers and steps may take it is decided by
-backend/models/native_step.py.
+bits (tests/test_native_step.py), on any thread count (tests/test_native_step_threads.py). Which
+layers and steps may take it is decided by backend/models/native_step.py.
 """
 from __future__ import annotations
 
