@@ -120,6 +120,8 @@ def main(argv=None) -> int:
         p.error(f"--batch must be a comma list of integers >= 1, got {args.batch!r}")
     if args.prefill < 0:
         p.error(f"--prefill must be >= 0, got {args.prefill}")
+    if args.native_threads < 0:
+        p.error(f"--native-threads must be >= 0, got {args.native_threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = args.bandwidth_gbs or read_bandwidth_gbs()
