@@ -49,15 +49,14 @@ def _fill_linear(dst: _Linear, p: CpuLinear, bias: Optional[torch.Tensor], keep:
     t = p.tensors
     if p.kind == "i8dot":  # one I8DotWeight (kernels/i8dot_pack.py): codes, float16 d / z, float32 r
         q = t[0]
-        (n, k), t = q.shape, (q.codes, q.d, q.r) + ((q.z,) if q.z is not None else ())
-        dst.kind, dst.n, dst.k, dst.group, dst.nz = kind, n, k, q.bits, 0
+        t = (q.codes, q.d, q.r) + ((q.z,) if q.z is not None else ())
+        dst.kind, (dst.n, dst.k), dst.group, dst.nz = kind, q.shape, q.bits, 0  # group: the code width
         dst.w, dst.d16, dst.scale = q.codes.data_ptr(), q.d.data_ptr(), q.r.data_ptr()
         dst.z16 = q.z.data_ptr() if q.z is not None else None
-    w = t[0]
-    n = w.shape[0]
-    k = 2 * w.shape[1] if p.kind == "int4_native" else w.shape[1]
-    if p.kind != "i8dot":
-        dst.kind, dst.n, dst.k, dst.group, dst.nz = kind, n, k, p.group_size or 0, 0
+    else:
+        w = t[0]
+        k = 2 * w.shape[1] if p.kind == "int4_native" else w.shape[1]
+        dst.kind, dst.n, dst.k, dst.group, dst.nz = kind, w.shape[0], k, p.group_size or 0, 0
         dst.w = w.data_ptr()
     if p.kind == "int8_native":
         dst.scale = t[1].data_ptr()
@@ -129,9 +128,10 @@ class DecodeLayers:
 
     def run(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, ssin: torch.Tensor,
             slots: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, block_size: int):
-        """All layers over T rows, on torch's thread count (one parallel region where splittable). hidden, residual: (T, H) bfloat16 (residual None before the first
-        layer); cos, ssin (T, D) bfloat16; slots (T,) int64; block_tables (B, W) int32; rows (n, 4)
-        int64 attention rows (CpuAttentionPlan.rows_for). Returns the new (hidden, residual)."""
+        """All layers over T rows, on torch's thread count (one parallel region where splittable).
+        hidden, residual: (T, H) bfloat16 (residual None before the first layer); cos, ssin (T, D)
+        bfloat16; slots (T,) int64; block_tables (B, W) int32; rows (n, 4) int64 attention rows
+        (CpuAttentionPlan.rows_for). Returns the new (hidden, residual)."""
         t = hidden.shape[0]
         h = hidden.clone(memory_format=torch.contiguous_format)
         r = torch.empty_like(h) if residual is None else residual.clone(memory_format=torch.contiguous_format)
