@@ -24,10 +24,10 @@
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
  * parallel region: the threads split each GEMM's output channels (in units of 32, so every
  * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
- * not depend on the thread count) and meet at a spinning barrier between ops; the small ops
- * (norms, rotary, attention, SiLU) run on thread 0 meanwhile. A fork/join per op (about 8 per
- * layer) costs a futex wake-up each when idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as servers
- * run); the step then wakes its threads once. int4 weights keep their scales as (K / G, N), which
+ * not depend on the thread count) and meet at a barrier between ops (it spins briefly, then
+ * sleeps); the small ops (norms, rotary, attention, SiLU) run on thread 0 meanwhile. A fork/join
+ * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
+ * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
  */
 #ifndef _GNU_SOURCE
