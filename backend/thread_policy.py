@@ -13,7 +13,11 @@ class ThreadPolicy:
     frontend and the response path; during small, memory-bound steps those preempt OpenMP
     workers, which then stall at every barrier (measured on 2 cores through tritonserver: one
     thread decodes a single stream about 1.2x faster than two, while two threads serve a batch of
-    16 about 1.15x faster than one). The stalls are far worse while idle OpenMP threads spin
+    16 about 1.15x faster than one). The native decode step runs a small step on several threads
+    as one parallel region (kernels/cpu_decode_layer.c), one wake-up per step instead of one per
+    GEMM; measured again with it through tritonserver on the loaded 2-core host, two threads
+    still did not pay for a single stream (docs/benchmarks.md, "Native decode step"), so the
+    default stays one fewer than num_threads. The stalls are far worse while idle OpenMP threads spin
     (libgomp's default): servers run with OMP_WAIT_POLICY=PASSIVE (client/serve/server.py), and at
     load 16 a batch of 16 decoded at 64.4 tokens/s with it against 2.1 without
     (docs/quantization.md, "Build time on shared cores")."""

@@ -19,9 +19,32 @@
  * Bias add as torch does for bfloat16 tensors: bf16(float(y) + float(b)); Granite's residual
  * multiplier on the o and down outputs likewise, bf16(float(y) * m), as torch multiplies a bf16
  * tensor by a Python float.
+ *
+ * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
+ * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
+ * parallel region: the threads split each GEMM's output channels (in units of 32, so every
+ * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
+ * not depend on the thread count) and meet at a barrier between ops (it spins briefly, then
+ * sleeps); the small ops (norms, rotary, attention, SiLU) run on thread 0 meanwhile. A fork/join
+ * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
+ * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
+ * a column slice cannot address, so they take the per-op regions.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* syscall() */
+#endif
+#include <limits.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_simd.h"
 
@@ -39,6 +62,8 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
                                 int64_t T, int64_t hq, int64_t hkv, int64_t D, uint16_t *q_out, uint16_t *k_cache,
                                 uint16_t *v_cache);
 void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *out);
+int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
+                       float *y, int64_t M, int64_t N, int64_t K, int64_t bits);
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
@@ -46,14 +71,15 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                uint16_t *out);
 
 /* A linear layer's weight as cpu_linear.CpuLinear holds it (kernels/decode_layer.py fills these). */
-enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3 };
+enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3, LIN_I8DOT = 4 };
 typedef struct {
-    int64_t kind, n, k, group, nz;
-    const void *w;        /* bf16 (N, K) | int8 (N, K) | nibbles uint8 (N, K / 2) */
-    const float *scale;   /* LIN_INT8: (N,); LIN_INT4: (K / G, N) */
+    int64_t kind, n, k, group, nz; /* LIN_I8DOT: group = bits (8 or 4) */
+    const void *w;        /* bf16 (N, K) | int8 (N, K) | nibbles uint8 (N, K / 2) | i8dot codes */
+    const float *scale;   /* LIN_INT8: (N,); LIN_INT4: (K / G, N); LIN_I8DOT: r (N,) */
     const float *zero;    /* LIN_INT4: (K / G, N) */
     const float *params;  /* LIN_INT8G: (N, K / G, nz) */
     const uint16_t *bias; /* bf16 (N,) or NULL */
+    const uint16_t *d16, *z16; /* LIN_I8DOT: float16 block scales / zeros (N, K / 32); z16 may be NULL */
 } tritium_linear_t;
 
 typedef struct {
@@ -62,25 +88,93 @@ typedef struct {
     tritium_linear_t qkv, o, gate_up, down;
 } tritium_decoder_layer_t;
 
-/* out (T, N) bf16 = bf16(x (T, K) W^T) (+ bias) (* mult unless mult == 1), y: float32 scratch of T * N. */
-static void linear(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *y, uint16_t *out, float mult) {
-    const int64_t N = L->n, K = L->k;
+/* Output channels [n0, n1) of out (T, N) bf16 = bf16(x (T, K) W^T) (+ bias) (* mult unless
+ * mult == 1); y: float32 scratch of T * (n1 - n0). Returns 0, or -1 when i8dot's scratch
+ * allocation failed. */
+static int linear_cols(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *y, uint16_t *out, float mult,
+                       int64_t n0, int64_t n1) {
+    const int64_t N = L->n, K = L->k, n = n1 - n0;
+    int rc = 0;
+    if (n <= 0) return 0;
     switch (L->kind) {
-    case LIN_BF16: tritium_bf16_gemm(x, (const uint16_t *)L->w, y, T, N, K); break;
-    case LIN_INT8: tritium_w8a16_gemm(x, (const int8_t *)L->w, L->scale, y, T, N, K); break;
-    case LIN_INT8G: tritium_w8g_gemm(x, (const int8_t *)L->w, L->params, L->nz, y, T, N, K, L->group); break;
-    default: tritium_w4_gemm(x, (const uint8_t *)L->w, L->scale, L->zero, y, T, N, K, L->group); break;
+    case LIN_BF16: tritium_bf16_gemm(x, (const uint16_t *)L->w + n0 * K, y, T, n, K); break;
+    case LIN_INT8: tritium_w8a16_gemm(x, (const int8_t *)L->w + n0 * K, L->scale + n0, y, T, n, K); break;
+    case LIN_INT8G:
+        tritium_w8g_gemm(x, (const int8_t *)L->w + n0 * K, L->params + n0 * (K / L->group) * L->nz, L->nz, y, T, n,
+                         K, L->group);
+        break;
+    case LIN_I8DOT: {
+        const int64_t kb = K / 32, wrow = L->group == 8 ? K : K / 2;
+        rc = tritium_i8dot_gemm(x, (const uint8_t *)L->w + n0 * wrow, L->d16 + n0 * kb,
+                                L->z16 ? L->z16 + n0 * kb : NULL, L->scale + n0, y, T, n, K, L->group);
+        break;
+    }
+    default: tritium_w4_gemm(x, (const uint8_t *)L->w, L->scale, L->zero, y, T, N, K, L->group); break; /* whole */
     }
     for (int64_t t = 0; t < T; t++) {
-        const float *yr = y + t * N;
-        uint16_t *o = out + t * N;
-        if (L->bias)
-            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(bf16_roundf(yr[n]) + bf16_to_f32(L->bias[n]));
+        const float *yr = y + t * n;
+        uint16_t *o = out + t * N + n0;
+        const uint16_t *b = L->bias ? L->bias + n0 : NULL;
+        if (b)
+            for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(bf16_roundf(yr[j]) + bf16_to_f32(b[j]));
         else
-            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(yr[n]);
+            for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(yr[j]);
         if (mult != 1.0f)
-            for (int64_t n = 0; n < N; n++) o[n] = f32_to_bf16(bf16_to_f32(o[n]) * mult);
+            for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(bf16_to_f32(o[j]) * mult);
     }
+    return rc;
+}
+
+/* Thread `tid` of `nt`: its share of the output channels, in units of 32 (a bound is a multiple
+ * of 32 or N, so each channel meets the same tiles as in the whole GEMM). */
+static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
+                       int tid, int nt) {
+    if (L->kind == LIN_INT4) return tid == 0 ? linear_cols(L, x, T, ws, out, mult, 0, L->n) : 0;
+    const int64_t units = (L->n + 31) / 32;
+    int64_t n0 = units * tid / nt * 32, n1 = units * (tid + 1) / nt * 32;
+    n1 = n1 < L->n ? n1 : L->n;
+    return linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1 < n0 ? n0 : n1);
+}
+
+/* A barrier for the threads of one parallel region: spin a while (the others are usually a few
+ * microseconds away), then sleep on a futex (one of them lost its core to another process, or
+ * thread 0 runs a long attention): a spinning thread would keep the core its peer needs. */
+typedef struct {
+    int count, gen, sleepers;
+} step_barrier_t;
+
+#define BARRIER_SPINS 200 /* a few microseconds of pause instructions */
+
+static void futex_wait(int *addr, int val) {
+#ifdef __linux__
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+#else
+    (void)addr, (void)val;
+    sched_yield();
+#endif
+}
+
+static void barrier(step_barrier_t *b, int nt) {
+    if (nt == 1) return;
+    const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST))
+            syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
+        return;
+    }
+    for (int spins = 0; spins < BARRIER_SPINS; spins++) {
+        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) return;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
+    __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -93,32 +187,79 @@ void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t h
     *bf16_elems = T * (H + nqkv + 2 * hq * D + 3 * I);
 }
 
-/* Runs layers[0 .. num_layers) over T rows. hidden (T, H) holds the layer input and receives the
- * last layer's output; residual (T, H) likewise (ignored on input when has_residual is 0: the
- * first layer's residual is its input). cos / ssin (T, D): rotary_tables of the rows' positions;
- * slots (T,): cache slot of each row's new key; rows (4, nrows) int64: token row, block-table
- * row, first key, context length of each attention row (attention_cpu.CpuAttentionPlan). */
-void tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H,
-                                int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,
-                                float residual_mult, uint16_t *hidden, uint16_t *residual, int64_t has_residual, const uint16_t *cos,
-                                const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
-                                int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS,
-                                float *ws_f32, uint16_t *ws_bf16) {
+/* The layer loop as thread `tid` of `nt` runs it (nt == 1: every kernel opens its own parallel
+ * region; nt > 1: inside the caller's parallel region, see the top of this file). */
+static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H, int64_t hq,
+                         int64_t hkv, int64_t D, int64_t I, float eps, float scale, float residual_mult,
+                         uint16_t *hidden, uint16_t *residual, int64_t has_residual, const uint16_t *cos,
+                         const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
+                         int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
+                         uint16_t *ws_bf16, int tid, int nt, step_barrier_t *bar) {
     const int64_t nqkv = (hq + 2 * hkv) * D;
     uint16_t *x = ws_bf16, *qkv = x + T * H, *q = qkv + T * nqkv, *attn = q + T * hq * D, *gu = attn + T * hq * D,
              *act = gu + T * 2 * I;
     const int64_t *tok = rows, *seq = rows + nrows, *lo = rows + 2 * nrows, *len = rows + 3 * nrows;
+    int rc = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
-        tritium_add_rms_norm_bf16(hidden, has_residual || l ? residual : NULL, L->input_norm, eps, T, H, x, residual);
-        linear(&L->qkv, x, T, ws_f32, qkv, 1.0f);
-        tritium_rope_kv_write_bf16(qkv, cos, ssin, slots, T, hq, hkv, D, q, L->k_cache, L->v_cache);
-        tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows,
-                                  hq, hkv, D, BS, scale, 0.0f, attn);
-        linear(&L->o, attn, T, ws_f32, hidden, residual_mult);
-        tritium_add_rms_norm_bf16(hidden, residual, L->post_attn_norm, eps, T, H, x, residual);
-        linear(&L->gate_up, x, T, ws_f32, gu, 1.0f);
-        tritium_silu_mul_bf16(gu, T, I, act);
-        linear(&L->down, act, T, ws_f32, hidden, residual_mult);
+        if (tid == 0)
+            tritium_add_rms_norm_bf16(hidden, has_residual || l ? residual : NULL, L->input_norm, eps, T, H, x,
+                                      residual);
+        barrier(bar, nt);
+        rc |= linear_part(&L->qkv, x, T, ws_f32, qkv, 1.0f, tid, nt);
+        barrier(bar, nt);
+        if (tid == 0) {
+            tritium_rope_kv_write_bf16(qkv, cos, ssin, slots, T, hq, hkv, D, q, L->k_cache, L->v_cache);
+            tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len,
+                                      nrows, hq, hkv, D, BS, scale, 0.0f, attn);
+        }
+        barrier(bar, nt);
+        rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
+        barrier(bar, nt);
+        if (tid == 0) tritium_add_rms_norm_bf16(hidden, residual, L->post_attn_norm, eps, T, H, x, residual);
+        barrier(bar, nt);
+        rc |= linear_part(&L->gate_up, x, T, ws_f32, gu, 1.0f, tid, nt);
+        barrier(bar, nt);
+        if (tid == 0) tritium_silu_mul_bf16(gu, T, I, act);
+        barrier(bar, nt);
+        rc |= linear_part(&L->down, act, T, ws_f32, hidden, residual_mult, tid, nt);
+        barrier(bar, nt);
     }
+    return rc;
+}
+
+/* Runs layers[0 .. num_layers) over T rows. hidden (T, H) holds the layer input and receives the
+ * last layer's output; residual (T, H) likewise (ignored on input when has_residual is 0: the
+ * first layer's residual is its input). cos / ssin (T, D): rotary_tables of the rows' positions;
+ * slots (T,): cache slot of each row's new key; rows (4, nrows) int64: token row, block-table
+ * row, first key, context length of each attention row (attention_cpu.CpuAttentionPlan).
+ * threads: how many threads run the step in one parallel region (<= 1: per-op regions; the
+ * caller passes 1 where a linear is int4). Returns 0, or -1 when scratch memory ran out. */
+int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H,
+                               int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,
+                               float residual_mult, uint16_t *hidden, uint16_t *residual, int64_t has_residual,
+                               const uint16_t *cos, const uint16_t *ssin, const int64_t *slots,
+                               const int32_t *block_tables, int64_t table_stride, const int64_t *rows, int64_t nrows,
+                               int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
+    step_barrier_t bar = {0, 0, 0};
+    int rc = 0;
+#define LAYERS(TID, NT)                                                                                              \
+    layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
+                  has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, TID, \
+                  NT, &bar)
+#ifdef _OPENMP
+    if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads((int)threads) reduction(| : rc)
+        {
+            /* this thread's own ICV: the kernels' parallel regions nested in this one get one
+             * thread (torch's OpenMP runtime allows nested teams) */
+            omp_set_num_threads(1);
+            rc |= LAYERS(omp_get_thread_num(), omp_get_num_threads());
+        }
+        return rc ? -1 : 0;
+    }
+#endif
+    (void)threads;
+    return LAYERS(0, 1) ? -1 : 0;
+#undef LAYERS
 }

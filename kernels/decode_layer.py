@@ -3,8 +3,8 @@
 `DecodeLayers` holds, once per model, a C array of per-layer descriptors (norm weights, the four
 linears as their CPU kernels hold them, the layer's KV cache); `run` passes one step's rows. The
 per-op path and this call run the same kernels in the same order, so their results are the same
-bits (tests/test_native_step.py). Which layers and steps may take it is decided by
-backend/models/native_step.py.
+bits (tests/test_native_step.py), on any thread count (tests/test_native_step_threads.py). Which
+layers and steps may take it is decided by backend/models/native_step.py.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from . import cpu_native
 from .cpu_linear import CpuLinear
 
 # CpuLinear kind -> the C enum (LIN_*) of cpu_decode_layer.c
-LINEAR_KINDS = {"bf16_native": 0, "int8_native": 1, "int8g_native": 2, "int4_native": 3}
+LINEAR_KINDS = {"bf16_native": 0, "int8_native": 1, "int8g_native": 2, "int4_native": 3, "i8dot": 4}
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("nz", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("params", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("d16", ctypes.c_void_p), ("z16", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -47,11 +47,17 @@ def linear_supported(p: Optional[CpuLinear]) -> Optional[str]:
 def _fill_linear(dst: _Linear, p: CpuLinear, bias: Optional[torch.Tensor], keep: list) -> None:
     kind = LINEAR_KINDS[p.kind]
     t = p.tensors
-    w = t[0]
-    n = w.shape[0]
-    k = 2 * w.shape[1] if p.kind == "int4_native" else w.shape[1]
-    dst.kind, dst.n, dst.k, dst.group, dst.nz = kind, n, k, p.group_size or 0, 0
-    dst.w = w.data_ptr()
+    if p.kind == "i8dot":  # one I8DotWeight (kernels/i8dot_pack.py): codes, float16 d / z, float32 r
+        q = t[0]
+        t = (q.codes, q.d, q.r) + ((q.z,) if q.z is not None else ())
+        dst.kind, (dst.n, dst.k), dst.group, dst.nz = kind, q.shape, q.bits, 0  # group: the code width
+        dst.w, dst.d16, dst.scale = q.codes.data_ptr(), q.d.data_ptr(), q.r.data_ptr()
+        dst.z16 = q.z.data_ptr() if q.z is not None else None
+    else:
+        w = t[0]
+        k = 2 * w.shape[1] if p.kind == "int4_native" else w.shape[1]
+        dst.kind, dst.n, dst.k, dst.group, dst.nz = kind, w.shape[0], k, p.group_size or 0, 0
+        dst.w = w.data_ptr()
     if p.kind == "int8_native":
         dst.scale = t[1].data_ptr()
     elif p.kind == "int8g_native":
@@ -72,8 +78,8 @@ def _lib():
         lib.tritium_decode_layers_workspace.argtypes = [i64] * 6 + [p, p]
         lib.tritium_decode_layers_workspace.restype = None
         lib.tritium_decode_layers_bf16.argtypes = ([p, i64, i64, i64, i64, i64, i64, i64, f32, f32, f32, p, p, i64, p, p,
-                                                     p, p, i64, p, i64, i64, p, p])
-        lib.tritium_decode_layers_bf16.restype = None
+                                                     p, p, i64, p, i64, i64, p, p, i64])
+        lib.tritium_decode_layers_bf16.restype = ctypes.c_int
         lib.tritium_decode_layers_ready = True
     return lib
 
@@ -99,6 +105,9 @@ class DecodeLayers:
             dst.input_norm, dst.post_attn_norm = n1.data_ptr(), n2.data_ptr()
             for name, (p, bias) in zip(("qkv", "o", "gate_up", "down"), lins):
                 _fill_linear(getattr(dst, name), p, bias, self._keep)
+        # int4 scales (K / G, N) cannot be sliced by output channel: such a model runs per-op regions
+        self.splittable = not any(lin.kind == LINEAR_KINDS["int4_native"] for layer in self._arr
+                                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self._caches_key = None
         self._ws = {}  # rows -> (float32, bf16) scratch
 
@@ -119,17 +128,21 @@ class DecodeLayers:
 
     def run(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, ssin: torch.Tensor,
             slots: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, block_size: int):
-        """All layers over T rows. hidden, residual: (T, H) bfloat16 (residual None before the first
-        layer); cos, ssin (T, D) bfloat16; slots (T,) int64; block_tables (B, W) int32; rows (n, 4)
-        int64 attention rows (CpuAttentionPlan.rows_for). Returns the new (hidden, residual)."""
+        """All layers over T rows, on torch's thread count (one parallel region where splittable).
+        hidden, residual: (T, H) bfloat16 (residual None before the first layer); cos, ssin (T, D)
+        bfloat16; slots (T,) int64; block_tables (B, W) int32; rows (n, 4) int64 attention rows
+        (CpuAttentionPlan.rows_for). Returns the new (hidden, residual)."""
         t = hidden.shape[0]
         h = hidden.clone(memory_format=torch.contiguous_format)
         r = torch.empty_like(h) if residual is None else residual.clone(memory_format=torch.contiguous_format)
         cols = rows.t().contiguous()
         f32, b16 = self._workspace(t)
-        _lib().tritium_decode_layers_bf16(
+        threads = torch.get_num_threads() if self.splittable else 1
+        rc = _lib().tritium_decode_layers_bf16(
             ctypes.addressof(self._arr), len(self._arr), t, *self.dims, self.eps, self.scale, self.residual_multiplier, h.data_ptr(),
             r.data_ptr(), int(residual is not None), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
-            f32.data_ptr(), b16.data_ptr())
+            f32.data_ptr(), b16.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError(f"native decode step: no memory for the integer-dot activations of {t} rows")
         return h, r

@@ -9,10 +9,11 @@ order as the per-op path: the same bits (batch invariance included), a fraction 
 What a model needs (docs/kernels.md has the table): bfloat16 engine with the native kernels,
 one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap,
 full RoPE on every layer, one sliding window (or none) for all layers, a plain bfloat16 KV cache, and every linear on a native kernel (cpu_linear kinds bf16_native,
-int8_native, int8g_native, int4_native without act-order); biases and Granite's multipliers are
+int8_native, int8g_native, int4_native without act-order, i8dot); biases and Granite's multipliers are
 fine. A step also needs at
 most NATIVE_STEP_MAX_ROWS rows and no LoRA adapter in use. Otherwise the per-op path runs.
-TRITIUM_NATIVE_STEP=0 turns the native call off.
+TRITIUM_NATIVE_STEP=0 turns the native call off. On several torch threads the call is one
+parallel region (kernels/cpu_decode_layer.c); the bits do not depend on the thread count.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
     python -m tritium.client.bench.native_step_bench ENGINE_DIR [ENGINE_DIR ...] [--batch 1,4]
         [--tokens 128] [--rounds 3] [--threads N] [--deterministic] [--onednn] [--prefill 256]
+        [--native-threads M]
 
 For each engine (an LLMEngine with its scheduler, sampler and KV manager, prefix caching off),
 rounds alternate the two paths on the same engine (TRITIUM_NATIVE_STEP=0, then 1, then the other
@@ -12,6 +13,9 @@ unquantized bf16 engine gets a third column: the same engine with its K <= 1024 
 oneDNN (TRITIUM_CPU_ONEDNN=1, so per-op: the native step cannot call oneDNN), interleaved too.
 With --prefill N, also prompt tokens/s of --batch requests of N-token prompts scheduled at once
 (one token generated each), default engine and the oneDNN one (with --onednn), interleaved.
+With --native-threads M, also the native step on M torch threads (one parallel region for the
+whole step, kernels/cpu_decode_layer.c), interleaved: tokens/s and per CPU-second of the process
+(all its threads), and the wall-clock ratio to the native step on --threads.
 --deterministic: the engine option of that name. The memory-bandwidth limit is engine bytes /
 bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step streams every
 weight once.
@@ -103,6 +107,8 @@ def main(argv=None) -> int:
                    help="bf16 engines: a third column, the engine with its K <= 1024 GEMMs on oneDNN (per-op)")
     p.add_argument("--prefill", type=int, default=0,
                    help="also time a prefill of --batch prompts of this many tokens (default 0: off)")
+    p.add_argument("--native-threads", type=int, default=0,
+                   help="also time the native step on this many torch threads (default 0: off)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="host memory bandwidth for the limit column (default: measured, a float32 sum)")
     args = p.parse_args(argv)
@@ -114,6 +120,8 @@ def main(argv=None) -> int:
         p.error(f"--batch must be a comma list of integers >= 1, got {args.batch!r}")
     if args.prefill < 0:
         p.error(f"--prefill must be >= 0, got {args.prefill}")
+    if args.native_threads < 0:
+        p.error(f"--native-threads must be >= 0, got {args.native_threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     bw = args.bandwidth_gbs or read_bandwidth_gbs()
@@ -138,18 +146,26 @@ def main(argv=None) -> int:
             nbytes = engine_bytes(path)
             limit = f"limit {bw * 1e9 / nbytes:.0f} tok/s ({nbytes / 1e6:.0f} MB)"
             for batch in batches:
-                best = {"0": (0.0, 0.0), "1": (0.0, 0.0), "d": (0.0, 0.0)}
+                best = {"0": (0.0, 0.0), "1": (0.0, 0.0), "d": (0.0, 0.0), "t": (0.0, 0.0)}
                 for r in range(args.rounds):
-                    for mode in (("0", "1", "d") if r % 2 == 0 else ("d", "1", "0")):
-                        if mode == "d" and dflt is None:
+                    for mode in (("0", "1", "d", "t") if r % 2 == 0 else ("t", "d", "1", "0")):
+                        if (mode == "d" and dflt is None) or (mode == "t" and not args.native_threads):
                             continue
-                        os.environ[ENV] = "1" if mode == "d" else mode
-                        w, c = _decode_rate(dflt if mode == "d" else eng, args.tokens, batch)
+                        os.environ[ENV] = "0" if mode == "0" else "1"
+                        n0 = torch.get_num_threads()
+                        if mode == "t":
+                            torch.set_num_threads(args.native_threads)
+                        try:
+                            w, c = _decode_rate(dflt if mode == "d" else eng, args.tokens, batch)
+                        finally:
+                            torch.set_num_threads(n0)
                         best[mode] = (max(best[mode][0], w), max(best[mode][1], c))
                 (w0, c0), (w1, c1) = best["0"], best["1"]
                 name = os.path.basename(os.path.normpath(path))[:28]
                 print(f"{name:28s} {batch:5d} {w0:12.1f} {w1:12.1f} {w1 / w0:6.2f} {c0:16.1f} {c1:16.1f} "
-                      f"{c1 / c0:6.2f}  " + (f"{best['d'][0]:.1f}, {best['d'][1]:.1f}; " if dflt else "") + limit,
+                      f"{c1 / c0:6.2f}  " + (f"{best['d'][0]:.1f}, {best['d'][1]:.1f}; " if dflt else "") + limit
+                      + (f"; native on {args.native_threads} threads {best['t'][0]:.1f} tok/s, {best['t'][1]:.1f} "
+                         f"tok/CPU-s, {best['t'][0] / w1:.2f}x native" if args.native_threads else ""),
                       flush=True)
                 if args.prefill:
                     _prefill(eng, dflt, args, batch, name)

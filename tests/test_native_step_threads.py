@@ -1,0 +1,94 @@
+"""The native decode step on several threads (one OpenMP parallel region, GEMM output channels
+split between the threads, kernels/cpu_decode_layer.c) and with integer-dot W8A8 / W4A8 linears
+(cpu_gemm_i8dot.c): the same bits in the hidden states and the KV cache as the per-op path on
+one thread, on every CPU path (the module runs once per forced TRITIUM_CPU_ISA; ids name it).
+Three threads split some GEMMs into an empty share and two uneven ones.
+
+Oracle: the per-op path (TRITIUM_NATIVE_STEP=0) on one thread, whose kernels are tested against
+the torch references in test_kernels_cpu_native.py / test_kernels_i8dot.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritium.backend.engine import LLMEngine
+from tritium.backend.models import native_step
+from tritium.backend.models.native_step import NativeStep, refusal
+
+from test_native_step import SHAPES, _count_native, _steps
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WEIGHTS = {"bf16": dict(deterministic=True), "int8-g32": dict(quantization="int8", group_size=32),
+           "int4": dict(quantization="int4-rtn", group_size=32),
+           "w8a8": dict(quantization="int8", group_size=32, activation_quant="int8", smoothquant=False),
+           "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False)}
+KINDS = {"bf16": "bf16_native", "int8-g32": "int8g_native", "int4": "int4_native", "w8a8": "i8dot", "w4a8": "i8dot"}
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_checkpoint, tmp_path_factory):
+    from tritium.builder.build import BuildOptions, build_engine
+    cache = {}
+
+    def make(shape: str, weights: str):
+        if (shape, weights) not in cache:
+            family, over = SHAPES[shape]
+            out = str(tmp_path_factory.mktemp(f"threads-{shape}-{weights}") / "engine")
+            build_engine(BuildOptions(source=tiny_checkpoint(family, **over), output=out, dtype="bfloat16",
+                                      progress=False, block_size=4, **WEIGHTS[weights]))
+            cache[(shape, weights)] = out
+        return cache[(shape, weights)]
+    return make
+
+
+def _run(model, monkeypatch, native: str, threads: int):
+    monkeypatch.setenv(native_step.ENV, native)
+    torch.set_num_threads(threads)
+    try:
+        return _steps(model, seed=3)
+    finally:
+        torch.set_num_threads(1)
+
+
+CASES = [("llama-gqa", "bf16", 2), ("qwen2-mha-bias", "bf16", 3), ("granite-bias-multipliers", "int8-g32", 2),
+         ("llama-gqa", "w8a8", 1), ("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "w4a8", 3),
+         ("llama-gqa", "int4", 2)]
+
+
+@pytest.mark.parametrize("shape,weights,threads", CASES)
+def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights, threads, native_bf16, monkeypatch):
+    eng = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False)
+    model = eng.runner.model
+    assert refusal(model) is None, refusal(model)
+    kinds = {native_step._packed(getattr(layer, n))[0].kind for layer in model.layers for n in native_step._LINEARS}
+    assert kinds == {KINDS[weights]}, kinds
+    # int4 scales cannot be sliced by channel: that model keeps per-op parallel regions
+    assert NativeStep.get(model).native.splittable == (weights != "int4")
+    ref_h, ref_kv = _run(model, monkeypatch, "0", 1)
+    calls = _count_native(monkeypatch)
+    got_h, got_kv = _run(model, monkeypatch, "1", threads)
+    assert calls == [8] + [4] * 12  # the 62-row prefill ran per-op, every other step natively
+    for i, (a, b) in enumerate(zip(ref_h, got_h)):
+        assert torch.equal(a, b), (native_bf16, shape, weights, threads, i, (a.float() - b.float()).abs().max().item())
+    for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, layer)
+
+
+def test_greedy_tokens_same_on_one_and_two_threads(engine_dir, native_bf16, monkeypatch):
+    """Through the engine (scheduler, LM head, sampler): a request's greedy tokens and logprobs on
+    two threads (native step in one parallel region) equal one thread's."""
+    from tritium.backend.sampling_params import SamplingParams
+    monkeypatch.setenv(native_step.ENV, "1")
+    eng = LLMEngine(engine_dir("llama-gqa", "w8a8"), num_kv_blocks=16, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            out = eng.generate(prompt_token_ids=[[5, 17, 923, 44, 8]], params=params)[0].outputs[0]
+        finally:
+            torch.set_num_threads(1)
+        outs[threads] = (out.token_ids, out.logprobs)
+    assert len(outs[1][0]) == 10 and outs[1] == outs[2], outs
