@@ -105,11 +105,16 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
 INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
     __m512 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+    /* the NC rows of this tile are one contiguous block; while it is read, the block of the next
+     * NC channels is requested line by line (NC lines per step of 32), so every line of the
+     * weight is asked for one tile ahead instead of only the lines past the first few of a row */
+    const char *next = (const char *)(w + (int64_t)NC * K);
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv = load_bh(x + k, m);
+        const char *pf = next + (k / 32) * NC * 64;
         for (int c = 0; c < NC; c++) {
-            _mm_prefetch((const char *)(w + c * K + k + 8 * 32), _MM_HINT_T0); /* 8 lines ahead */
+            _mm_prefetch(pf + c * 64, _MM_HINT_T0);
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
     }
