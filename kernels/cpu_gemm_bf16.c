@@ -138,7 +138,7 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t g = k / G;
-        const __m512 s = _mm512_set1_ps(scale[g * N]), z = _mm512_set1_ps(zero[g * N]);
+        const __m512 s = _mm512_set1_ps(scale[g * N]), z = _mm512_set1_ps(zero ? zero[g * N] : 0.0f);
         _mm_prefetch((const char *)(wn + k / 2 + 256), _MM_HINT_T0);
         __m256i q = w4_nibbles(wn + k / 2);
         __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
@@ -222,7 +222,7 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int64_t g = k / G;
-        const __m256 s = _mm256_set1_ps(scale[g * N]), z = _mm256_set1_ps(zero[g * N]);
+        const __m256 s = _mm256_set1_ps(scale[g * N]), z = _mm256_set1_ps(zero ? zero[g * N] : 0.0f);
         PREFETCH(wn + k / 2 + 256);
         __m256 we, wo;
         i4x16_eo(wn + k / 2, &we, &wo);
@@ -244,7 +244,7 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
         __m256i xv = load256(x + k);
         __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
         for (int c = 0; c < NC_; c++) {
-            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero[g * N + c]);
+            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero ? zero[g * N + c] : 0.0f);
             __m256 we, wo;
             PREFETCH(wn + c * (K / 2) + k / 2 + 256);
             i4x16_eo(wn + c * (K / 2) + k / 2, &we, &wo);
@@ -294,7 +294,7 @@ static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int6
     float acc[MR][16] = {{0}};
     for (int64_t k = 0; k < K; k += 16) {
         const int64_t g = k / G;
-        const float s = scale[g * N], z = zero[g * N];
+        const float s = scale[g * N], z = zero ? zero[g * N] : 0.0f;
         float lo[8], hi[8], wv[16];
         for (int i = 0; i < 8; i++) {
             lo[i] = deq((float)((wn[k / 2 + i] & 0x0F) - 8), s, z);
@@ -397,7 +397,7 @@ void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16,
 }
 
 /* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;
- * w4 (N, K/2) uint8, scale / zero (K/G, N) float32. */
+ * w4 (N, K/2) uint8, scale / zero (K/G, N) float32; zero NULL: the symmetric layout (zero 0). */
 void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, const float *zero, float *y,
                      int64_t M, int64_t N, int64_t K, int64_t G) {
     const int64_t nblocks = (N + NB - 1) / NB;
@@ -408,8 +408,8 @@ void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, c
         if (M == 1) {
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                if (nc == NC1) w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, NC1);
-                else w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, nc);
+                if (nc == NC1) w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero ? zero + n : 0, N, y + n, NC1);
+                else w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero ? zero + n : 0, N, y + n, nc);
             }
             continue;
         }
@@ -417,7 +417,7 @@ void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, c
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
             for (int64_t n = nb * NB; n < n1; n++) {
-#define W4(R) w4_rows(x + m0 * K, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + m0 * N + n, N, R)
+#define W4(R) w4_rows(x + m0 * K, K, G, w4 + n * (K / 2), scale + n, zero ? zero + n : 0, N, y + m0 * N + n, N, R)
                 switch (mr) {
                 case 1: W4(1); break; case 2: W4(2); break;
                 case 3: W4(3); break; default: W4(4); break;

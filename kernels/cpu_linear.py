@@ -188,7 +188,7 @@ def pack_fp8(qweight, scales, zeros, group_size, dtype: torch.dtype) -> CpuLinea
 
 def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype,
               activation_quant: str = "none") -> CpuLinear:
-    """int4 layout of gemm_ref.w4a16_gemm_ref; act-order (g_idx) input channels permuted once so
+    """int4 layout of gemm_ref.w4a16_gemm_ref (zeros None: symmetric); act-order (g_idx) input channels permuted once so
     that every group is contiguous (x is permuted the same way per call)."""
     k = 2 * qweight.shape[1]
     if _i8dot_ok(k, group_size, activation_quant):
@@ -198,10 +198,12 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))
     q, perm = _int4_codes(qweight, g_idx, group_size, k)
-    if _native(k, group_size):
-        return CpuLinear("int4_native", (pack_nibbles(q), scales.float().contiguous(), zeros.float().contiguous()),
+    if _native(k, group_size):  # zeros None (symmetric): the kernels take zero 0
+        return CpuLinear("int4_native", (pack_nibbles(q), scales.float().contiguous(),
+                                         zeros.float().contiguous() if zeros is not None else None),
                          group_size, perm)
-    sz = torch.stack((scales, zeros), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
+    z = zeros if zeros is not None else torch.zeros_like(scales)
+    sz = torch.stack((scales, z), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         return CpuLinear("int4pack", (packed, sz), group_size, perm)
