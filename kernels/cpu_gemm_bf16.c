@@ -24,6 +24,7 @@
  */
 #include <stdint.h>
 
+#include "cpu_f16.h"
 #include "cpu_simd.h"
 
 #define NB 32  /* output channels per parallel work item */
@@ -132,13 +133,13 @@ static inline __m256i w4_nibbles(const uint8_t *p) {
 
 /* One channel n for MR_ rows: each block of 32 weights dequantized once (as tritium_int4_to_bf16
  * does) and shared by the rows; the accumulation as in bf16_tile. */
-INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
+INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const uint16_t *scale,
+                    const uint16_t *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
     __m512 acc[MR];
     for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         const int64_t g = k / G;
-        const __m512 s = _mm512_set1_ps(scale[g * N]), z = _mm512_set1_ps(zero ? zero[g * N] : 0.0f);
+        const __m512 s = _mm512_set1_ps(f16_to_f32(scale[g * N])), z = _mm512_set1_ps(f16_at(zero, g * N));
         _mm_prefetch((const char *)(wn + k / 2 + 256), _MM_HINT_T0);
         __m256i q = w4_nibbles(wn + k / 2);
         __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
@@ -216,13 +217,13 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     for (int c = 0; c < NC; c++) out[c] = hsum8(acc[c]);
 }
 
-INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
+INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const uint16_t *scale,
+                    const uint16_t *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
     __m256 acc[MR];
     for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const int64_t g = k / G;
-        const __m256 s = _mm256_set1_ps(scale[g * N]), z = _mm256_set1_ps(zero ? zero[g * N] : 0.0f);
+        const __m256 s = _mm256_set1_ps(f16_to_f32(scale[g * N])), z = _mm256_set1_ps(f16_at(zero, g * N));
         PREFETCH(wn + k / 2 + 256);
         __m256 we, wo;
         i4x16_eo(wn + k / 2, &we, &wo);
@@ -235,8 +236,8 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
 
 /* One row against NC_ channels (decode): w4_rows' order, NC_ independent accumulator chains. */
 #define NC1 8
-INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, const int NC_) {
+INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const uint16_t *scale,
+                    const uint16_t *zero, int64_t N, float *out, const int NC_) {
     __m256 acc[NC1];
     for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
@@ -244,7 +245,7 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
         __m256i xv = load256(x + k);
         __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
         for (int c = 0; c < NC_; c++) {
-            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero ? zero[g * N + c] : 0.0f);
+            const __m256 s = _mm256_set1_ps(f16_to_f32(scale[g * N + c])), z = _mm256_set1_ps(f16_at(zero, g * N + c));
             __m256 we, wo;
             PREFETCH(wn + c * (K / 2) + k / 2 + 256);
             i4x16_eo(wn + c * (K / 2) + k / 2, &we, &wo);
@@ -289,12 +290,12 @@ static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], cons
 }
 
 static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn,
-                                              const float *scale, const float *zero, int64_t N, float *out,
+                                              const uint16_t *scale, const uint16_t *zero, int64_t N, float *out,
                                               int64_t ldo, const int MR_) {
     float acc[MR][16] = {{0}};
     for (int64_t k = 0; k < K; k += 16) {
         const int64_t g = k / G;
-        const float s = scale[g * N], z = zero ? zero[g * N] : 0.0f;
+        const float s = f16_to_f32(scale[g * N]), z = f16_at(zero, g * N);
         float lo[8], hi[8], wv[16];
         for (int i = 0; i < 8; i++) {
             lo[i] = deq((float)((wn[k / 2 + i] & 0x0F) - 8), s, z);
@@ -397,8 +398,9 @@ void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16,
 }
 
 /* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;
- * w4 (N, K/2) uint8, scale / zero (K/G, N) float32; zero NULL: the symmetric layout (zero 0). */
-void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, const float *zero, float *y,
+ * w4 (N, K/2) uint8, scale / zero (K/G, N) float16 as stored (widened in registers, exact); zero NULL:
+ * the symmetric layout (zero 0). */
+void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const uint16_t *scale, const uint16_t *zero, float *y,
                      int64_t M, int64_t N, int64_t K, int64_t G) {
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)

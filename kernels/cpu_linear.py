@@ -198,10 +198,14 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))
     q, perm = _int4_codes(qweight, g_idx, group_size, k)
-    if _native(k, group_size):  # zeros None (symmetric): the kernels take zero 0
-        return CpuLinear("int4_native", (pack_nibbles(q), scales.float().contiguous(),
-                                         zeros.float().contiguous() if zeros is not None else None),
-                         group_size, perm)
+    half = _half_params(scales, zeros)
+    if _native(k, group_size) and half is not None:
+        # the 16-bit parameters as stored (the kernels widen them in registers); zeros None
+        # (symmetric): the kernels take zero 0
+        return CpuLinear("int4_native", (pack_nibbles(q),) + half, group_size, perm)
+    if _native(k, group_size):  # parameters float16 cannot hold (imported float32 zeros): a bf16 copy
+        w = dequantize_int4(qweight, scales, zeros, group_size, g_idx, torch.bfloat16)
+        return CpuLinear("bf16_native", (w.contiguous(),))
     z = zeros if zeros is not None else torch.zeros_like(scales)
     sz = torch.stack((scales, z), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
     try:
@@ -210,6 +214,21 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
     except RuntimeError:  # shapes the packed kernel rejects (tiny test models): one dense copy
         w = dequantize_int4(qweight, scales, zeros, group_size, g_idx, torch.bfloat16)
         return CpuLinear("dense_bf16", (w,))
+
+
+def _half_params(scales, zeros):
+    """(scales, zeros) as contiguous float16 when every value is a float16 value (Tritium's own
+    builds store float16), else None; zeros may be None."""
+    out = []
+    for t in (scales, zeros):
+        if t is None:
+            out.append(None)
+            continue
+        h = t.to(torch.float16)
+        if t.dtype != torch.float16 and not torch.equal(h.float(), t.float()):
+            return None
+        out.append(h.contiguous())
+    return tuple(out)
 
 
 def _int4_codes(qweight, g_idx, group_size: int, k: int):

@@ -29,7 +29,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
                                                  "cpu_gemm_i8dot.c", "cpu_lora.c")]
-_HEADERS = [os.path.join(_HERE, "cpu_simd.h")]
+_HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 
@@ -150,8 +150,9 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
 
 
 def _check_int4_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> None:
-    assert scales.dtype == torch.float32 and scales.is_contiguous()
-    assert zeros is None or (zeros.dtype == torch.float32 and zeros.is_contiguous())
+    """int4 group parameters as the kernels read them: float16 (K/G, N) as stored, zeros optional."""
+    assert scales.dtype == torch.float16 and scales.is_contiguous()
+    assert zeros is None or (zeros.dtype == torch.float16 and zeros.is_contiguous())
 
 
 def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],

@@ -89,7 +89,7 @@ def test_symmetric_layout_stores_a_gguf_q4_0_tensor_bit_for_bit():
 
 def _sym_weight(n, k, g=32):
     q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    s = (torch.rand(k // g, n) / 10 + 1e-3).half().float()
+    s = (torch.rand(k // g, n) / 10 + 1e-3).half()  # float16 as stored; the kernels read it as is
     return q, s
 
 
