@@ -23,6 +23,7 @@
  * the hints the one-row kernel ran at half oneDNN's speed on SmolLM2's down_proj.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_f16.h"
 #include "cpu_simd.h"
@@ -151,6 +152,30 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* One row against NC_ channels (decode): w4_rows' order per output, NC_ independent accumulator
+ * chains and weight streams (one chain per output left the one-row GEMV bound by VDPBF16PS latency). */
+#define NC1 8
+INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const uint16_t *scale,
+                    const uint16_t *zero, int64_t N, float *out, const int NC_) {
+    __m512 acc[NC1];
+    for (int c = 0; c < NC_; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t g = k / G;
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
+        for (int c = 0; c < NC_; c++) {
+            const __m512 s = _mm512_set1_ps(f16_to_f32(scale[g * N + c])), z = _mm512_set1_ps(f16_at(zero, g * N + c));
+            const uint8_t *p = wn + c * (K / 2) + k / 2;
+            _mm_prefetch((const char *)(p + 256), _MM_HINT_T0);
+            __m256i q = w4_nibbles(p);
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+            acc[c] = _mm512_dpbf16_ps(acc[c], xv, _mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    for (int c = 0; c < NC_; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
+}
+#define HAVE_W4_COLS 1
+
 #elif defined(TRITIUM_AVX2)
 #define NR 2   /* MR * NR accumulators + 2 NR widened weights in the 16 ymm registers */
 #define NR1 8
@@ -257,6 +282,7 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
 }
 #define HAVE_COLS 1
+#define HAVE_W4_COLS 1
 
 #else /* portable C: 16 float32 lanes per output (lane i takes k = 16 j + i), sum16 at the end */
 #define NR 2
@@ -397,16 +423,80 @@ void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16,
     bf16_gemm(x, w, 0, y16, M, N, K);
 }
 
+/* Channels n0 .. n0 + nc of the int4 weight dequantized to bf16 (nc, K), each value rounded as
+ * tritium_int4_to_bf16 rounds it (cpu_gemm.c), so a tile over the panel gives bf16_gemm's bits. */
+static void w4_panel(const uint8_t *w4, const uint16_t *scale, const uint16_t *zero, int64_t n0, int64_t nc,
+                     int64_t N, int64_t K, int64_t G, uint16_t *panel) {
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *wn = w4 + (n0 + c) * (K / 2);
+        uint16_t *out = panel + c * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            const int64_t g = k / G;
+            const float sf = f16_to_f32(scale[g * N + n0 + c]), zf = f16_at(zero, g * N + n0 + c);
+#if defined(TRITIUM_AVX512)
+            const __m512 s = _mm512_set1_ps(sf), z = _mm512_set1_ps(zf);
+            __m256i q = w4_nibbles(wn + k / 2);
+            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
+            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
+            _mm512_storeu_si512((void *)(out + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#elif defined(TRITIUM_AVX2)
+            const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf);
+            for (int h = 0; h < 32; h += 16) {
+                __m256 e, o;
+                i4x16_eo(wn + (k + h) / 2, &e, &o);
+                store_eo_bf16(out + k + h, _mm256_fmadd_ps(e, s, z), _mm256_fmadd_ps(o, s, z));
+            }
+#else
+            for (int i = 0; i < 16; i++) {
+                out[k + 2 * i] = f32_to_bf16(deq((float)((wn[k / 2 + i] & 0x0F) - 8), sf, zf));
+                out[k + 2 * i + 1] = f32_to_bf16(deq((float)((wn[k / 2 + i] >> 4) - 8), sf, zf));
+            }
+#endif
+        }
+    }
+}
+
+/* Several rows: each work item (NB channels) dequantizes its weight panel to bf16 once and runs
+ * bf16_gemm's tiles over every row on it (the dequantization is shared by all M rows, and the
+ * tiles are the bf16 GEMM's: the same bits as tritium_int4_to_bf16 + tritium_bf16_gemm). */
+static void w4_gemm_panels(const uint16_t *x, const uint8_t *w4, const uint16_t *scale, const uint16_t *zero,
+                           float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+#pragma omp parallel
+    {
+        uint16_t *panel = (uint16_t *)malloc((size_t)(NB * K) * sizeof(uint16_t));
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const int64_t n0 = nb * NB, n1 = n0 + NB < N ? n0 + NB : N;
+            w4_panel(w4, scale, zero, n0, n1 - n0, N, K, G, panel);
+            for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+                const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
+                int64_t n = n0;
+                const uint16_t *w = panel - n0 * K; /* w + n * K: channel n's row of the panel */
+                float *yo = y;
+                const int64_t ym = 0, yn = 0, ldy = N;
+                for (; n + NR <= n1; n += NR) ROWS(NR)
+                for (; n < n1; n++) ROWS(1)
+            }
+        }
+        free(panel);
+    }
+}
+
 /* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;
  * w4 (N, K/2) uint8, scale / zero (K/G, N) float16 as stored (widened in registers, exact); zero NULL:
  * the symmetric layout (zero 0). */
 void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const uint16_t *scale, const uint16_t *zero, float *y,
                      int64_t M, int64_t N, int64_t K, int64_t G) {
+    if (M > 1) {
+        w4_gemm_panels(x, w4, scale, zero, y, M, N, K, G);
+        return;
+    }
     const int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-#ifdef HAVE_COLS
+#ifdef HAVE_W4_COLS
         if (M == 1) {
             for (int64_t n = nb * NB; n < n1; n += NC1) {
                 const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
