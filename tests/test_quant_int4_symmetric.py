@@ -1,5 +1,5 @@
 """The symmetric int4 layout (llama.cpp Q4_0's grid: codes -8..7 times one float16 scale per group,
-no zeros tensor; the default of int4 builds) end to end.
+no zeros tensor; `--int4-layout symmetric`) end to end.
 
 Oracles: Q4_0's definition written here from scratch (d = m / -8 for the block's value m of largest
 magnitude, q = min(15, trunc(x / d + 8.5)), w = d (q - 8)) and the `gguf` package's own Q4_0
@@ -154,7 +154,7 @@ def built(tiny_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["int4-rtn", "int4-gptq", "int4-awq"])
 def test_symmetric_engine_builds_loads_and_matches_its_weights(built, method):
-    out = built(quantization=method)
+    out = built(quantization=method, int4_layout="symmetric")
     t = load_file(os.path.join(out, "rank0.safetensors"))
     layers = json.load(open(os.path.join(out, "engine.json")))["quantization"]["layers"]
     lin = [n for n, lq in layers.items() if lq["method"] == "int4"]
@@ -165,8 +165,8 @@ def test_symmetric_engine_builds_loads_and_matches_its_weights(built, method):
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), method
 
 
-def test_symmetric_is_half_a_bit_smaller_and_asymmetric_flag_keeps_zeros(built):
-    sym, asym = built(quantization="int4-rtn"), built(quantization="int4-rtn", int4_layout="asymmetric")
+def test_symmetric_is_half_a_bit_smaller_and_the_default_keeps_zeros(built):
+    sym, asym = built(quantization="int4-rtn", int4_layout="symmetric"), built(quantization="int4-rtn")
     rs = json.load(open(os.path.join(sym, "build_report.json")))["size"]
     ra = json.load(open(os.path.join(asym, "build_report.json")))["size"]
     ta = load_file(os.path.join(asym, "rank0.safetensors"))
@@ -178,8 +178,8 @@ def test_symmetric_is_half_a_bit_smaller_and_asymmetric_flag_keeps_zeros(built):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(quantization="int4-rtn", int4_layout="q4_0"), "--int4-layout 'q4_0' not supported; allowed: symmetric, asymmetric"),
-    (dict(quantization="int8", int4_layout="asymmetric"), "--int4-layout asymmetric needs --quantization int4"),
+    (dict(quantization="int4-rtn", int4_layout="q4_0"), "--int4-layout 'q4_0' not supported; allowed: asymmetric, symmetric"),
+    (dict(quantization="int8", int4_layout="symmetric"), "--int4-layout symmetric needs --quantization int4"),
 ])
 def test_bad_int4_layout_is_refused(tiny_checkpoint, tmp_path, kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -58,7 +58,7 @@ class QuantOptions:
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     exclude_modules: Optional[str] = None
     embedding_quantization: str = "auto"  # SUPPORTED_EMBEDDING_QUANTIZATION (quant_plan.plan_embedding)
-    int4_layout: Optional[str] = None  # INT4_LAYOUTS (quant_plan.int4_symmetric); None: symmetric
+    int4_layout: Optional[str] = None  # INT4_LAYOUTS (quant_plan.int4_symmetric); None: asymmetric
     progress: bool = True
     source: Optional[str] = None
     act_order: bool = True

@@ -65,7 +65,8 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
 
 
 def int4_symmetric(o) -> bool:
-    """--int4-layout: symmetric (the default; llama.cpp Q4_0's grid, no zeros) or asymmetric.
+    """--int4-layout: asymmetric (the default: a float16 scale and zero per group) or symmetric
+    (llama.cpp Q4_0's grid, no zeros).
     Raises ValueError naming the flag for another value, or the flag without an int4 build."""
     layout = getattr(o, "int4_layout", None)
     if layout is not None and layout not in INT4_LAYOUTS:

@@ -67,9 +67,9 @@ def register(sub) -> None:
     s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
                    help="with --activation-quant int8: do not smooth activation outliers into the weights")
     p.add_argument("--int4-layout", default=None, choices=INT4_LAYOUTS,
-                   help="int4 linears: symmetric (default: codes -8..7 times one float16 scale per group, llama.cpp "
-                        "Q4_0's grid, 4.5 bits per weight at groups of 32) or asymmetric (a float16 scale and zero "
-                        "point per group, 5 bits; keeps a GGUF Q4_1 source's grid exactly)")
+                   help="int4 linears: asymmetric (default: a float16 scale and zero point per group, 5 bits per "
+                        "weight at groups of 32; keeps a GGUF Q4_1 source's grid exactly) or symmetric (codes -8..7 "
+                        "times one float16 scale per group, llama.cpp Q4_0's grid, 4.5 bits)")
     p.add_argument("--embedding-quantization", default=None, choices=SUPPORTED_EMBEDDING_QUANTIZATION,
                    help="the embedding / LM head of a quantized build: int8 (symmetric groups of 32, float16 "
                         "scales), int4 (asymmetric groups of 32), none (float), or auto (default: int8 per row in "
