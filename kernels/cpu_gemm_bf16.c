@@ -152,24 +152,40 @@ INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     for (int r = 0; r < MR_; r++) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* int4 through a table: the 16 values bf16((q - 8) s + z) of a group, computed once (the same FMA
+ * and rounding as w4_rows and tritium_int4_to_bf16, so the same bits), then 32 codes looked up with
+ * one VPERMW. 16 bytes of nibbles -> 32 16-bit codes in k order: byte j's low nibble to 16-bit
+ * lane 2j, its high nibble to lane 2j + 1. */
+static inline __m512i w4_codes16(const uint8_t *p) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x000F000F));
+}
+static inline __m512i w4_table(float s, float z) { /* in the low 16 lanes (VPERMW reads only those) */
+    const __m512 q8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(q8, _mm512_set1_ps(s), _mm512_set1_ps(z))));
+}
+static inline __m512bh w4_lookup(const uint8_t *p, __m512i table) {
+    return (__m512bh)_mm512_permutexvar_epi16(w4_codes16(p), table);
+}
+
 /* One row against NC_ channels (decode): w4_rows' order per output, NC_ independent accumulator
- * chains and weight streams (one chain per output left the one-row GEMV bound by VDPBF16PS latency). */
+ * chains and weight streams (one chain per output left the one-row GEMV bound by VDPBF16PS
+ * latency); each group's table built once per channel. */
 #define NC1 8
 INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const uint16_t *scale,
                     const uint16_t *zero, int64_t N, float *out, const int NC_) {
     __m512 acc[NC1];
+    __m512i table[NC1];
     for (int c = 0; c < NC_; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
-        const int64_t g = k / G;
+        if (k % G == 0)
+            for (int c = 0; c < NC_; c++)
+                table[c] = w4_table(f16_to_f32(scale[k / G * N + c]), f16_at(zero, k / G * N + c));
         const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
         for (int c = 0; c < NC_; c++) {
-            const __m512 s = _mm512_set1_ps(f16_to_f32(scale[g * N + c])), z = _mm512_set1_ps(f16_at(zero, g * N + c));
             const uint8_t *p = wn + c * (K / 2) + k / 2;
             _mm_prefetch((const char *)(p + 256), _MM_HINT_T0);
-            __m256i q = w4_nibbles(p);
-            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-            acc[c] = _mm512_dpbf16_ps(acc[c], xv, _mm512_cvtne2ps_pbh(hi, lo));
+            acc[c] = _mm512_dpbf16_ps(acc[c], xv, w4_lookup(p, table[c]));
         }
     }
     for (int c = 0; c < NC_; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
@@ -430,15 +446,15 @@ static void w4_panel(const uint8_t *w4, const uint16_t *scale, const uint16_t *z
     for (int64_t c = 0; c < nc; c++) {
         const uint8_t *wn = w4 + (n0 + c) * (K / 2);
         uint16_t *out = panel + c * K;
+#if defined(TRITIUM_AVX512)
+        __m512i table = _mm512_setzero_si512();
+#endif
         for (int64_t k = 0; k < K; k += 32) {
             const int64_t g = k / G;
             const float sf = f16_to_f32(scale[g * N + n0 + c]), zf = f16_at(zero, g * N + n0 + c);
 #if defined(TRITIUM_AVX512)
-            const __m512 s = _mm512_set1_ps(sf), z = _mm512_set1_ps(zf);
-            __m256i q = w4_nibbles(wn + k / 2);
-            __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-            __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-            _mm512_storeu_si512((void *)(out + k), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            if (k % G == 0) table = w4_table(sf, zf);
+            _mm512_storeu_si512((void *)(out + k), (__m512i)w4_lookup(wn + k / 2, table));
 #elif defined(TRITIUM_AVX2)
             const __m256 s = _mm256_set1_ps(sf), z = _mm256_set1_ps(zf);
             for (int h = 0; h < 32; h += 16) {
