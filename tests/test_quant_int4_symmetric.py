@@ -185,3 +185,29 @@ def test_bad_int4_layout_is_refused(tiny_checkpoint, tmp_path, kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         build_engine(BuildOptions(source=tiny_checkpoint("llama", **DIMS), output=str(tmp_path / "e"),
                                   dtype="float32", progress=False, eval_tokens=0, **kw))
+
+
+def test_native_decode_step_takes_symmetric_int4(native_step_engine, native_bf16, monkeypatch):
+    """The native decode step's int4 kind with zero == NULL: bit-identical to the per-op path
+    (test_native_step's scenario: a ragged prefill, a mixed step, then 12 decode steps of 4 rows)."""
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.models import native_step
+    from test_native_step import _both_paths
+    eng = LLMEngine(native_step_engine("llama-gqa", "int4", int4_layout="symmetric"), num_kv_blocks=8,
+                    enable_prefix_caching=False)
+    model = eng.runner.model
+    assert native_step.refusal(model) is None, native_step.refusal(model)
+    packed = native_step._packed(model.layers[0].qkv_proj)[0]
+    assert packed.kind == "int4_native" and packed.tensors[2] is None  # symmetric: no zeros
+    (ref_h, ref_kv), (got_h, got_kv), calls = _both_paths(model, monkeypatch)
+    assert calls == [8] + [4] * 12
+    for i, (a, b) in enumerate(zip(ref_h, got_h)):
+        assert torch.equal(a, b), (native_bf16, i, (a.float() - b.float()).abs().max().item())
+    for a, b in zip(ref_kv, got_kv):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), native_bf16
+
+
+@pytest.fixture(scope="module")
+def native_step_engine(tiny_checkpoint, tmp_path_factory):
+    from test_native_step import engine_dir
+    return engine_dir.__wrapped__(tiny_checkpoint, tmp_path_factory)
