@@ -50,9 +50,18 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
     __m512i table[NC1];
     for (int c = 0; c < NC_; c++) acc[c] = _mm512_setzero_ps(), table[c] = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 32) {
-        if (k % G == 0)
-            for (int c = 0; c < NC_; c++)
-                table[c] = w4_table(f16_to_f32(scale[k / G * N + c]), f16_at(zero, k / G * N + c));
+        if (k % G == 0) { /* this group's parameters of the NC_ channels: contiguous float16 */
+            const int64_t g0 = k / G * N;
+            float sv[NC1], zv[NC1];
+            if (NC_ == NC1) {
+                _mm256_storeu_ps(sv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g0))));
+                _mm256_storeu_ps(zv, zero ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + g0)))
+                                          : _mm256_setzero_ps());
+            } else {
+                for (int c = 0; c < NC_; c++) sv[c] = f16_to_f32(scale[g0 + c]), zv[c] = f16_at(zero, g0 + c);
+            }
+            for (int c = 0; c < NC_; c++) table[c] = w4_table(sv[c], zv[c]);
+        }
         const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
         for (int c = 0; c < NC_; c++) {
             const uint8_t *p = wn + c * (K / 2) + k / 2;
