@@ -47,12 +47,8 @@ IMPORTED_QUANTIZATION = "imported"
 # `tritium build --embedding-quantization`: how a quantized build stores the embedding / LM head
 # (builder/quant/quant_plan.py; "auto" depends on --quantization).
 SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
-# `tritium build --int4-layout`: the int4 linears' grid (LayerQuant.symmetric); the first is the default
-# (asymmetric: symmetric groups missed the 3% held-out budget on SmolLM2's Q4_1 GGUF, docs/quantization.md).
-INT4_LAYOUTS = ("asymmetric", "symmetric")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
-# How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
 
 
 class EngineFormatError(ValueError):
@@ -194,9 +190,7 @@ class LayerQuant:
     # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
     asymmetric: bool = False
-    # int4 only: symmetric groups (llama.cpp Q4_0's grid, 4.5 bits per weight at groups of 32):
-    # no zeros tensor is stored, w = (q - 8) * scale. False: a zeros tensor (K // G, N) (5 bits).
-    symmetric: bool = False
+    symmetric: bool = False  # int4 only: no zeros tensor, w = (q - 8) * scale (Q4_0's grid, quant_layouts.py)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ from typing import Optional
 
 import torch
 
+# `tritium build --int4-layout`: the int4 linears' grid (LayerQuant.symmetric: no zeros); the first is
+# the default (symmetric groups missed the 3% held-out budget on SmolLM2's Q4_1 GGUF, docs/quantization.md).
+INT4_LAYOUTS = ("asymmetric", "symmetric")
 INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
                "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported; absent in "
                "symmetric layers, then 0); "

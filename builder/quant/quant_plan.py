@@ -5,7 +5,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Dict, Optional
 
-from tritium.backend.config import INT4_LAYOUTS, EngineConfig, LayerQuant
+from tritium.backend.config import EngineConfig, LayerQuant
+from tritium.kernels.quant_layouts import INT4_LAYOUTS
 
 from .quant_layers import LINEARS, linear_in_features
 from .quantize_int4 import choose_group_size

@@ -7,8 +7,9 @@ import sys
 
 from tritium.backend import engine_options
 from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPORTED_DTYPES,
-                                    SUPPORTED_EMBEDDING_QUANTIZATION, INT4_LAYOUTS,
+                                    SUPPORTED_EMBEDDING_QUANTIZATION,
                                     SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
+from tritium.kernels.quant_layouts import INT4_LAYOUTS
 from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
