@@ -49,7 +49,6 @@ IMPORTED_QUANTIZATION = "imported"
 SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
-# How an MoE router scores experts: softmax over all of them, or a sigmoid each (DeepSeek-V3).
 
 
 class EngineFormatError(ValueError):
@@ -191,6 +190,7 @@ class LayerQuant:
     # int8 / fp8 with group_size only: a zeros tensor (K // group_size, N) is stored beside
     # the scales (asymmetric groups, chosen per group to keep a block-quantized source's grid).
     asymmetric: bool = False
+    symmetric: bool = False  # int4 only: no zeros tensor, w = (q - 8) * scale (Q4_0's grid, quant_layouts.py)
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ class Fp8Linear(_QuantLinearBase):
 
 
 class Int4Linear(_QuantLinearBase):
-    """W4A16 group-wise asymmetric. With act-order (g_idx), input channels are permuted once at
+    """W4A16 group-wise: asymmetric (scales and zeros), or symmetric (layer_quant.symmetric: no
+    zeros, llama.cpp Q4_0's grid). With act-order (g_idx), input channels are permuted once at
     load so that each group is contiguous, and x is permuted the same way at run time (CPU)."""
     method = "int4"
 
@@ -166,7 +167,8 @@ class Int4Linear(_QuantLinearBase):
         num_groups = in_features // group_size
         self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(num_groups, out_features, dtype=torch.float32))
-        self.register_buffer("zeros", torch.empty(num_groups, out_features, dtype=torch.float32))
+        sym = bool(getattr(layer_quant, "symmetric", False))
+        self.register_buffer("zeros", None if sym else torch.empty(num_groups, out_features, dtype=torch.float32))
         act_order = bool(getattr(layer_quant, "act_order", False))
         self.register_buffer("g_idx", torch.empty(in_features, dtype=torch.int32) if act_order else None)
 

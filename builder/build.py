@@ -53,6 +53,7 @@ class BuildOptions:
     calibration_samples: Optional[int] = None  # None: the quantizer default (64 windows of 128 tokens)
     exclude_modules: Optional[str] = None
     embedding_quantization: Optional[str] = None  # None: auto (builder/quant/quant_plan.py)
+    int4_layout: Optional[str] = None  # int4 builds: "asymmetric" (None: the default) or "symmetric" (quant_plan.py)
     tensor_parallel_size: int = 1  # rank{i}.safetensors for i < N (builder/tp_shard.py)
     deterministic: bool = False  # EngineConfig.deterministic: batch-invariant kernels only (docs/determinism.md)
     eval_tokens: Optional[int] = None  # quantized builds: eval-text tokens for the report (None: default, 0: skip)

@@ -54,7 +54,7 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
                         int64_t K);
 void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, int64_t nz, float *y, int64_t M,
                       int64_t N, int64_t K, int64_t G);
-void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, const float *zero, float *y,
+void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const uint16_t *scale, const uint16_t *zero, float *y,
                      int64_t M, int64_t N, int64_t K, int64_t G);
 void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps, int64_t T,
                                int64_t H, uint16_t *out, uint16_t *res_out);
@@ -75,8 +75,8 @@ enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3, LIN_I8DOT = 4 };
 typedef struct {
     int64_t kind, n, k, group, nz; /* LIN_I8DOT: group = bits (8 or 4) */
     const void *w;        /* bf16 (N, K) | int8 (N, K) | nibbles uint8 (N, K / 2) | i8dot codes */
-    const float *scale;   /* LIN_INT8: (N,); LIN_INT4: (K / G, N); LIN_I8DOT: r (N,) */
-    const float *zero;    /* LIN_INT4: (K / G, N) */
+    const float *scale;   /* LIN_INT8: (N,); LIN_INT4: float16 bits (K / G, N); LIN_I8DOT: r (N,) */
+    const float *zero;    /* LIN_INT4: float16 bits (K / G, N), NULL when symmetric */
     const float *params;  /* LIN_INT8G: (N, K / G, nz) */
     const uint16_t *bias; /* bf16 (N,) or NULL */
     const uint16_t *d16, *z16; /* LIN_I8DOT: float16 block scales / zeros (N, K / 32); z16 may be NULL */
@@ -109,7 +109,10 @@ static int linear_cols(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
                                 L->z16 ? L->z16 + n0 * kb : NULL, L->scale + n0, y, T, n, K, L->group);
         break;
     }
-    default: tritium_w4_gemm(x, (const uint8_t *)L->w, L->scale, L->zero, y, T, N, K, L->group); break; /* whole */
+    default: /* int4: the whole GEMM (its (K / G, N) scales are not sliced by channel) */
+        tritium_w4_gemm(x, (const uint8_t *)L->w, (const uint16_t *)L->scale, (const uint16_t *)L->zero, y, T, N, K,
+                        L->group);
+        break;
     }
     for (int64_t t = 0; t < T; t++) {
         const float *yr = y + t * n;

@@ -21,6 +21,7 @@
 #include <omp.h>
 #endif
 
+#include "cpu_f16.h"
 #include "cpu_simd.h"
 
 #define MR 8   /* rows of x per pass: MR partial + MR total accumulators stay in registers */
@@ -369,10 +370,10 @@ void tritium_int8_to_bf16(const int8_t *w, int64_t n, uint16_t *out) {
 }
 
 /* int4 weight -> bfloat16 (N, K): w = (q - 8) * scale[g] + zero[g] in float32, rounded to nearest
- * even; q from w4 (N, K/2) uint8, low nibble = even k; scale, zero (K/G, N) float32; g = g_idx[k]
+ * even; q from w4 (N, K/2) uint8, low nibble = even k; scale, zero (K/G, N) float16; g = g_idx[k]
  * when g_idx is given (act-order), else k / G (then G % 32 == 0 takes the block path, which
- * rounds as the fused tritium_w4_gemm does). */
-void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *zero, const int32_t *g_idx,
+ * rounds as the fused tritium_w4_gemm does); zero NULL: the symmetric layout (zero 0). */
+void tritium_int4_to_bf16(const uint8_t *w4, const uint16_t *scale, const uint16_t *zero, const int32_t *g_idx,
                           int64_t N, int64_t K, int64_t G, uint16_t *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -380,7 +381,7 @@ void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *ze
         if (!g_idx && G % 32 == 0) {
             for (int64_t k = 0; k < K; k += 32) {
                 const int64_t g = k / G;
-                int4_block(wn + k / 2, scale[g * N + n], zero[g * N + n], out + n * K + k);
+                int4_block(wn + k / 2, f16_to_f32(scale[g * N + n]), f16_at(zero, g * N + n), out + n * K + k);
             }
             continue;
         }
@@ -388,7 +389,7 @@ void tritium_int4_to_bf16(const uint8_t *w4, const float *scale, const float *ze
             const uint8_t b = wn[k / 2];
             const int q = (k & 1) ? (b >> 4) : (b & 0x0F);
             const int64_t g = g_idx ? g_idx[k] : k / G;
-            const float v = fmaf((float)(q - 8), scale[g * N + n], zero[g * N + n]);
+            const float v = fmaf((float)(q - 8), f16_to_f32(scale[g * N + n]), f16_at(zero, g * N + n));
             out[n * K + k] = f32_to_bf16(v);
         }
     }

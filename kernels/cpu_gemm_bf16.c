@@ -16,9 +16,9 @@
  * first (tritium_int8_to_bf16, _int8g_to_bf16, _int4_to_bf16) and multiplied here gives the same
  * bits as the fused int8 kernels, so a layer may switch between them by batch size.
  *
- * tritium_bf16_gemm: W bf16 (N, K). tritium_w4_gemm: W = bf16((q - 8) * scale + zero) from the
- * int4 layout of tritium_int4_to_bf16 (no g_idx), dequantized 32 weights at a time; K % 32 == 0
- * and G % 32 == 0. Threads: OpenMP over blocks of output channels. Weight rows are prefetched a
+ * tritium_bf16_gemm: W bf16 (N, K); tritium_bf16_panel: the tiles over one block of channels
+ * (the int4 GEMM of cpu_gemm_w4.c runs them on its dequantized panels). Threads: OpenMP over
+ * blocks of output channels. Weight rows are prefetched a
  * few cache lines ahead: a decode streams every weight from memory once per step, and without
  * the hints the one-row kernel ran at half oneDNN's speed on SmolLM2's down_proj.
  */
@@ -126,34 +126,6 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     for (int c = 0; c < NC; c++) out[c] = _mm512_reduce_add_ps(acc[c]);
 }
 
-/* 16 bytes of nibbles (k = 2j low, 2j + 1 high) -> 32 int8 values q - 8, in k order. */
-static inline __m256i w4_nibbles(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_set_m128i(_mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight),
-                            _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight));
-}
-
-/* One channel n for MR_ rows: each block of 32 weights dequantized once (as tritium_int4_to_bf16
- * does) and shared by the rows; the accumulation as in bf16_tile. */
-INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
-    __m512 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        const int64_t g = k / G;
-        const __m512 s = _mm512_set1_ps(scale[g * N]), z = _mm512_set1_ps(zero[g * N]);
-        _mm_prefetch((const char *)(wn + k / 2 + 256), _MM_HINT_T0);
-        __m256i q = w4_nibbles(wn + k / 2);
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), s, z);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), s, z);
-        __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-        for (int r = 0; r < MR_; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k)), wv);
-    }
-    for (int r = 0; r < MR_; r++) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
-}
 
 #elif defined(TRITIUM_AVX2)
 #define NR 2   /* MR * NR accumulators + 2 NR widened weights in the 16 ymm registers */
@@ -221,46 +193,6 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     for (int c = 0; c < NC; c++) out[c] = hsum8(acc[c]);
 }
 
-INLINE void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, int64_t ldo, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const int64_t g = k / G;
-        const __m256 s = _mm256_set1_ps(scale[g * N]), z = _mm256_set1_ps(zero[g * N]);
-        PREFETCH(wn + k / 2 + 256);
-        __m256 we, wo;
-        i4x16_eo(wn + k / 2, &we, &wo);
-        we = bf16_round8(_mm256_fmadd_ps(we, s, z));
-        wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
-        for (int r = 0; r < MR_; r++) acc[r] = dot16_eo(acc[r], x + r * K + k, we, wo);
-    }
-    for (int r = 0; r < MR_; r++) out[r * ldo] = hsum8(acc[r]);
-}
-
-/* One row against NC_ channels (decode): w4_rows' order, NC_ independent accumulator chains. */
-#define NC1 8
-INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, const float *scale,
-                    const float *zero, int64_t N, float *out, const int NC_) {
-    __m256 acc[NC1];
-    for (int c = 0; c < NC_; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const int64_t g = k / G;
-        __m256i xv = load256(x + k);
-        __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
-        for (int c = 0; c < NC_; c++) {
-            const __m256 s = _mm256_set1_ps(scale[g * N + c]), z = _mm256_set1_ps(zero[g * N + c]);
-            __m256 we, wo;
-            PREFETCH(wn + c * (K / 2) + k / 2 + 256);
-            i4x16_eo(wn + c * (K / 2) + k / 2, &we, &wo);
-            we = bf16_round8(_mm256_fmadd_ps(we, s, z));
-            wo = bf16_round8(_mm256_fmadd_ps(wo, s, z));
-            acc[c] = _mm256_fmadd_ps(xo, wo, _mm256_fmadd_ps(xe, we, acc[c]));
-        }
-    }
-    for (int c = 0; c < NC_; c++) out[c] = hsum8(acc[c]);
-}
-#define HAVE_COLS 1
 
 #else /* portable C: 16 float32 lanes per output (lane i takes k = 16 j + i), sum16 at the end */
 #define NR 2
@@ -268,33 +200,6 @@ INLINE void w4_cols(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn, 
 
 #include "cpu_gemm_bf16_generic.h" /* dot_bf16, tile22, bf16_tile, bf16_row */
 
-/* acc[r] += x[r][0:16] . wv for mr rows (out of line, as dot_bf16) */
-static __attribute__((noinline)) void rows_dot16(float (*restrict acc)[16], const uint16_t *restrict x, int64_t K,
-                                                 const float *restrict wv, int mr) {
-    for (int r = 0; r < mr; r++)
-        for (int i = 0; i < 16; i++) acc[r][i] += bf16_to_f32(x[r * K + i]) * wv[i];
-}
-
-static __attribute__((noinline)) void w4_rows(const uint16_t *x, int64_t K, int64_t G, const uint8_t *wn,
-                                              const float *scale, const float *zero, int64_t N, float *out,
-                                              int64_t ldo, const int MR_) {
-    float acc[MR][16] = {{0}};
-    for (int64_t k = 0; k < K; k += 16) {
-        const int64_t g = k / G;
-        const float s = scale[g * N], z = zero[g * N];
-        float lo[8], hi[8], wv[16];
-        for (int i = 0; i < 8; i++) {
-            lo[i] = deq((float)((wn[k / 2 + i] & 0x0F) - 8), s, z);
-            hi[i] = deq((float)((wn[k / 2 + i] >> 4) - 8), s, z);
-        }
-        for (int i = 0; i < 8; i++) {
-            wv[2 * i] = lo[i];
-            wv[2 * i + 1] = hi[i];
-        }
-        rows_dot16(acc, x + k, K, wv, MR_);
-    }
-    for (int r = 0; r < MR_; r++) out[r * ldo] = sum16(acc[r]);
-}
 #endif
 
 #ifndef MRB
@@ -387,33 +292,16 @@ void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16,
     bf16_gemm(x, w, 0, y16, M, N, K);
 }
 
-/* y (M, N) float32 = x (M, K) bf16 @ bf16((q - 8) * scale[k / G][n] + zero[k / G][n])^T;
- * w4 (N, K/2) uint8, scale / zero (K/G, N) float32. */
-void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const float *scale, const float *zero, float *y,
-                     int64_t M, int64_t N, int64_t K, int64_t G) {
-    const int64_t nblocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-#ifdef HAVE_COLS
-        if (M == 1) {
-            for (int64_t n = nb * NB; n < n1; n += NC1) {
-                const int nc = n1 - n < NC1 ? (int)(n1 - n) : NC1;
-                if (nc == NC1) w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, NC1);
-                else w4_cols(x, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + n, nc);
-            }
-            continue;
-        }
-#endif
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            for (int64_t n = nb * NB; n < n1; n++) {
-#define W4(R) w4_rows(x + m0 * K, K, G, w4 + n * (K / 2), scale + n, zero + n, N, y + m0 * N + n, N, R)
-                switch (mr) {
-                case 1: W4(1); break; case 2: W4(2); break;
-                case 3: W4(3); break; default: W4(4); break;
-                }
-            }
-        }
+/* y (M, nc) with row stride ldy = x (M, K) @ w (nc, K)^T, one thread: bf16_gemm's tiles (so its
+ * bits) over one block of channels, e.g. an int4 weight panel dequantized to bf16 (cpu_gemm_w4.c). */
+void tritium_bf16_panel(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t nc, int64_t K,
+                        int64_t ldy) {
+    float *yo = y;
+    const int64_t ym = 0, yn = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += MRB) {
+        const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
+        int64_t n = 0;
+        for (; n + NR <= nc; n += NR) ROWS(NR)
+        for (; n < nc; n++) ROWS(1)
     }
 }

@@ -188,7 +188,7 @@ def pack_fp8(qweight, scales, zeros, group_size, dtype: torch.dtype) -> CpuLinea
 
 def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype,
               activation_quant: str = "none") -> CpuLinear:
-    """int4 layout of gemm_ref.w4a16_gemm_ref; act-order (g_idx) input channels permuted once so
+    """int4 layout of gemm_ref.w4a16_gemm_ref (zeros None: symmetric); act-order (g_idx) input channels permuted once so
     that every group is contiguous (x is permuted the same way per call)."""
     k = 2 * qweight.shape[1]
     if _i8dot_ok(k, group_size, activation_quant):
@@ -198,16 +198,37 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))
     q, perm = _int4_codes(qweight, g_idx, group_size, k)
-    if _native(k, group_size):
-        return CpuLinear("int4_native", (pack_nibbles(q), scales.float().contiguous(), zeros.float().contiguous()),
-                         group_size, perm)
-    sz = torch.stack((scales, zeros), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
+    half = _half_params(scales, zeros)
+    if _native(k, group_size) and half is not None:
+        # the 16-bit parameters as stored (the kernels widen them in registers); zeros None
+        # (symmetric): the kernels take zero 0
+        return CpuLinear("int4_native", (pack_nibbles(q),) + half, group_size, perm)
+    if _native(k, group_size):  # parameters float16 cannot hold (imported float32 zeros): a bf16 copy
+        w = dequantize_int4(qweight, scales, zeros, group_size, g_idx, torch.bfloat16)
+        return CpuLinear("bf16_native", (w.contiguous(),))
+    z = zeros if zeros is not None else torch.zeros_like(scales)
+    sz = torch.stack((scales, z), dim=-1).to(torch.bfloat16).contiguous()  # (K/G, N, 2)
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         return CpuLinear("int4pack", (packed, sz), group_size, perm)
     except RuntimeError:  # shapes the packed kernel rejects (tiny test models): one dense copy
         w = dequantize_int4(qweight, scales, zeros, group_size, g_idx, torch.bfloat16)
         return CpuLinear("dense_bf16", (w,))
+
+
+def _half_params(scales, zeros):
+    """(scales, zeros) as contiguous float16 when every value is a float16 value (Tritium's own
+    builds store float16), else None; zeros may be None."""
+    out = []
+    for t in (scales, zeros):
+        if t is None:
+            out.append(None)
+            continue
+        h = t.to(torch.float16)
+        if t.dtype != torch.float16 and not torch.equal(h.float(), t.float()):
+            return None
+        out.append(h.contiguous())
+    return tuple(out)
 
 
 def _int4_codes(qweight, g_idx, group_size: int, k: int):

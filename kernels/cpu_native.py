@@ -26,10 +26,10 @@ import torch
 from . import cpu_isa
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_decode_attention.c", "cpu_glue.c",
+_SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_gemm_w4.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
                                                  "cpu_gemm_i8dot.c", "cpu_lora.c")]
-_HEADERS = [os.path.join(_HERE, f) for f in ("cpu_simd.h", "cpu_gemm_bf16_generic.h")]
+_HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 
@@ -150,16 +150,23 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
     return y
 
 
-def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def _check_int4_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> None:
+    """int4 group parameters as the kernels read them: float16 (K/G, N) as stored, zeros optional."""
+    assert scales.dtype == torch.float16 and scales.is_contiguous()
+    assert zeros is None or (zeros.dtype == torch.float16 and zeros.is_contiguous())
+
+
+def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
             group_size: int) -> torch.Tensor:
     """The int4 layout (no g_idx): x (M, K) @ int4_to_bf16(...)^T -> float32 (M, N), the same bits
-    as int4_to_bf16 followed by bf16_gemm. K and G multiples of 32."""
+    as int4_to_bf16 followed by bf16_gemm. K and G multiples of 32. zeros None: symmetric (zero 0)."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     assert qweight.dtype == torch.uint8 and qweight.is_contiguous() and group_size % _ALIGN == 0 and k % group_size == 0
-    assert scales.dtype == zeros.dtype == torch.float32 and scales.is_contiguous() and zeros.is_contiguous()
+    _check_int4_params(scales, zeros)
     xb = _check(x, k)
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
-    _lib().tritium_w4_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(),
+    _lib().tritium_w4_gemm(xb.data_ptr(), qweight.data_ptr(), scales.data_ptr(),
+                           zeros.data_ptr() if zeros is not None else None, y.data_ptr(),
                            xb.shape[0], n, k, group_size)
     return y
 
@@ -244,18 +251,18 @@ def int8_to_bf16(q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     return out
 
 
-def int4_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+def int4_to_bf16(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
                  g_idx: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The int4 layout of gemm_ref.w4a16_gemm_ref dequantized to bfloat16 (N, K): the float32
-    value (q - 8) * scale + zero rounded once to nearest even."""
+    value (q - 8) * scale + zero rounded once to nearest even (zeros None: zero 0)."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     assert qweight.dtype == torch.uint8 and qweight.is_contiguous()
-    assert scales.dtype == zeros.dtype == torch.float32 and scales.is_contiguous() and zeros.is_contiguous()
+    _check_int4_params(scales, zeros)
     gi = g_idx.to(torch.int32).contiguous() if g_idx is not None else None
     if out is None:
         out = torch.empty(n, k, dtype=torch.bfloat16)
     assert out.shape == (n, k) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    _lib().tritium_int4_to_bf16(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+    _lib().tritium_int4_to_bf16(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                                 gi.data_ptr() if gi is not None else None, n, k, group_size, out.data_ptr())
     return out
 

@@ -63,7 +63,7 @@ def _fill_linear(dst: _Linear, p: CpuLinear, bias: Optional[torch.Tensor], keep:
     elif p.kind == "int8g_native":
         dst.params, dst.nz = t[3].data_ptr(), t[3].shape[2]
     elif p.kind == "int4_native":
-        dst.scale, dst.zero = t[1].data_ptr(), t[2].data_ptr()
+        dst.scale, dst.zero = t[1].data_ptr(), (t[2].data_ptr() if t[2] is not None else None)  # None: symmetric
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
         keep.append(bias)

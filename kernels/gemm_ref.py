@@ -17,10 +17,10 @@ FP8_E4M3_MAX = 448.0
 FP8_MIN_AMAX = 1e-12
 
 
-def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    group_size: int, g_idx: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (..., K) @ dequant(int4)^T (+ bias) in x's dtype."""
+    """x (..., K) @ dequant(int4)^T (+ bias) in x's dtype (zeros None: the symmetric layout)."""
     w = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
     return F.linear(x, w, bias)
 

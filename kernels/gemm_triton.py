@@ -59,7 +59,8 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
                        M, N, K, stride_x_m, stride_qw_n, stride_s_g, stride_o_m, group_size, k_per_split,
                        HAS_GIDX: tl.constexpr, GROUP_ALIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                       HAS_ZEROS: tl.constexpr = True):
     rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2).to(tl.int64)
@@ -85,17 +86,23 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
         if HAS_GIDX:
             g = tl.load(gidx_ptr + rk, mask=kmask, other=0).to(tl.int64)
             s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
+            z = 0.0
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
         elif GROUP_ALIGNED:
             # the whole K tile lies in one group: one (BLOCK_N,) row of scales / zeros
             g = k0 // group_size
             s = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            z = 0.0
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         else:
             g = (rk // group_size).to(tl.int64)
             s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-        # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]
+            z = 0.0
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
+        # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]   (symmetric, no zeros tensor: zero = 0)
         w = (q - 8.0) * s + z
         acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
     _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split, HAS_BIAS, SPLIT)
@@ -248,20 +255,23 @@ def _run_tuned(name: str, variant: tuple, kernel, m: int, n: int, k: int, x2: to
     launch(CACHE.pick(name, variant, m, n, k, x2.device, launch))
 
 
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                group_size: int, g_idx: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ dequant_int4(qweight, scales, zeros)^T (+ bias); x (..., K) -> (..., N) in x's dtype."""
+    """y = x @ dequant_int4(qweight, scales, zeros)^T (+ bias); x (..., K) -> (..., N) in x's dtype.
+    zeros None: the symmetric int4 layout (zero 0)."""
     check_dtype("qweight", qweight, (torch.uint8,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if group_size <= 0 or k % group_size:
         raise ValueError(f"group_size: must divide in_features {k}, got {group_size}")
     check_last_contiguous("qweight", qweight)
     for name, t in (("scales", scales), ("zeros", zeros)):
+        if t is None and name == "zeros":
+            continue
         check_shape(name, t, (k // group_size, n))
         check_dtype(name, t, _PARAM_DTYPES)
         check_last_contiguous(name, t)
-    if zeros.stride() != scales.stride():
+    if zeros is not None and zeros.stride() != scales.stride():
         raise ValueError("zeros: must have the same strides as scales")
     if g_idx is not None:
         check_shape("g_idx", g_idx, (k,))
@@ -275,10 +285,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         upcast = dot_upcast(x.dtype)
         pow2 = group_size & (group_size - 1) == 0
         # x: (M, K); qweight: (N, K//2) uint8; scales/zeros: (K//G, N); out: (M, N)
-        _run_tuned("w4a16", (g_idx is not None, group_size, x.dtype), _w4a16_gemm_kernel, m, n, k, x2, out, bias,
-                   (x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight),
+        _run_tuned("w4a16", (g_idx is not None, group_size, x.dtype, zeros is not None), _w4a16_gemm_kernel, m, n, k,
+                   x2, out, bias, (x2, qweight, scales, zeros if zeros is not None else scales,
+                                   g_idx if g_idx is not None else qweight),
                    (x2.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), group_size),
                    lambda bk: dict(HAS_GIDX=g_idx is not None, GROUP_ALIGNED=group_size % bk == 0,
+                                   HAS_ZEROS=zeros is not None,
                                    UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32),
                    # a K tile inside one group when possible
                    block_k_of=lambda bk: max(16, min(bk, group_size)) if pow2 else bk)

@@ -175,7 +175,7 @@ def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, determin
     if method == "fp8":
         return _cpu_linear.pack_fp8(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size, dtype)
     if method == "int4":
-        return _cpu_linear.pack_int4(buffers["qweight"], buffers["scales"], buffers["zeros"], group_size,
+        return _cpu_linear.pack_int4(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size,
                                      buffers.get("g_idx"), dtype, activation_quant)
     raise ValueError(f"linear method {method!r}; allowed: none, int8, fp8, int4")
 

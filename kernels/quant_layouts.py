@@ -2,12 +2,16 @@
 them and the kernels and runtime that read them.
 
     int4: qweight uint8   (N, K // 2)  two 4-bit codes per byte: low nibble = even k, high = odd k
-          scales  float16 (K // G, N)  (the runtime upcasts to float32 at load)
-          zeros   float16 (K // G, N)  (both float32 in engines imported from pre-quantized
-                                        checkpoints: zero = (8 - z) * scale is exact in float32
-                                        for their float16 / bfloat16 scales, not in float16)
+          scales  float16 (K // G, N)
+          zeros   float16 (K // G, N)  absent in the symmetric layout (LayerQuant.symmetric, the
+                                       default of Tritium's builds: llama.cpp Q4_0's grid, codes
+                                       -8..7 times a float16 scale, 4.5 bits per weight at G = 32);
+                                       (scales and zeros float32 in engines imported from
+                                        pre-quantized checkpoints: zero = (8 - z) * scale is exact
+                                        in float32 for their float16 / bfloat16 scales, not in float16)
           g_idx   int32   (K,)         optional (GPTQ act-order): the group of input channel k
-          w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k])
+          w[n, k] = (q[n, k] - 8) * scales[g, n] + zeros[g, n],   g = k // G  (or g_idx[k]);
+          zeros[g, n] = 0 when absent
           An asymmetric (scale, min) quantizer stores zero = min + 8 * scale, which is exactly the
           (scale, zero) convention of `aten._weight_int4pack_mm_for_cpu`.
     int8: qweight int8 (N, K), scales bfloat16 (N,) (float32 in imported engines and before
@@ -33,8 +37,12 @@ from typing import Optional
 
 import torch
 
+# `tritium build --int4-layout`: the int4 linears' grid (LayerQuant.symmetric: no zeros); the first is
+# the default (symmetric groups missed the 3% held-out budget on SmolLM2's Q4_1 GGUF, docs/quantization.md).
+INT4_LAYOUTS = ("asymmetric", "symmetric")
 INT4_LAYOUT = ("qweight uint8 (N, K//2): low nibble = even k, high nibble = odd k, codes 0..15; "
-               "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported); "
+               "scales float16 (K//G, N); zeros float16 (K//G, N) (float32 when imported; absent in "
+               "symmetric layers, then 0); "
                "optional g_idx int32 (K,); "
                "w[n,k] = (q[n,k] - 8) * scales[g,n] + zeros[g,n], g = k // G or g_idx[k]")
 INT8_LAYOUT = ("qweight int8 (N, K); scales bfloat16 (N,) (float32 when imported); w[n,k] = qweight[n,k] * scales[n] "
@@ -69,13 +77,16 @@ def group_index(k: int, group_size: int, g_idx: Optional[torch.Tensor] = None) -
     return torch.arange(k) // group_size
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                     group_size: int, g_idx: Optional[torch.Tensor] = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Float weight (N, K) of the int4 layout (computed in float32, returned in `dtype`)."""
+    """Float weight (N, K) of the int4 layout (computed in float32, returned in `dtype`);
+    zeros None: the symmetric layout, w = (q - 8) * scale."""
     q = unpack_int4(qweight).float()
     g = group_index(q.shape[1], group_size, g_idx).to(qweight.device)
-    w = (q - 8.0) * scales.float()[g].t() + zeros.float()[g].t()
+    w = (q - 8.0) * scales.float()[g].t()
+    if zeros is not None:
+        w = w + zeros.float()[g].t()
     return w.to(dtype)
 
 

@@ -71,7 +71,7 @@ def test_w4_gemm_equals_dequantize_then_bf16_gemm():
     seed = _seed()
     n, k, g = 40, 256, 64
     q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    s, z = torch.rand(k // g, n) / 10 + 1e-3, torch.randn(k // g, n) / 10
+    s, z = (torch.rand(k // g, n) / 10 + 1e-3).half(), (torch.randn(k // g, n) / 10).half()  # as stored
     x = torch.randn(9, k).bfloat16()
     fused = cpu_native.w4_gemm(x, q, s, z, g)
     two_step = cpu_native.bf16_gemm(x, cpu_native.int4_to_bf16(q, s, z, g))
@@ -86,8 +86,8 @@ def _layer(method, k, n, dtype, **lq):
     lin = make_linear(k, n, False, dtype, SimpleNamespace(method=method, asymmetric=False, act_order=False, **lq))
     if method == "int4":
         lin.qweight.copy_(torch.randint(0, 256, lin.qweight.shape, dtype=torch.uint8))
-        lin.scales.copy_(torch.rand(lin.scales.shape) / 20 + 1e-3)
-        lin.zeros.copy_(torch.randn(lin.zeros.shape) / 20)
+        lin.scales = (torch.rand(lin.scales.shape) / 20 + 1e-3).half()  # float16, as engines store them
+        lin.zeros = (torch.randn(lin.zeros.shape) / 20).half()
     else:
         qdtype = lin.qweight.dtype
         q = torch.randint(-127, 128, lin.qweight.shape) if qdtype == torch.int8 else torch.randn(lin.qweight.shape) * 40

@@ -115,8 +115,9 @@ def test_int4_to_bf16_and_int4_linear_prefill_path(act_order):
     n, k, g = 40, 128, 32
     lin = quant.Int4Linear(k, n, False, torch.bfloat16, SimpleNamespace(group_size=g, act_order=act_order))
     lin.qweight.copy_(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8))
-    lin.scales.copy_(torch.rand(k // g, n) / 10 + 1e-3)
-    lin.zeros.copy_(torch.randn(k // g, n) / 10)
+    # float16 group parameters, as engines store them (the kernels read them as stored)
+    lin.scales = (torch.rand(k // g, n) / 10 + 1e-3).half()
+    lin.zeros = (torch.randn(k // g, n) / 10).half()
     if act_order:
         lin.g_idx.copy_((torch.randperm(k) // g).to(torch.int32))
     exact = dequantize_int4(lin.qweight, lin.scales, lin.zeros, g, lin.g_idx, torch.float32)

@@ -36,6 +36,21 @@ def test_w4a16_kernel_reads_builder_int4(case):
     assert rel < 0.2, f"seed={seed} relative error {rel}"
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_w4a16_kernel_reads_symmetric_int4(group):
+    """The symmetric layout (no zeros tensor, zeros=None) of quantize_int4(symmetric=True)."""
+    rng, seed = new_rng()
+    m, n, k = _shapes(rng)
+    w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
+    qweight, scales, zeros = quantize_int4(w, group, symmetric=True)
+    assert not bool(zeros.any())
+    s16 = scales.half()
+    got = w4a16_gemm(x, qweight, s16, None, group)
+    assert_close(got, x @ dequantize_int4(qweight, s16, None, group).t(), torch.float32, f"seed={seed}")
+    want = x @ w.t()
+    assert ((got - want).norm() / want.norm()).item() < 0.25, f"seed={seed}"
+
+
 def test_w4a16_kernel_reads_builder_int4_act_order():
     rng, seed = new_rng()
     m, n, k = _shapes(rng)

@@ -68,7 +68,7 @@ def _dequantized_model(engine_dir):
             base = name[: -len(".qweight")]
             lq = cfg.quantization.layers[base]
             if lq.method == "int4":
-                w = dequantize_int4(x, t[base + ".scales"], t[base + ".zeros"], lq.group_size, t.get(base + ".g_idx"))
+                w = dequantize_int4(x, t[base + ".scales"], t.get(base + ".zeros"), lq.group_size, t.get(base + ".g_idx"))
             elif lq.group_size:  # grouped int8 / fp8 (the embedding of int8 / fp8 builds)
                 w = dequantize_grouped(x, t[base + ".scales"], t.get(base + ".zeros"), lq.group_size)
             elif lq.method == "int8":

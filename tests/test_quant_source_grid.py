@@ -71,7 +71,8 @@ def test_group_sizes_follow_source_blocks(tiny_gguf, tmp_path):
 
 def test_rtn_reproduces_gguf_q4_1_grid(tiny_gguf, tmp_path):
     """The engine's int4 o_proj, dequantized, equals the gguf package's dequantized Q4_1 tensor
-    (up to float16 storage of scale/zero); --group-size 64 is far off that grid."""
+    (up to float16 storage of scale/zero; the default asymmetric layout); --group-size 64 is far
+    off that grid."""
     _build(tiny_gguf, tmp_path / "e", quantization="int4-rtn")
     _build(tiny_gguf, tmp_path / "e64", quantization="int4-rtn", group_size=64)
     for i in range(2):

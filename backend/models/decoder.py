@@ -203,8 +203,10 @@ class DecoderLM(nn.Module):
             q = unpack_int4(e.qweight[input_ids]).float() - 8.0
             g = e.group_size
             s = e.scales[:, input_ids].t().float()[:, :, None]
-            z = e.zeros[:, input_ids].t().float()[:, :, None]
-            rows = (q.view(q.shape[0], -1, g) * s + z).view(q.shape)
+            rows = q.view(q.shape[0], -1, g) * s
+            if e.zeros is not None:  # asymmetric (symmetric int4: no zeros)
+                rows = rows + e.zeros[:, input_ids].t().float()[:, :, None]
+            rows = rows.view(q.shape)
             return rows.to(self.dtype)
         q = e.qweight[input_ids].float()
         if e.group_size:  # scales (hidden / G, vocab): each gathered row's groups

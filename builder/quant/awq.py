@@ -19,15 +19,15 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .quantize_int4 import int4_codes, int4_params
+from .quantize_int4 import int4_codes, int4_params, int4_params_sym
 from .quantize_int8 import bf16_ceil, int8_codes, int8_row_scales
 
 
-def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Quantize-dequantize (N, K) with group-wise asymmetric RTN (same grid as quantize_int4)."""
+def fake_quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False) -> torch.Tensor:
+    """Quantize-dequantize (N, K) with group-wise RTN (same grid as quantize_int4)."""
     n, k = w.shape
     wg = w.float().reshape(n, k // group_size, group_size)
-    scale, zero = int4_params(wg)
+    scale, zero = int4_params_sym(wg) if symmetric else int4_params(wg)
     q = int4_codes(wg, scale[..., None], zero[..., None])
     return ((q - 8.0) * scale[..., None] + zero[..., None]).reshape(n, k)
 
@@ -40,8 +40,8 @@ def fake_quantize_int8_rows(w: torch.Tensor) -> torch.Tensor:
 
 def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: torch.Tensor,
                      group_size: Optional[int], n_grid: int = 20,
-                     fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                     ) -> Tuple[torch.Tensor, float, List[float]]:
+                     fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     symmetric: bool = False) -> Tuple[torch.Tensor, float, List[float]]:
     """Grid-search alpha in s = mean|x|^alpha for linears sharing input x (n_tokens, K).
 
     weights: float (N_i, K) matrices; x_mean_abs: (K,) per-channel mean |x| over calibration.
@@ -50,7 +50,7 @@ def awq_search_scale(weights: List[torch.Tensor], x: torch.Tensor, x_mean_abs: t
     """
     if fake_quant is None:
         def fake_quant(w):
-            return fake_quantize_int4(w, group_size)
+            return fake_quantize_int4(w, group_size, symmetric)
     W = torch.cat([w.float() for w in weights], dim=0)
     x = x.float()
     ref = x @ W.t()
@@ -125,7 +125,7 @@ class AwqChoice:
 
 def awq_search(weights: Sequence[torch.Tensor], hessian: torch.Tensor, x_mean_abs: torch.Tensor,
                group_size: int, n_grid: int = 20, duo: bool = True,
-               w_mean: Optional[torch.Tensor] = None) -> AwqChoice:
+               w_mean: Optional[torch.Tensor] = None, symmetric: bool = False) -> AwqChoice:
     """AWQ's scale search for linears sharing one input, scored on the output error over all
     calibration tokens (hessian: H = X^T X of that input, (K, K)); x_mean_abs: mean |x| (K,).
 
@@ -145,7 +145,7 @@ def awq_search(weights: Sequence[torch.Tensor], hessian: torch.Tensor, x_mean_ab
         for use_duo in ((False, True) if duo else (False,)):
             s = xs.pow(alpha) / ws.pow(1 - alpha) if use_duo else xs.pow(alpha)
             s = s / (s.max() * s.min()).sqrt()
-            loss = hessian_loss(fake_quantize_int4(W * s, group_size) / s - W, H)
+            loss = hessian_loss(fake_quantize_int4(W * s, group_size, symmetric) / s - W, H)
             if r == 0 and not use_duo:
                 rtn_loss = loss
             if best is None or loss < best.loss:
@@ -158,8 +158,8 @@ CLIP_RATIOS = tuple(1.0 - i / 20 for i in range(11))  # 1.0 down to 0.5, as the 
 
 
 def awq_clip_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int,
-                  ratios: Sequence[float] = CLIP_RATIOS, clip_rows: Optional[torch.Tensor] = None
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+                  ratios: Sequence[float] = CLIP_RATIOS, clip_rows: Optional[torch.Tensor] = None,
+                  symmetric: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """AWQ's weight clipping search on the asymmetric int4 grid: each (row, group) is clamped to
     [-r amax, r amax] before its min/max grid is fitted, with r picked per (row, group) to minimise
     that group's output error d^T H_gg d (H_gg: the group's diagonal block of H = X^T X; the
@@ -169,7 +169,8 @@ def awq_clip_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int,
     clip_rows: optional bool (N,), rows searched; the others keep r = 1 (the paper's code skips
     q and k, whose error the output loss does not see through the attention softmax).
     Returns (scale, zero), each (N, K // group_size), for quantize_int4(params=...); r = 1 is
-    plain min/max, so no group's error exceeds round-to-nearest's."""
+    plain min/max, so no group's error exceeds round-to-nearest's. symmetric: the grid of
+    int4_params_sym (zero 0), its scale shrunk by r instead."""
     n, k = w.shape
     ng = k // group_size
     wg = w.float().reshape(n, ng, group_size)
@@ -178,8 +179,10 @@ def awq_clip_int4(w: torch.Tensor, hessian: torch.Tensor, group_size: int,
     amax = wg.abs().amax(dim=-1, keepdim=True)
     best_err = best_s = best_z = None
     for r in (1.0,) + tuple(r for r in ratios if r != 1.0):
-        clipped = wg.clamp(-r * amax, r * amax)
-        scale, zero = int4_params(clipped)
+        if symmetric:
+            scale, zero = int4_params_sym(wg, r)
+        else:
+            scale, zero = int4_params(wg.clamp(-r * amax, r * amax))
         q = int4_codes(wg, scale[..., None], zero[..., None])
         d = (q - 8.0) * scale[..., None] + zero[..., None] - wg
         err = torch.einsum("ngi,gij,ngj->ng", d, Hg, d)

@@ -19,7 +19,7 @@ import torch
 from tritium.kernels.quant_layouts import pack_int4
 
 from ..build_threads import column_loop_threads, torch_threads
-from .quantize_int4 import int4_codes, int4_params, int4_params_mse
+from .quantize_int4 import int4_codes, int4_params, int4_params_mse, int4_params_sym, int4_params_sym_mse
 
 
 class HessianAccumulator:
@@ -55,7 +55,7 @@ def inverse_hessian_factor(H: torch.Tensor, damp_percent: float) -> torch.Tensor
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_order: bool = False,
                   block_size: int = 128, damp_percent: float = 0.01, mse: bool = True,
-                  static_groups: bool = False
+                  static_groups: bool = False, symmetric: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """GPTQ-quantize a float weight (N, K) given its input Hessian (K, K).
 
@@ -64,6 +64,7 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
     by a clipping grid search (the reference code's `mse` option) instead of min/max.
     static_groups=True: group params come from the original columns k // G (before any error
     feedback) and, with act_order, g_idx is None because the groups are the contiguous ones.
+    symmetric=True: the symmetric grid (int4_params_sym, zeros all 0).
     """
     W = w.float().clone()
     n, k = W.shape
@@ -71,7 +72,10 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, act_o
         raise ValueError(f"group_size {group_size} must divide in_features {k}")
     H = hessian.float().clone()
     zero_dead_inputs(W, H)
-    params = int4_params_mse if mse else int4_params
+    if symmetric:
+        params = int4_params_sym_mse if mse else int4_params_sym
+    else:
+        params = int4_params_mse if mse else int4_params
     scales = torch.empty(k // group_size, n)
     zeros = torch.empty(k // group_size, n)
     if static_groups:

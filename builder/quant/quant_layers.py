@@ -48,19 +48,23 @@ def quantize_weight(w: torch.Tensor, lq, method: str, stats: Optional[dict]):
             q, s = quantize_fp8(w)
         return {"qweight": q, "scales": s}, dequantize_fp8(q, s)
     g_idx = None
+    sym = lq.symmetric
     if method == "int4-gptq":
         q, s, z, g_idx = gptq_quantize(w, stats["H"].hessian(), lq.group_size,
                                        act_order=lq.act_order or lq.static_groups,
-                                       static_groups=lq.static_groups)
+                                       static_groups=lq.static_groups, symmetric=sym)
     elif method == "int4-awq" and stats and "awq_H" in stats:
-        params = awq_clip_int4(w, stats["awq_H"], lq.group_size, clip_rows=stats.get("clip_rows"))
+        params = awq_clip_int4(w, stats["awq_H"], lq.group_size, clip_rows=stats.get("clip_rows"), symmetric=sym)
         q, s, z = quantize_int4(w, lq.group_size, params)
     else:
-        q, s, z = quantize_int4(w, lq.group_size)
+        q, s, z = quantize_int4(w, lq.group_size, symmetric=sym)
     # Stored as float16 (half the bytes of float32; 11-bit mantissa, far finer than a 4-bit step).
     # The returned dequantized weight uses the stored values, so later layers calibrate on them.
-    s, z = s.half(), z.half()
-    out = {"qweight": q, "scales": s, "zeros": z}
+    # Symmetric (Q4_0's grid): no zeros tensor at all.
+    s, z = s.half(), (None if sym else z.half())
+    out = {"qweight": q, "scales": s}
+    if z is not None:
+        out["zeros"] = z
     if g_idx is not None:
         out["g_idx"] = g_idx
     return out, dequantize_int4(q, s, z, lq.group_size, g_idx)
@@ -102,13 +106,13 @@ def _awq_fold(cfg, i: int, W: Dict[str, torch.Tensor], new: dict, plan: dict, st
         st = stats[lin]
         if "H" not in st:  # no Hessian collected: the sampled-rows search of the paper's code
             s, alpha, _ = awq_search_scale([W[lin]], st["x"], st["mean_abs"] if stat is None else stat,
-                                           lq.group_size)
+                                           lq.group_size, symmetric=lq.symmetric)
             alphas[lin] = alpha
             return s
         H = st["H"].hessian()
         w_mean = pool(group_weight_mean(W[lin], lq.group_size)) if pool else None
         choice = awq_search([W[lin]], H, st["mean_abs"] if stat is None else stat, lq.group_size,
-                            w_mean=w_mean)
+                            w_mean=w_mean, symmetric=lq.symmetric)
         alphas[lin] = choice.alpha
         alphas[lin + ".duo"] = choice.duo
         # The clip search (quantize_weight) sees the scaled weight, so it needs H of the scaled

@@ -19,13 +19,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from tritium.backend.config import (SUPPORTED_EMBEDDING_QUANTIZATION, SUPPORTED_KV_CACHE_DTYPES,
-                                    SUPPORTED_KV_ROTATIONS,
-                                    SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig,
-                                    QuantConfig)
+from tritium.backend.config import (SUPPORTED_EMBEDDING_QUANTIZATION, SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
+                                    SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
-from tritium.kernels.quant_layouts import (FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT,
-                                           INT8_LAYOUT)
+from tritium.kernels.quant_layouts import FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT, INT8_LAYOUT
 
 KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
@@ -41,7 +38,7 @@ from .quant_layers import LINEARS, quantize_layer
 from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
-from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, plan_layers
+from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, int4_symmetric, plan_layers
 from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors, smoothquant_applies
 
 DEFAULT_CALIBRATION_SAMPLES = 64
@@ -61,6 +58,7 @@ class QuantOptions:
     calibration_samples: int = DEFAULT_CALIBRATION_SAMPLES
     exclude_modules: Optional[str] = None
     embedding_quantization: str = "auto"  # SUPPORTED_EMBEDDING_QUANTIZATION (quant_plan.plan_embedding)
+    int4_layout: Optional[str] = None  # INT4_LAYOUTS (quant_plan.int4_symmetric); None: asymmetric
     progress: bool = True
     source: Optional[str] = None
     act_order: bool = True
@@ -120,6 +118,7 @@ def validate_quant_args(opts=None, cfg: Optional[EngineConfig] = None, **kw) -> 
         raise ValueError(f"--group-size {o.group_size} not supported for {o.quantization}; allowed: "
                          f"{PER_ROW} (one scale per output channel) or "
                          f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))} (falls back to 64/32 per layer)")
+    int4_symmetric(o)  # --int4-layout
     if o.embedding_quantization not in SUPPORTED_EMBEDDING_QUANTIZATION:
         raise ValueError(f"--embedding-quantization {o.embedding_quantization!r} not supported; allowed: "
                          f"{', '.join(SUPPORTED_EMBEDDING_QUANTIZATION)}")

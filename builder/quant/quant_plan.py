@@ -6,6 +6,7 @@ import fnmatch
 from typing import Dict, Optional
 
 from tritium.backend.config import EngineConfig, LayerQuant
+from tritium.kernels.quant_layouts import INT4_LAYOUTS
 
 from .quant_layers import LINEARS, linear_in_features
 from .quantize_int4 import choose_group_size
@@ -27,6 +28,7 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
     linear is block-quantized there (source_grid.py), else 128 falling back to 64/32. The
     embedding (and an untied lm_head) per --embedding-quantization (plan_embedding)."""
     kind = {"int8": "int8", "fp8": "fp8"}.get(o.quantization, "int4")
+    sym = int4_symmetric(o)
     plan = {}
     blocks = linear_source_blocks(o.source, cfg.model.num_layers) if not o.group_size_explicit else {}
     for i in range(cfg.model.num_layers):
@@ -51,16 +53,29 @@ def plan_layers(cfg: EngineConfig, o) -> Dict[str, LayerQuant]:
                 # o_proj's inputs are split by attention head, and act-order's g_idx groups mix
                 # channels of every head: at tensor parallelism it uses static groups (act-order
                 # column order, contiguous groups) so that each rank holds whole groups.
-                plan[name] = LayerQuant("int4", group_size=g, group_reason=reason, static_groups=True)
+                plan[name] = LayerQuant("int4", group_size=g, group_reason=reason, static_groups=True, symmetric=sym)
                 continue
             # On a source grid act-order's g_idx groups would mix source blocks: GPTQ there uses
             # static groups (act-order's column order, parameters fixed per source block, no g_idx).
             plan[name] = LayerQuant("int4", group_size=g, act_order=act_order and not on_grid,
                                     group_reason=reason,
-                                    static_groups=act_order and on_grid)
+                                    static_groups=act_order and on_grid, symmetric=sym)
     for name in ("embed_tokens",) + (() if cfg.model.tie_word_embeddings else ("lm_head",)):
         plan[name] = plan_embedding(kind, cfg.model.hidden_size, o, name)
     return plan
+
+
+def int4_symmetric(o) -> bool:
+    """--int4-layout: asymmetric (the default: a float16 scale and zero per group) or symmetric
+    (llama.cpp Q4_0's grid, no zeros).
+    Raises ValueError naming the flag for another value, or the flag without an int4 build."""
+    layout = getattr(o, "int4_layout", None)
+    if layout is not None and layout not in INT4_LAYOUTS:
+        raise ValueError(f"--int4-layout {layout!r} not supported; allowed: {', '.join(INT4_LAYOUTS)}")
+    if layout is not None and not (o.quantization.startswith("int4") or o.quantization == "auto"):
+        raise ValueError(f"--int4-layout {layout} needs --quantization int4-rtn, int4-awq, int4-gptq or auto, "
+                         f"got {o.quantization}")
+    return (layout or INT4_LAYOUTS[0]) == "symmetric"
 
 
 def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:

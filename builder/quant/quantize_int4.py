@@ -1,7 +1,10 @@
-"""INT4 weights: group-wise asymmetric round-to-nearest, packing, and the inverse.
+"""INT4 weights: group-wise round-to-nearest, symmetric (llama.cpp Q4_0's grid: codes -8..7 times
+one scale per group, 4.5 bits per weight at groups of 32) or asymmetric (a scale and a zero per
+group, 5 bits), packing, and the inverse.
 
 The layout it writes (the engine's `int4` layout) is defined in tritium.kernels.quant_layouts.
-quantize_int4 returns float32 scales and zeros; the builder stores them as float16.
+quantize_int4 returns float32 scales and zeros (zeros all 0 when symmetric); the builder stores
+the scales (and the asymmetric zeros) as float16.
 """
 from __future__ import annotations
 
@@ -25,8 +28,40 @@ def choose_group_size(in_features: int, requested: int) -> Optional[int]:
     return None
 
 
+def int4_params_sym(w: torch.Tensor, ratio: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero = 0) of the symmetric 4-bit grid of each row of w (..., G), llama.cpp Q4_0's
+    rule: the value of largest magnitude m (sign kept) lands on code -8, scale d = -m / 8 (so the
+    grid is d * (-8..7), reaching |m| on the side of m). ratio < 1 shrinks d (a clipping search).
+    The scale is rounded to float16 first (the stored value), so the codes are chosen on the grid
+    the engine holds."""
+    w = w.float()
+    idx = w.abs().argmax(dim=-1, keepdim=True)
+    m = torch.gather(w, -1, idx).squeeze(-1)
+    d = (-m * ratio / 8.0)
+    d = torch.where(d == 0, torch.full_like(d, 1e-10), d)
+    d = d.half().float()
+    d = torch.where(d == 0, torch.full_like(d, 2.0 ** -24), d)  # below float16's range: its smallest step
+    return d, torch.zeros_like(d)
 
 
+def int4_params_sym_mse(w: torch.Tensor, grid: int = 20, min_ratio: float = 0.5, norm: float = 2.4
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The symmetric grid of int4_params_sym with its scale shrunk by the ratio (1 .. min_ratio)
+    that minimises, per row, sum |w - dequant(q)|^norm (as int4_params_mse does for asymmetric)."""
+    w = w.float()
+    best_err = None
+    for i in range(grid):
+        r = 1.0 - (1.0 - min_ratio) * i / max(grid - 1, 1)
+        scale, zero = int4_params_sym(w, r)
+        q = int4_codes(w, scale[..., None], zero[..., None])
+        err = ((q - 8.0) * scale[..., None] - w).abs_().pow_(norm).sum(-1)
+        if best_err is None:
+            best_err, best_s = err, scale
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, scale, best_s)
+    return best_s, torch.zeros_like(best_s)
 
 
 def int4_params(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -71,18 +106,21 @@ def int4_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 
 def quantize_int4(w: torch.Tensor, group_size: int,
-                  params: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                  params: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, symmetric: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest group-wise asymmetric INT4 of a float weight (N, K).
+    """Round-to-nearest group-wise INT4 of a float weight (N, K).
 
-    params: optional (scale, zero), each (N, K//G), e.g. from a clipping search; default min/max.
+    params: optional (scale, zero), each (N, K//G), e.g. from a clipping search; default min/max
+    (asymmetric) or int4_params_sym (symmetric=True, zeros all 0).
     Returns (qweight uint8 (N, K//2), scales float32 (K//G, N), zeros float32 (K//G, N)).
     """
     n, k = w.shape
     if k % group_size or k % 2:
         raise ValueError(f"group_size {group_size} must divide in_features {k} (and K must be even)")
     wg = w.float().reshape(n, k // group_size, group_size)
-    scale, zero = int4_params(wg) if params is None else params     # (N, K//G)
+    if params is None:
+        params = int4_params_sym(wg) if symmetric else int4_params(wg)
+    scale, zero = params     # (N, K//G)
     q = int4_codes(wg, scale[..., None], zero[..., None]).reshape(n, k)
     return pack_int4(q), scale.t().contiguous(), zero.t().contiguous()
 

@@ -55,7 +55,8 @@ def _gemm_cases(m: int) -> Dict[str, Callable]:
         cases[f"bf16 gemm {tag}"] = (lambda x=x, wb=wb: cpu_native.bf16_gemm(x, wb), f32, bf, _onednn(x, wb))
         cases[f"int8 w8a16 {tag}"] = (lambda x=x, q=q8, s=s8: cpu_native.w8a16_gemm(x, q, s), f32, None, None)
         cases[f"int8 grouped {tag}"] = (lambda x=x, q=q8, p=params: cpu_native.w8g_gemm(x, q, p, g), f32, None, None)
-        cases[f"int4 {tag}"] = (lambda x=x, q=q4, s=sg, z=zg: cpu_native.w4_gemm(x, q, s, z, g), f32, None, None)
+        cases[f"int4 {tag}"] = (lambda x=x, q=q4, s=sg.half(), z=zg.half(): cpu_native.w4_gemm(x, q, s, z, g),
+                                f32, None, None)  # float16 parameters, as engines store them
     # bf16 only: fused gate_up, o_proj / q_proj, k_proj / v_proj
     for n, k in ((2 * FFN, HIDDEN), (HIDDEN, HIDDEN), (HKV * D, HIDDEN)):
         x = torch.randn(m, k).bfloat16()

@@ -30,7 +30,8 @@ def _buffers(method: str, n: int, k: int, g: int = 32) -> dict:
         return {"qweight": torch.randint(-128, 128, (n, k), dtype=torch.int8),
                 "scales": torch.rand(k // g, n) / 50 + 1e-3, "zeros": torch.randn(k // g, n) / 50}
     return {"qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
-            "scales": torch.rand(k // g, n) / 10 + 1e-3, "zeros": torch.randn(k // g, n) / 10}
+            # float16, as engines store int4 parameters (the int4 kernels read them as stored)
+            "scales": (torch.rand(k // g, n) / 10 + 1e-3).half(), "zeros": (torch.randn(k // g, n) / 10).half()}
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,8 @@ them alike): a 32-token prefill of each of --batch sequences, then --tokens gree
 of one token per sequence through the model's forward with a paged KV cache; only the decode
 steps are timed. Prints the host first (CPU model, the native kernels' ISA path, cores, memory
 bandwidth with the run's threads: client/bench/host_info.py), then the median decode tokens/s (all
-sequences) per engine, its ratio to the first engine, and its single-stream bandwidth limit (read
+sequences) per engine and its ratio to the first engine, the same in tokens per CPU-second of the
+process (the fairer figure on a loaded host, with --threads 1), and its single-stream bandwidth limit (read
 GB/s / the engine's weight bytes).
 --activation-quant lists modes (none: weight-only, int8: W8A8 / W4A8 integer-dot kernels); each
 engine then runs once per mode, in the same rounds.
@@ -43,11 +44,13 @@ def decode_tokens_per_second(model, num_tokens: int, prompt_len: int = 32, batch
     meta = AttentionMetadata.build([prompt_len] * batch, [prompt_len] * batch, table, bs)
     hidden = model(ids, torch.arange(prompt_len).repeat(batch), kv, meta)
     tok = model.compute_logits(hidden[prompt_len - 1::prompt_len]).argmax(-1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for pos in range(prompt_len, total):
         meta = AttentionMetadata.build([1] * batch, [pos + 1] * batch, table, bs)
         tok = model.compute_logits(model(tok, torch.full((batch,), pos), kv, meta)).argmax(-1)
-    return num_tokens * batch / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    decode_tokens_per_second.per_cpu_second = num_tokens * batch / max(cpu, 1e-9)
+    return num_tokens * batch / wall
 
 
 def main(argv=None) -> int:
@@ -80,9 +83,12 @@ def main(argv=None) -> int:
     for mdl in models:  # warm-up (packing, allocator)
         decode_tokens_per_second(mdl, 4)
     rates = [[] for _ in models]
+    cpu_rates = [[] for _ in models]  # tokens per CPU-second of this process (a loaded host's fairer figure)
     for _ in range(args.rounds):
         for i, mdl in enumerate(models):
             rates[i].append(decode_tokens_per_second(mdl, args.tokens, batch=args.batch))
+            cpu_rates[i].append(decode_tokens_per_second.per_cpu_second)
+    cbase = statistics.median(cpu_rates[0])
     base = statistics.median(rates[0])
     from tritium.client.bench import host_info
     host = host_info.host_report(torch.get_num_threads(), args.bandwidth_mb)
@@ -90,13 +96,13 @@ def main(argv=None) -> int:
     print(f"batch-{args.batch} decode, {args.tokens} tokens x {args.rounds} rounds, "
           f"torch threads {torch.get_num_threads()}; limit: one stream's tok/s if every weight byte is read "
           f"once per token at the measured read bandwidth")
-    for (e, mode), mdl, r in zip(runs, models, rates):
-        med = statistics.median(r)
+    for (e, mode), mdl, r, cr in zip(runs, models, rates, cpu_rates):
+        med, cmed = statistics.median(r), statistics.median(cr)
         cfg = mdl.cfg
         nbytes = host_info.engine_weight_bytes(e)
         lim = host_info.bandwidth_limit_tok_s(host["memory"]["read_gbs"], nbytes) if "memory" in host else None
         lim_s = f"limit {lim:6.0f} tok/s ({nbytes / 1e6:4.0f} MB)" if lim else ""
-        print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
+        print(f"{med:8.2f} tok/s  {med / base:5.2f}x  {cmed:8.2f} tok/CPU-s  {cmed / cbase:5.2f}x  {cfg.dtype:9s} {cfg.quantization.method:9s} "
               f"kv={cfg.kv_cache.dtype:5s} act={mode or cfg.activation_quant:4s} {lim_s}  {e}")
     return 0
 

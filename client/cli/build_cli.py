@@ -9,6 +9,7 @@ from tritium.backend import engine_options
 from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPORTED_DTYPES,
                                     SUPPORTED_EMBEDDING_QUANTIZATION,
                                     SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
+from tritium.kernels.quant_layouts import INT4_LAYOUTS
 from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
@@ -66,6 +67,10 @@ def register(sub) -> None:
                         "given, SmoothQuant also runs for int4 weights (off for them by default)")
     s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
                    help="with --activation-quant int8: do not smooth activation outliers into the weights")
+    p.add_argument("--int4-layout", default=None, choices=INT4_LAYOUTS,
+                   help="int4 linears: asymmetric (default: a float16 scale and zero point per group, 5 bits per "
+                        "weight at groups of 32; keeps a GGUF Q4_1 source's grid exactly) or symmetric (codes -8..7 "
+                        "times one float16 scale per group, llama.cpp Q4_0's grid, 4.5 bits)")
     p.add_argument("--embedding-quantization", default=None, choices=SUPPORTED_EMBEDDING_QUANTIZATION,
                    help="the embedding / LM head of a quantized build: int8 (symmetric groups of 32, float16 "
                         "scales), int4 (asymmetric groups of 32), none (float), or auto (default: int8 per row in "
@@ -144,7 +149,7 @@ def options_from_args(args: argparse.Namespace):
     from tritium.builder.build import BuildOptions
     extra = {k: getattr(args, k) for k in ("quantization", "group_size", "kv_cache_dtype", "kv_rotation", "calibration_text",
                                            "calibration_samples", "exclude_modules", "embedding_quantization",
-                                           "tensor_parallel_size",
+                                           "int4_layout", "tensor_parallel_size",
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
                                            "eval_tokens", "activation_quant", "smoothquant", "smoothquant_alpha")
              if hasattr(args, k)}
