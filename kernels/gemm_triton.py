@@ -83,27 +83,27 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, gidx_ptr, bias_ptr,
         packed = tl.load(qw_ptr + rn[:, None] * stride_qw_n + kb[None, :],
                          mask=nmask[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
         q = tl.trans(tl.interleave(packed & 0xF, (packed >> 4) & 0xF)).to(tl.float32)  # (BLOCK_K, BLOCK_N)
+        # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]   (symmetric, no zeros tensor: zero = 0)
+        # (w is a tile in every branch: a scalar placeholder for z would not compile)
         if HAS_GIDX:
             g = tl.load(gidx_ptr + rk, mask=kmask, other=0).to(tl.int64)
             s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-            z = 0.0
+            w = (q - 8.0) * s
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
+                w += tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
         elif GROUP_ALIGNED:
             # the whole K tile lies in one group: one (BLOCK_N,) row of scales / zeros
             g = k0 // group_size
             s = tl.load(scales_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            z = 0.0
+            w = (q - 8.0) * s
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                w += tl.load(zeros_ptr + g * stride_s_g + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         else:
             g = (rk // group_size).to(tl.int64)
             s = tl.load(scales_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-            z = 0.0
+            w = (q - 8.0) * s
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
-        # w[k, n] = (q - 8) * scale[g, n] + zero[g, n]   (symmetric, no zeros tensor: zero = 0)
-        w = (q - 8.0) * s + z
+                w += tl.load(zeros_ptr + g[:, None] * stride_s_g + rn[None, :], mask=wmask, other=0.0).to(tl.float32)
         acc += mm(x.to(cdt), w.to(x.dtype).to(cdt), IEEE)
     _store_out(acc, out_ptr, bias_ptr, part_ptr, rm, rn, M, N, stride_o_m, split, HAS_BIAS, SPLIT)
 

@@ -101,10 +101,13 @@ def gemm_variants():
     w4 = {"x_ptr": bf, "qw_ptr": "*u8", "scales_ptr": f32, "zeros_ptr": f32, "gidx_ptr": "*i32",
           "bias_ptr": bf, "out_ptr": bf, "part_ptr": f32}
     for i, (tile, split, warps, stages) in enumerate(_tiles("w4a16")):
-        for gidx, aligned in ((False, True), (True, False), (False, False))[:3 if i == 0 else 1]:
-            yield f"w4a16 g_idx={gidx} aligned={aligned} {tile} split={split} warps={warps}", \
+        # the asymmetric layout (zeros) in each group case; the symmetric one (no zeros) too, first tile
+        cases = ((False, True, True), (True, False, True), (False, False, True), (False, True, False),
+                 (True, False, False), (False, False, False))
+        for gidx, aligned, zeros in cases if i == 0 else cases[:1]:
+            yield f"w4a16 g_idx={gidx} aligned={aligned} zeros={zeros} {tile} split={split} warps={warps}", \
                 qg._w4a16_gemm_kernel, w4, dict(HAS_GIDX=gidx, GROUP_ALIGNED=aligned, HAS_BIAS=True, SPLIT=split,
-                                                UPCAST=False, IEEE=False, **tile), warps, stages
+                                                UPCAST=False, IEEE=False, HAS_ZEROS=zeros, **tile), warps, stages
     for i, (tile, split, warps, stages) in enumerate(_tiles("w8a16")):
         for w in ("*i8", "*fp8e4nv"):
             for grouped, zeros, aligned in ((False, False, False), (True, True, True), (True, True, False)):
