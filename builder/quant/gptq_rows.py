@@ -60,10 +60,11 @@ def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
     return Q[:, torch.argsort(perm)]
 
 
-def gptq_int8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp_percent: float = 0.01
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ on quantize_int8's grid (symmetric, scale = row amax / 127).
-    Returns (qweight int8 (N, K), scales float32 (N,)), quantize_int8's layout."""
-    scales = int8_row_scales(w)
-    q = gptq_rows(w, hessian, scales, lambda x: torch.round(x).clamp_(-127, 127), damp_percent=damp_percent)
+def gptq_int8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp_percent: float = 0.01,
+                       qmax: int = 127) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on quantize_int8's grid (symmetric, scale = row amax / qmax; qmax 31: the int6
+    embedding's codes -32..31). Returns (qweight int8 (N, K), scales float32 (N,)), quantize_int8's layout."""
+    scales = int8_row_scales(w, qmax)
+    lo = -qmax - 1 if qmax != 127 else -127
+    q = gptq_rows(w, hessian, scales, lambda x: torch.round(x).clamp_(lo, qmax), damp_percent=damp_percent)
     return q.to(torch.int8), scales

@@ -36,15 +36,14 @@ from typing import Optional
 import torch
 
 from tritium.kernels import ops
-from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, pack_int6
 
 from .awq import awq_clip_int4, awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator, gptq_quantize
 from .gptq_rows import gptq_int8_quantize
 from .param16 import compact_scales
 from .quantize_int4 import quantize_int4
-from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, quantize_int8,
-                            quantize_int8_grouped)
+from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8_grouped
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
 CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
@@ -52,10 +51,10 @@ CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
     """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is quantized
-    (int8, or int4 with --embedding-quantization int4)."""
+    (int8, or int6 / int4 with --embedding-quantization)."""
     name = "embed_tokens" if tied else "lm_head"
     lq = plan.get(name)
-    return name if lq is not None and lq.method in ("int8", "int4") else None
+    return name if lq is not None and lq.method in ("int8", "int6", "int4") else None
 
 
 @torch.no_grad()
@@ -104,18 +103,20 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             report[name] = _int4_embedding(new, name, lq, method, head_stats if name == head else None)
             report[name]["head"] = name == head
             continue
-        if lq is None or lq.method != "int8" or name + ".weight" not in new:
+        if lq is None or lq.method not in ("int8", "int6") or name + ".weight" not in new:
             continue
         w = new.pop(name + ".weight").float()
-        entry = {"method": "int8", "head": name == head}
+        six = lq.method == "int6"
+        qmax = 31 if six else 127  # int6: codes -32..31, scale = amax / 31 (the grid is symmetric)
+        entry = {"method": lq.method, "head": name == head}
         # the calibrated roundings below are per-row: a grouped embedding is rounded to nearest
         stats = head_stats if name == head and not lq.group_size else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
         if stats is not None and method == "int4-gptq":
-            q, s = gptq_int8_quantize(w, stats["H"])
+            q, s = gptq_int8_quantize(w, stats["H"], qmax=qmax)
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
-        elif stats is not None and method == "int4-awq":
+        elif stats is not None and method == "int4-awq" and not six:
             mu = stats["mean"].float() if centre else torch.zeros_like(stats["mean"].float())
             # a centred head: only x - mu meets the rounding, so both searches score that part
             h_in = centred_hessian(stats) if centre else stats["H"]
@@ -142,15 +143,16 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             entry["rounding"] = (f"round to nearest, symmetric groups of {lq.group_size} "
                                  f"({lq.group_reason or 'float16 scales'})")
         else:
-            q, s = quantize_int8(w)
-            entry["rounding"] = "round to nearest"
+            s = int8_row_scales(w, qmax)
+            q = int8_codes(w, s, qmax).to(torch.int8)
+            entry["rounding"] = "round to nearest" + (" (AWQ's searches are int8-only)" if six and stats is not None else "")
         if stats is not None and centre:
-            if method != "int4-awq":  # the rounding is the method's own; centring adds the bias term
+            if method != "int4-awq" or six:  # the rounding is the method's own; centring adds the bias term
                 in_scale, h_in = torch.ones_like(stats["mean"].float()), centred_hessian(stats)
             new["head_input_mean"] = stats["mean"].float() / in_scale
             new["head_mean_logits"] = w @ stats["mean"].float()
             plan[name] = dataclasses.replace(plan[name], centred=True)
-        new[name + ".qweight"], new[name + ".scales"] = q, compact_scales(s)
+        new[name + ".qweight"], new[name + ".scales"] = (pack_int6(q) if six else q), compact_scales(s)
         deq = dequantize_grouped(q, s, None, lq.group_size) if lq.group_size else dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:

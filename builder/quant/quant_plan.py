@@ -81,7 +81,8 @@ def int4_symmetric(o) -> bool:
 def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
     """The embedding / untied LM head of a quantized build (--embedding-quantization):
     none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits);
-    int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: per-row int8 in int4 builds
+    int6: symmetric per-row 6-bit codes (6 + 16 / hidden bits, rounded by the build's own method
+    in int4 builds); int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: per-row int8 in int4 builds
     (rounded by the build's own method, quant_head.py), groups of 32 in int8 / fp8 builds."""
     emb = getattr(o, "embedding_quantization", "auto") or "auto"
     if emb == "none" or excluded(name, o.exclude_modules):
@@ -91,6 +92,10 @@ def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
         if g is None:
             raise ValueError(f"--embedding-quantization int4: no group size of 32 fits hidden size {hidden}")
         return LayerQuant("int4", group_size=g, group_reason=f"--embedding-quantization int4: groups of {g}")
+    if emb == "int6":
+        if hidden % 4:
+            raise ValueError(f"--embedding-quantization int6: hidden size {hidden} is not a multiple of 4")
+        return LayerQuant("int6", group_reason="--embedding-quantization int6: per row")
     if emb == "auto" and kind == "int4":
         return LayerQuant("int8")
     return plan_8bit_embedding(hidden, o, name, explicit_group=kind != "int4")

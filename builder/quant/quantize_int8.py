@@ -27,14 +27,15 @@ def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
     return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
 
 
-def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
-    """Per-row scales (N,) of w (N, K): amax / 127, rounded up to bfloat16 (see the module doc)."""
-    return bf16_ceil((w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-10))
+def int8_row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+    """Per-row scales (N,) of w (N, K): amax / qmax (127; 31 for int6 codes), rounded up to
+    bfloat16 (see the module doc)."""
+    return bf16_ceil((w.float().abs().amax(dim=1) / float(qmax)).clamp_min(1e-10))
 
 
-def int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest codes of w (N, K) on the grid scales[:, None] * [-127, 127], as float32."""
-    return torch.round(w.float() / scales[:, None]).clamp_(-127, 127)
+def int8_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+    """Round-to-nearest codes of w (N, K) on the grid scales[:, None] * [-qmax, qmax], as float32."""
+    return torch.round(w.float() / scales[:, None]).clamp_(-qmax, qmax)
 
 
 def quantize_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
