@@ -133,16 +133,16 @@ class Int8Linear(_QuantLinearBase):
 
 class Int6Linear(Int8Linear):
     """The int6 embedding / LM head (LayerQuant "int6", kernels/quant_layouts.INT6_LAYOUT): the
-    engine stores four 6-bit codes in three bytes with a bfloat16 scale per row; at load
+    engine stores four 6-bit codes in three bytes with a bfloat16 scale per row, or float16
+    scales per group of LayerQuant.group_size (the grouped int8 layout's scales); at load
     (from_engine) the codes are widened once to int8 (exact: -32..31), so the lookup, the CPU
-    kernels (the per-row int8 GEMM of every ISA path) and the CUDA W8A16 GEMM run the per-row
-    int8 layout on the same values: w = q * scales[n]."""
+    kernels (the int8 GEMMs of every ISA path) and the CUDA W8A16 GEMM run the int8 layout on
+    the same values: w = q * scales[n] (grouped: q * scales[k // G, n])."""
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         if in_features % 4:
             raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
-        super().__init__(in_features, out_features, bias, dtype, None)
-        self.layer_quant = layer_quant
+        super().__init__(in_features, out_features, bias, dtype, layer_quant)
 
     def from_engine(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
         """An engine tensor as this module holds it: qweight unpacked to int8 codes (N, K)."""

@@ -20,7 +20,9 @@ them and the kernels and runtime that read them.
     int6 (the embedding / LM head only, `--embedding-quantization int6`):
           qweight uint8 (N, 3 K // 4): four 6-bit codes u = q + 32 (q in -32..31) in three bytes,
           little-endian: bytes b0 b1 b2 of u0 | u1 << 6 | u2 << 12 | u3 << 18 (k = 4 j .. 4 j + 3);
-          scales bfloat16 (N,): w[n, k] = q[n, k] * scales[n]  (6 + 16 / K bits per weight)
+          scales bfloat16 (N,): w[n, k] = q[n, k] * scales[n]  (6 + 16 / K bits per weight);
+          grouped (LayerQuant.group_size = G): scales float16 (K // G, N),
+          w[n, k] = q[n, k] * scales[k // G, n]  (6 + 16 / G bits per weight)
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,):  w[n, k] = float(q[n, k]) * scales[n]
     int8 / fp8 grouped (LayerQuant.group_size = G set): the same qweight, with
           scales  float16 (K // G, N)
@@ -58,7 +60,8 @@ INT8_GROUPED_LAYOUT = ("qweight int8 (N, K); scales float16 (K//G, N); zeros flo
 FP8_GROUPED_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float16 (K//G, N); zeros float16 (K//G, N) when "
                       "asymmetric (bfloat16 past float16's range); w[n,k] = float(qweight[n,k]) * scales[g,n] + zeros[g,n], g = k // G")
 INT6_LAYOUT = ("qweight uint8 (N, 3K/4): codes u = q + 32 (q in -32..31), four in three bytes, "
-               "little-endian u0 | u1 << 6 | u2 << 12 | u3 << 18; scales bfloat16 (N,); w[n,k] = q[n,k] * scales[n]")
+               "little-endian u0 | u1 << 6 | u2 << 12 | u3 << 18; scales bfloat16 (N,): w[n,k] = q[n,k] * scales[n]; "
+               "grouped: scales float16 (K//G, N): w[n,k] = q[n,k] * scales[k // G, n]")
 FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
               "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
 
@@ -99,9 +102,12 @@ def unpack_int6(qweight: torch.Tensor) -> torch.Tensor:
     return (u - 32).to(torch.int8).reshape(n, -1)
 
 
-def dequantize_int6(qweight: torch.Tensor, scales: torch.Tensor,
+def dequantize_int6(qweight: torch.Tensor, scales: torch.Tensor, group_size: Optional[int] = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Float weight (N, K) of the int6 layout: q * scales[n] (computed in float32)."""
+    """Float weight (N, K) of the int6 layout: q * scales[n], or q * scales[k // G, n] with
+    group_size G (computed in float32)."""
+    if group_size:
+        return dequantize_grouped(unpack_int6(qweight), scales, None, group_size, dtype)
     return dequantize_rowwise(unpack_int6(qweight), scales, dtype)
 
 

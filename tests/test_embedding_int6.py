@@ -48,6 +48,9 @@ def test_pack_round_trip_and_documented_bit_layout():
     assert packed[0, :3].tolist() == [v & 255, (v >> 8) & 255, v >> 16]
     s = torch.rand(7) + 0.1
     torch.testing.assert_close(dequantize_int6(packed, s), q.float() * s[:, None], rtol=0, atol=0)
+    sg = torch.rand(3, 7) + 0.1  # groups of 8: scales (K // G, N)
+    torch.testing.assert_close(dequantize_int6(packed, sg, 8),
+                               q.float() * sg.t().repeat_interleave(8, dim=1), rtol=0, atol=0)
 
 
 def test_pack_refuses_codes_out_of_range_and_bad_widths():
@@ -94,7 +97,7 @@ def test_int6_linear_refuses_a_width_not_a_multiple_of_4():
 
 @pytest.fixture(scope="module")
 def int6_engine(tiny_checkpoint, tmp_path_factory):
-    src = tiny_checkpoint("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
                           num_key_value_heads=2)
     out = str(tmp_path_factory.mktemp("int6") / "e6")
     build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
@@ -110,14 +113,15 @@ def test_int6_engine_stores_the_layout_and_reports_its_bits(int6_engine):
     assert "int6" in q["layouts"]
     t = load_file(os.path.join(int6_engine, "rank0.safetensors"))
     for n in heads:
-        assert t[n + ".qweight"].dtype == torch.uint8 and t[n + ".qweight"].shape == (1000, 48)
-        assert t[n + ".scales"].dtype == torch.bfloat16 and t[n + ".scales"].shape == (1000,)
+        assert q["layers"][n]["group_size"] == 64  # hidden 128: float16 scales per 64
+        assert t[n + ".qweight"].dtype == torch.uint8 and t[n + ".qweight"].shape == (1000, 96)
+        assert t[n + ".scales"].dtype == torch.float16 and t[n + ".scales"].shape == (2, 1000)
         codes = unpack_int6(t[n + ".qweight"])
-        assert int(codes.min()) >= -32 and int(codes.max()) <= 31 and int(codes.abs().max()) == 31
+        assert int(codes.min()) >= -32 and int(codes.max()) <= 31 and int(codes.abs().max()) >= 31
     with open(os.path.join(int6_engine, "build_report.json")) as f:
         size = json.load(f)["size"]["groups"]
     assert size["embed_tokens"]["bits_per_weight"] == 6.25  # 6 + 16 / 64
-    assert size["embed_tokens"]["weights"] == 1000 * 64
+    assert size["embed_tokens"]["weights"] == 1000 * 128
 
 
 def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, tmp_path):
@@ -143,12 +147,12 @@ def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, t
     _, m8, _ = load_engine(str(ref_dir), "cpu")
     ids = torch.tensor(IDS)
     assert torch.equal(m6.embed(ids), m8.embed(ids))
-    emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"])
+    emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64)
     assert torch.equal(m6.embed(ids), emb[ids].to(torch.bfloat16))
-    h = torch.randn(5, 64).to(torch.bfloat16)
+    h = torch.randn(5, 128).to(torch.bfloat16)
     assert torch.equal(m6.compute_logits(h), m8.compute_logits(h))
     hn = heads[-1]
-    head = dequantize_int6(t[hn + ".qweight"], t[hn + ".scales"])
+    head = dequantize_int6(t[hn + ".qweight"], t[hn + ".scales"], 64)
     ref = h.float() @ head.t()
     assert ((m6.compute_logits(h) - ref).norm() / ref.norm()).item() < 1e-2
     # whole forward passes (prompt logits) agree too
@@ -156,8 +160,11 @@ def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, t
     assert torch.equal(prompt_logits(m6, IDS), prompt_logits(m8, IDS))
 
 
-def test_int6_head_is_rounded_by_gptq_in_a_gptq_build(tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("llama", hidden_size=96, intermediate_size=96)
+@pytest.mark.parametrize("hidden, group", [(96, None), (128, 64)])
+def test_int6_head_is_rounded_by_gptq_in_a_gptq_build(tiny_checkpoint, tmp_path, hidden, group):
+    """Per row (96: 64 does not divide it) and in groups of 64 (128)."""
+    src = tiny_checkpoint("llama", hidden_size=hidden, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2)
     out = str(tmp_path / "g6")
     build_engine(BuildOptions(source=src, output=out, dtype="float32", quantization="int4-gptq",
                               embedding_quantization="int6", calibration_samples=8, progress=False,
@@ -169,8 +176,9 @@ def test_int6_head_is_rounded_by_gptq_in_a_gptq_build(tiny_checkpoint, tmp_path)
     assert head["method"] == "int6" and head["head"] and "GPTQ" in head["rounding"]
     assert 0 < head["rel_output_error"] < 0.05
     t = load_file(os.path.join(out, "rank0.safetensors"))
-    deq = dequantize_int6(t[hn + ".qweight"], t[hn + ".scales"])
-    h = torch.randn(4, 96)
+    assert t[hn + ".scales"].shape == ((1000,) if group is None else (hidden // group, 1000))
+    deq = dequantize_int6(t[hn + ".qweight"], t[hn + ".scales"], group)
+    h = torch.randn(4, hidden)
     torch.testing.assert_close(model.compute_logits(h), h @ deq.t(), rtol=1e-4, atol=1e-4)
 
 

@@ -40,10 +40,11 @@ from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, p
 
 from .awq import awq_clip_int4, awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator, gptq_quantize
-from .gptq_rows import gptq_int8_quantize
+from .gptq_rows import gptq_int6_grouped, gptq_int8_quantize
 from .param16 import compact_scales
 from .quantize_int4 import quantize_int4
-from .quantize_int8 import dequantize_int8, int8_codes, int8_row_scales, quantize_int8_grouped
+from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, int6_scales, quantize_int6, quantize_int8,
+                            quantize_int8_grouped)
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
 CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
@@ -109,14 +110,15 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         six = lq.method == "int6"
         qmax = 31 if six else 127  # int6: codes -32..31, scale = amax / 31 (the grid is symmetric)
         entry = {"method": lq.method, "head": name == head}
-        # the calibrated roundings below are per-row: a grouped embedding is rounded to nearest
-        stats = head_stats if name == head and not lq.group_size else None
+        # the calibrated roundings below are per-row (int6: GPTQ also with groups): a grouped int8
+        # embedding is rounded to nearest
+        stats = head_stats if name == head and (six or not lq.group_size) else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
-        if stats is not None and method == "int4-gptq":
-            q, s = gptq_int8_quantize(w, stats["H"], qmax=qmax)
+        if stats is not None and method == "int4-gptq" and not lq.group_size:
+            q, s = gptq_int8_quantize(w, stats["H"], qmax=qmax, scales=int6_scales(w) if six else None)
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
-        elif stats is not None and method == "int4-awq" and not six:
+        elif stats is not None and method == "int4-awq" and not six and not lq.group_size:
             mu = stats["mean"].float() if centre else torch.zeros_like(stats["mean"].float())
             # a centred head: only x - mu meets the rounding, so both searches score that part
             h_in = centred_hessian(stats) if centre else stats["H"]
@@ -138,14 +140,21 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
             in_scale = scale
-        elif lq.group_size:
+        elif lq.group_size and stats is not None and method == "int4-gptq":  # six: see stats above
+            q, s = gptq_int6_grouped(w, stats["H"], lq.group_size, int6_scales(w, lq.group_size))
+            entry["rounding"] = (f"GPTQ error feedback (act-order, static groups of {lq.group_size}) "
+                                 "under the final hidden states' Hessian")
+        elif lq.group_size and not six:
             q, s = quantize_int8_grouped(w, lq.group_size)
             entry["rounding"] = (f"round to nearest, symmetric groups of {lq.group_size} "
                                  f"({lq.group_reason or 'float16 scales'})")
+        elif six:
+            q, s = quantize_int6(w, lq.group_size)
+            entry["rounding"] = ("round to nearest, scales by a clip search for the least weight error"
+                                 + (" (AWQ's searches are int8-only)" if stats is not None else ""))
         else:
-            s = int8_row_scales(w, qmax)
-            q = int8_codes(w, s, qmax).to(torch.int8)
-            entry["rounding"] = "round to nearest" + (" (AWQ's searches are int8-only)" if six and stats is not None else "")
+            q, s = quantize_int8(w)
+            entry["rounding"] = "round to nearest"
         if stats is not None and centre:
             if method != "int4-awq" or six:  # the rounding is the method's own; centring adds the bias term
                 in_scale, h_in = torch.ones_like(stats["mean"].float()), centred_hessian(stats)

@@ -95,13 +95,16 @@ def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
     if emb == "int6":
         if hidden % 4:
             raise ValueError(f"--embedding-quantization int6: hidden size {hidden} is not a multiple of 4")
-        return LayerQuant("int6", group_reason="--embedding-quantization int6: per row")
+        g = INT6_GROUP_SIZE if hidden % INT6_GROUP_SIZE == 0 and hidden > INT6_GROUP_SIZE else None
+        return LayerQuant("int6", group_size=g, group_reason=f"--embedding-quantization int6: "
+                          + (f"symmetric groups of {g}" if g else "per row"))
     if emb == "auto" and kind == "int4":
         return LayerQuant("int8")
     return plan_8bit_embedding(hidden, o, name, explicit_group=kind != "int4")
 
 
 EMBEDDING_GROUP_SIZE = 32
+INT6_GROUP_SIZE = 64  # int6 embedding: float16 scale per 64 (6.25 bits) where 64 divides hidden, else per row
 
 
 def plan_8bit_embedding(hidden: int, o, name: str, explicit_group: bool = True) -> LayerQuant:
