@@ -62,25 +62,30 @@ def test_pack_refuses_codes_out_of_range_and_bad_widths():
         unpack_int6(torch.zeros(2, 5, dtype=torch.uint8))
 
 
-def _int6_linear(n, k, dtype, seed=1):
+def _int6_linear(n, k, dtype, group=None, seed=1):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (n, k), generator=g)
-    s = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
-    lin = make_linear(k, n, False, dtype, LayerQuant("int6"))
+    if group is None:  # bfloat16 per row, float16 (K // G, N) per group
+        s = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    else:
+        s = (torch.rand(k // group, n, generator=g) * 0.02 + 1e-3).half()
+    lin = make_linear(k, n, False, dtype, LayerQuant("int6", group_size=group))
     packed = pack_int6(q)
     lin._buffers["qweight"] = lin.from_engine("qweight", packed)  # as DecoderLM.load_engine_weights does
     lin._buffers["scales"] = s
     lin.prepare_for_device("cpu")
-    return lin, q.float() * s.float()[:, None]
+    full = s.float()[:, None] if group is None else s.float().t().repeat_interleave(group, dim=1)
+    return lin, q.float() * full
 
 
+@pytest.mark.parametrize("group", [None, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int6_head_gemm_matches_torch_reference_on_each_cpu_path(cpu_path, dtype):
+def test_int6_head_gemm_matches_torch_reference_on_each_cpu_path(cpu_path, dtype, group):
     """The head GEMM on the forced native path vs x W^T in float32 from the definition; in
     bfloat16 (the native batch-invariant kernels) rows computed alone give the same bits as the
     batch (docs/determinism.md; float32 engines run torch's GEMMs, not batch-invariant)."""
     n, k = 200, 96
-    lin, w = _int6_linear(n, k, dtype)
+    lin, w = _int6_linear(n, k, dtype, group)
     x = torch.randn(9, k).to(dtype)
     y = lin(x)
     ref = x.float() @ w.t()
