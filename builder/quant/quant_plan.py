@@ -80,7 +80,8 @@ def int4_symmetric(o) -> bool:
 
 def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
     """The embedding / untied LM head of a quantized build (--embedding-quantization):
-    none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits);
+    none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits) in
+    int8 / fp8 builds, one scale per row in int4 builds (8 + 16 / hidden bits);
     int6: symmetric 6-bit codes with float16 scales per 64 (6.25 bits; per row, 6 + 16 / hidden,
     where 64 does not divide hidden), the head rounded by GPTQ in int4-gptq builds (quant_head.py);
     int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: int6 in int4 builds (per-row
@@ -101,7 +102,7 @@ def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
         g = INT6_GROUP_SIZE if hidden % INT6_GROUP_SIZE == 0 and hidden > INT6_GROUP_SIZE else None
         return LayerQuant("int6", group_size=g, group_reason="int6 embedding: "
                           + (f"symmetric groups of {g}" if g else "per row"))
-    if emb == "auto" and kind == "int4":
+    if kind == "int4":  # int8 (or auto without int6): one scale per row, rounded by the build's method
         return LayerQuant("int8")
     return plan_8bit_embedding(hidden, o, name, explicit_group=kind != "int4")
 
