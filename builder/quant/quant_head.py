@@ -47,7 +47,7 @@ from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, int6_s
                             quantize_int8_grouped)
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
-CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
+CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose int8 head is centred unless told otherwise
 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
@@ -94,10 +94,11 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     mark plan['embed_tokens'].input_scale. A centred head (centre; None: CENTRED_BY_DEFAULT[method])
     gets head_input_mean / head_mean_logits from head_stats' mean and its plan entry marked
     centred. Returns report entries."""
-    if centre is None:
-        centre = CENTRED_BY_DEFAULT.get(method, False)
     report = {}
     head = head_name(plan, tied)
+    if centre is None:  # the int6 head is not centred by default: its float32 mean logits (4 bytes
+        # per vocabulary row) would take an int4 engine past 0.33x the bfloat16 one (docs/quantization.md)
+        centre = CENTRED_BY_DEFAULT.get(method, False) and head is not None and plan[head].method == "int8"
     for name in ("embed_tokens", "lm_head"):
         lq = plan.get(name)
         if lq is not None and lq.method == "int4" and name + ".weight" in new:
