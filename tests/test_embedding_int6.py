@@ -203,3 +203,21 @@ def test_cli_refuses_a_bad_embedding_quantization_value(capsys):
     with pytest.raises(SystemExit) as e:
         main(["build", "x", "-o", "y", "--quantization", "int4-rtn", "--embedding-quantization", "int5"])
     assert e.value.code == 2 and "--embedding-quantization" in capsys.readouterr().err
+
+
+def test_tensor_parallel_shards_the_int6_embedding_by_vocabulary(tiny_checkpoint, int6_engine, tmp_path):
+    """Each rank holds its vocabulary rows: packed codes row by row, the (K // G, N) scales by column."""
+    src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2)
+    out = str(tmp_path / "tp")
+    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
+                              group_size=32, tensor_parallel_size=2, progress=False, eval_tokens=0))
+    full = load_file(os.path.join(int6_engine, "rank0.safetensors"))
+    deq = dequantize_int6(full["embed_tokens.qweight"], full["embed_tokens.scales"], 64)
+    with open(os.path.join(out, "engine.json")) as f:
+        layout = json.load(f)["tensor_parallel"]
+    for r in range(2):
+        t = load_file(os.path.join(out, f"rank{r}.safetensors"))
+        v0, v1 = layout["ranks"][r]["vocab"]
+        assert t["embed_tokens.scales"].shape == (2, v1 - v0)
+        assert torch.equal(dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64), deq[v0:v1])
