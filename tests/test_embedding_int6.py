@@ -221,3 +221,30 @@ def test_tensor_parallel_shards_the_int6_embedding_by_vocabulary(tiny_checkpoint
         v0, v1 = layout["ranks"][r]["vocab"]
         assert t["embed_tokens.scales"].shape == (2, v1 - v0)
         assert torch.equal(dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64), deq[v0:v1])
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int6_clip_search_is_never_worse_than_the_amax_scale(group):
+    """quantize_int6 picks each row's / group's scale among ratios of amax / 31 (1.0 included),
+    each rounded to the stored 16-bit value: its squared error is at most that of amax / 31
+    rounded the same way, row by row, and smaller in total on heavy-tailed rows."""
+    from tritium.builder.quant.param16 import param16, param16_dtype
+    from tritium.builder.quant.quantize_int8 import bf16_ceil, quantize_int6
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 128, generator=g) * torch.distributions.StudentT(2.0).sample((64, 128)).abs().clamp(max=30)
+    q, s = quantize_int6(w, group)
+    assert int(q.min()) >= -32 and int(q.max()) <= 31
+    if group is None:
+        assert s.dtype == torch.float32 and torch.equal(s.to(torch.bfloat16).float(), s)  # bfloat16 values
+        full = s[:, None]
+        wr = w
+        s0 = bf16_ceil(w.abs().amax(1) / 31.0)[:, None]
+    else:
+        assert s.dtype == torch.float16 and s.shape == (128 // group, 64)
+        full = s.float().t().repeat_interleave(group, dim=1)
+        wr = w.view(64, -1, group)
+        a0 = wr.abs().amax(2) / 31.0
+        s0 = param16(a0, param16_dtype(a0), positive=True).float()[:, :, None]
+    err = ((q.float() * full - w) ** 2).view(64, -1).sum(1)
+    err0 = ((torch.round(wr / s0).clamp(-32, 31) * s0 - wr) ** 2).reshape(64, -1).sum(1)
+    assert bool((err <= err0 * (1 + 1e-5)).all()) and float(err.sum()) < 0.99 * float(err0.sum())

@@ -109,7 +109,7 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             continue
         w = new.pop(name + ".weight").float()
         six = lq.method == "int6"
-        qmax = 31 if six else 127  # int6: codes -32..31, scale = amax / 31 (the grid is symmetric)
+        qmax = 31 if six else 127  # GPTQ's code range: int6 -32..31 (scales from int6_scales), int8 -127..127
         entry = {"method": lq.method, "head": name == head}
         # the calibrated roundings below are per-row (int6: GPTQ also with groups): a grouped int8
         # embedding is rounded to nearest

@@ -33,9 +33,9 @@ def int8_row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
     return bf16_ceil((w.float().abs().amax(dim=1) / float(qmax)).clamp_min(1e-10))
 
 
-def int8_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int = 127) -> torch.Tensor:
-    """Round-to-nearest codes of w (N, K) on the grid scales[:, None] * [-qmax, qmax], as float32."""
-    return torch.round(w.float() / scales[:, None]).clamp_(-qmax, qmax)
+def int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest codes of w (N, K) on the grid scales[:, None] * [-127, 127], as float32."""
+    return torch.round(w.float() / scales[:, None]).clamp_(-127, 127)
 
 
 def quantize_int8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -66,15 +66,15 @@ def _pack_groups(c: torch.Tensor, s: torch.Tensor, z: Optional[torch.Tensor]):
     return (c.reshape(n, -1), s.t().contiguous(), None if z is None else z.t().contiguous())
 
 
-def quantize_int8_grouped(w: torch.Tensor, group_size: int, qmax: int = 127) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Float weight (N, K) -> (qweight int8 (N, K), scales float16 (K // G, N)): symmetric,
-    scale = amax / qmax (127; 31: the int6 embedding's codes) of each group of `group_size` input channels of a row, rounded to 16 bits
+    scale = amax / 127 of each group of `group_size` input channels of a row, rounded to 16 bits
     (param16.py) before the codes are chosen. Exact on a Q8_0 block (w = d q, d float16)."""
     wg = _groups(w, group_size)
     amax = wg.abs().amax(dim=2)
-    s16 = param16(amax / float(qmax), param16_dtype(amax / float(qmax)), positive=True)
+    s16 = param16(amax / 127.0, param16_dtype(amax / 127.0), positive=True)
     s = s16.float()
-    c = torch.round(wg / s[:, :, None]).clamp_(-qmax, qmax)
+    c = torch.round(wg / s[:, :, None]).clamp_(-127, 127)
     q, scales, _ = _pack_groups(c.to(torch.int8), s16, None)
     return q, scales
 
