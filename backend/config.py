@@ -46,7 +46,7 @@ SUPPORTED_QUANTIZATION = ("none", "int8", "fp8", "int4-rtn", "int4-awq", "int4-g
 IMPORTED_QUANTIZATION = "imported"
 # `tritium build --embedding-quantization`: how a quantized build stores the embedding / LM head
 # (builder/quant/quant_plan.py; "auto" depends on --quantization).
-SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int4", "none")
+SUPPORTED_EMBEDDING_QUANTIZATION = ("auto", "int8", "int6", "int4", "none")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 SUPPORTED_KV_ROTATIONS = ("none", "hadamard")
 
@@ -169,7 +169,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class LayerQuant:
     """How one linear layer is stored; see QuantConfig.layouts for the packing."""
-    method: str  # "none" | "int8" | "fp8" | "int4"
+    method: str  # "none" | "int8" | "fp8" | "int4" | "int6" (embedding / LM head only)
     # int4: always set. int8 / fp8: None = one scale per output channel; set = group-wise scales
     # (K // group_size, N) (kernels/quant_layouts.py, the grouped layouts).
     group_size: Optional[int] = None

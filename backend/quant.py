@@ -6,6 +6,7 @@ Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
     int8 / fp8 with LayerQuant.group_size: scales (K//G, N), zeros (K//G, N) when
           LayerQuant.asymmetric
     int4: qweight uint8 (N, K//2), scales/zeros (K//G, N), optional g_idx int32 (K,)
+    int6 (embedding / LM head): qweight uint8 (N, 3K//4) in the engine, int8 (N, K) in memory; scales (N,)
     bias (engine dtype, optional) for all.
 Scales and zeros keep the dtype the engine stores (float16 or bfloat16 since engine format 3,
 float32 in older and imported engines; DecoderLM.load_engine_weights): the CPU packing widens
@@ -27,6 +28,7 @@ from torch import nn
 
 from tritium.kernels import ops
 from tritium.kernels.cpu_linear import ACTIVATION_QUANT
+from tritium.kernels.quant_layouts import unpack_int6
 
 from .config import EngineConfig
 
@@ -127,6 +129,24 @@ class Int8Linear(_QuantLinearBase):
         x2 = x.reshape(-1, self.in_features)
         return self._finish(ops.linear_w8a16(x2, self.qweight, self.scales, zeros=self.zeros,
                                              group_size=self.group_size), x)
+
+
+class Int6Linear(Int8Linear):
+    """The int6 embedding / LM head (LayerQuant "int6", kernels/quant_layouts.INT6_LAYOUT): the
+    engine stores four 6-bit codes in three bytes with a bfloat16 scale per row, or float16
+    scales per group of LayerQuant.group_size (the grouped int8 layout's scales); at load
+    (from_engine) the codes are widened once to int8 (exact: -32..31), so the lookup, the CPU
+    kernels (the int8 GEMMs of every ISA path) and the CUDA W8A16 GEMM run the int8 layout on
+    the same values: w = q * scales[n] (grouped: q * scales[k // G, n])."""
+
+    def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
+        if in_features % 4:
+            raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
+        super().__init__(in_features, out_features, bias, dtype, layer_quant)
+
+    def from_engine(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
+        """An engine tensor as this module holds it: qweight unpacked to int8 codes (N, K)."""
+        return unpack_int6(t) if leaf == "qweight" and t.dtype == torch.uint8 else t
 
 
 class Fp8Linear(_QuantLinearBase):

@@ -196,7 +196,8 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "parameters": int(sum(t.numel() for n, t in tensors.items()
                                       if not n.endswith(("scales", "zeros", "g_idx", "k_scale", "v_scale", "k_offset", "v_offset")))),
                 "bytes": component_bytes(tensors),
-                "size": size_report(tensors, m.tie_word_embeddings),
+                "size": size_report(tensors, m.tie_word_embeddings,
+                                    tuple(n for n, lq in cfg.quantization.layers.items() if lq.method == "int6")),
                 "float_bytes": float_bytes,
                 "build_seconds": round(time.time() - t0, 3),
                 "source": os.path.abspath(opts.source),

@@ -89,13 +89,16 @@ def quality_summary(report: dict) -> list:
 _OVERHEAD_LEAVES = ("scales", "zeros", "g_idx", "input_scale", "k_scale", "v_scale", "k_offset", "v_offset")
 
 
-def weights_of(name: str, t: torch.Tensor) -> int:
-    """How many model weights engine tensor `name` stores: a packed int4 qweight (uint8, two codes
+def weights_of(name: str, t: torch.Tensor, int6: tuple = ()) -> int:
+    """How many model weights engine tensor `name` stores: a packed int6 qweight of a module in
+    `int6` (four codes in three bytes) 4/3 x numel, a packed int4 qweight (uint8, two codes
     per byte) 2 x numel, an int8 / fp8 qweight or a float tensor numel; quantization parameters
     (scales, zeros, g_idx, ...) and the centred head's float32 vectors none."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf.endswith(_OVERHEAD_LEAVES) or name.startswith("head_"):
         return 0
+    if leaf.endswith("qweight") and name.rsplit(".", 1)[0] in int6:
+        return t.numel() * 4 // 3
     if leaf.endswith("qweight"):
         return t.numel() * (2 if t.dtype == torch.uint8 else 1)
     return t.numel()
@@ -120,15 +123,15 @@ def weight_group(name: str, tied: bool) -> str:
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "router", "shared_expert", "shared_expert_gate")
 
 
-def size_report(tensors: Dict[str, torch.Tensor], tied: bool) -> dict:
+def size_report(tensors: Dict[str, torch.Tensor], tied: bool, int6: tuple = ()) -> dict:
     """Bytes and bits per weight of every group and of the whole engine (the embedding and LM
     head counted), and the engine's bytes against a bfloat16 engine of the same weights (2 bytes
-    per weight)."""
+    per weight); `int6`: the modules stored in the int6 layout (their qweight packs 4 codes in 3 bytes)."""
     groups: Dict[str, list] = {}
     for n, t in tensors.items():
         g = groups.setdefault(weight_group(n, tied), [0, 0])
         g[0] += t.numel() * t.element_size()
-        g[1] += weights_of(n, t)
+        g[1] += weights_of(n, t, int6)
     total_bytes = sum(b for b, _ in groups.values())
     total_weights = sum(w for _, w in groups.values())
     return {

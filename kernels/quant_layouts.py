@@ -17,6 +17,12 @@ them and the kernels and runtime that read them.
     int8: qweight int8 (N, K), scales bfloat16 (N,) (float32 in imported engines and before
           engine format 3; the values are bfloat16 values either way for Tritium's own builds):
           w[n, k] = q[n, k] * scales[n]
+    int6 (the embedding / LM head only, `--embedding-quantization int6`):
+          qweight uint8 (N, 3 K // 4): four 6-bit codes u = q + 32 (q in -32..31) in three bytes,
+          little-endian: bytes b0 b1 b2 of u0 | u1 << 6 | u2 << 12 | u3 << 18 (k = 4 j .. 4 j + 3);
+          scales bfloat16 (N,): w[n, k] = q[n, k] * scales[n]  (6 + 16 / K bits per weight);
+          grouped (LayerQuant.group_size = G): scales float16 (K // G, N),
+          w[n, k] = q[n, k] * scales[k // G, n]  (6 + 16 / G bits per weight)
     fp8:  qweight float8_e4m3fn (N, K), scales float32 (N,):  w[n, k] = float(q[n, k]) * scales[n]
     int8 / fp8 grouped (LayerQuant.group_size = G set): the same qweight, with
           scales  float16 (K // G, N)
@@ -53,6 +59,9 @@ INT8_GROUPED_LAYOUT = ("qweight int8 (N, K); scales float16 (K//G, N); zeros flo
                        "w[n,k] = qweight[n,k] * scales[g,n] + zeros[g,n], g = k // G (zeros absent: 0)")
 FP8_GROUPED_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float16 (K//G, N); zeros float16 (K//G, N) when "
                       "asymmetric (bfloat16 past float16's range); w[n,k] = float(qweight[n,k]) * scales[g,n] + zeros[g,n], g = k // G")
+INT6_LAYOUT = ("qweight uint8 (N, 3K/4): codes u = q + 32 (q in -32..31), four in three bytes, "
+               "little-endian u0 | u1 << 6 | u2 << 12 | u3 << 18; scales bfloat16 (N,): w[n,k] = q[n,k] * scales[n]; "
+               "grouped: scales float16 (K//G, N): w[n,k] = q[n,k] * scales[k // G, n]")
 FP8_LAYOUT = ("qweight float8_e4m3fn (N, K); scales float32 (N,); "
               "w[n,k] = float(qweight[n,k]) * scales[n] (per output channel, amax -> 448)")
 
@@ -68,6 +77,38 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     lo = qweight & 0x0F
     hi = qweight >> 4
     return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def pack_int6(q: torch.Tensor) -> torch.Tensor:
+    """q: integer (N, K) codes in -32..31, K a multiple of 4 -> uint8 (N, 3 K // 4) (INT6_LAYOUT)."""
+    n, k = q.shape
+    if k % 4:
+        raise ValueError(f"int6 layout: K = {k} is not a multiple of 4")
+    if q.numel() and (int(q.min()) < -32 or int(q.max()) > 31):
+        raise ValueError("int6 layout: codes must lie in -32..31")
+    u = (q.to(torch.int32) + 32).view(n, k // 4, 4)
+    v = u[..., 0] | (u[..., 1] << 6) | (u[..., 2] << 12) | (u[..., 3] << 18)
+    return torch.stack((v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF), -1).to(torch.uint8).reshape(n, -1)
+
+
+def unpack_int6(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, 3 K // 4) -> int8 codes (N, K) in -32..31 (inverse of pack_int6)."""
+    n, m = qweight.shape
+    if m % 3:
+        raise ValueError(f"int6 layout: {m} bytes per row is not a multiple of 3")
+    b = qweight.to(torch.int32).view(n, m // 3, 3)
+    v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    u = torch.stack((v & 63, (v >> 6) & 63, (v >> 12) & 63, (v >> 18) & 63), -1)
+    return (u - 32).to(torch.int8).reshape(n, -1)
+
+
+def dequantize_int6(qweight: torch.Tensor, scales: torch.Tensor, group_size: Optional[int] = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weight (N, K) of the int6 layout: q * scales[n], or q * scales[k // G, n] with
+    group_size G (computed in float32)."""
+    if group_size:
+        return dequantize_grouped(unpack_int6(qweight), scales, None, group_size, dtype)
+    return dequantize_rowwise(unpack_int6(qweight), scales, dtype)
 
 
 def group_index(k: int, group_size: int, g_idx: Optional[torch.Tensor] = None) -> torch.Tensor:

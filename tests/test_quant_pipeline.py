@@ -14,7 +14,7 @@ from tritium.backend.config import EngineConfig, LayerQuant, QuantConfig
 from tritium.backend.loader import load_engine
 from tritium.backend.models.decoder import DecoderLM
 from tritium.builder.quant.quantize_fp8 import dequantize_fp8
-from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, dequantize_int6
 from tritium.builder.quant.quantize_int8 import dequantize_int8
 
 # Dims that int4 groups divide: hidden, q dim (heads x head_dim) and intermediate all 96 -> group 32.
@@ -67,7 +67,9 @@ def _dequantized_model(engine_dir):
         if name.endswith(".qweight"):
             base = name[: -len(".qweight")]
             lq = cfg.quantization.layers[base]
-            if lq.method == "int4":
+            if lq.method == "int6":  # the embedding / LM head of int4 builds
+                w = dequantize_int6(x, t[base + ".scales"], lq.group_size)
+            elif lq.method == "int4":
                 w = dequantize_int4(x, t[base + ".scales"], t.get(base + ".zeros"), lq.group_size, t.get(base + ".g_idx"))
             elif lq.group_size:  # grouped int8 / fp8 (the embedding of int8 / fp8 builds)
                 w = dequantize_grouped(x, t[base + ".scales"], t.get(base + ".zeros"), lq.group_size)
@@ -104,16 +106,19 @@ def _kl(ref_logits, logits):
     ("llama", "int8"), ("llama", "fp8"), ("llama", "int4-rtn"), ("llama", "int4-awq"),
     ("qwen2", "int4-awq"), ("llama", "int4-gptq"), ("qwen2", "int4-gptq")])
 def test_quantized_engine(tiny_engine, family, method):
-    qdir = tiny_engine(family, quantization=method, calibration_samples=8)
+    # int4-awq here with the per-row int8 embedding (AWQ's searches and centring run on that grid)
+    extra = {"embedding_quantization": "int8"} if method == "int4-awq" else {}
+    qdir = tiny_engine(family, quantization=method, calibration_samples=8, **extra)
     fdir = tiny_engine(family)
     cfg, qmodel, _ = load_engine(qdir, "cpu")
     assert cfg.quantization.method == method
     kind = {"int8": "int8", "fp8": "fp8"}.get(method, "int4")
-    # int4 builds also store the tied embedding as per-row int8, int8 / fp8 builds as int8 in
-    # symmetric groups of 32 with float16 scales
-    assert set(cfg.quantization.layouts) == ({kind, "int8"} if kind == "int4" else {kind, "int8 grouped"})
+    # int4 builds also store the tied embedding as int6 (per row here: 64 does not divide hidden 96),
+    # int8 / fp8 builds as int8 in symmetric groups of 32 with float16 scales
+    emb_method = "int8" if extra else "int6" if kind == "int4" else "int8"
+    assert set(cfg.quantization.layouts) == ({kind, emb_method} if kind == "int4" else {kind, "int8 grouped"})
     emb = cfg.quantization.layers["embed_tokens"]
-    assert emb.method == "int8" and emb.group_size == (None if kind == "int4" else 32)
+    assert emb.method == emb_method and emb.group_size == (None if kind == "int4" else 32)
     for i in range(cfg.model.num_layers):
         for lin in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             lq = cfg.quantization.layers[f"layers.{i}.{lin}"]
@@ -132,7 +137,7 @@ def test_quantized_engine(tiny_engine, family, method):
     assert report["weight_bytes"] < report["float_weight_bytes"]
     assert {"perplexity", "reference_perplexity", "mean_kl", "top1_agreement"} <= set(report["eval"])
     tensors = load_file(os.path.join(qdir, "rank0.safetensors"))
-    if kind == "int4":  # the int8 LM head is rounded by the build's own method
+    if kind == "int4":  # the int6 / int8 LM head is rounded by the build's own method
         hn = "embed_tokens" if cfg.model.tie_word_embeddings else "lm_head"
         head = report["layers"][hn]
         assert head["head"]
@@ -147,9 +152,9 @@ def test_quantized_engine(tiny_engine, family, method):
             deq = dequantize_int8(tensors[hn + ".qweight"], tensors[hn + ".scales"])
             want = (h - mean) @ deq.t() + tensors["head_mean_logits"]
             torch.testing.assert_close(qmodel.compute_logits(h), want, rtol=2e-2, atol=5e-2)
-    # per-row int8 scales are bfloat16 values (the grid the packed CPU GEMM reads), stored as such
+    # per-row int8 / int6 scales are bfloat16 values (the grid the packed CPU GEMM reads), stored as such
     int8_scales = [t for name, t in tensors.items() if name.endswith(".scales") and t.dim() == 1
-                   and cfg.quantization.layers[name[:-len(".scales")]].method == "int8"]
+                   and cfg.quantization.layers[name[:-len(".scales")]].method in ("int8", "int6")]
     assert len(int8_scales) >= {"int4": 1, "int8": 4 * cfg.model.num_layers, "fp8": 0}[kind]
     for s in int8_scales:
         assert s.dtype == torch.bfloat16

@@ -172,7 +172,7 @@ def test_awq_search_includes_identity_and_keeps_grid():
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied / untied lm_head
 def test_int8_embedding_lookup_and_logits(hf_int4, family):
-    edir = hf_int4(family)
+    edir = hf_int4(family, embedding_quantization="int8")  # int4 builds: one scale per row
     cfg, model, _ = load_engine(edir, "cpu")
     t = load_file(os.path.join(edir, "rank0.safetensors"))
     assert t["embed_tokens.qweight"].dtype == torch.int8 and t["embed_tokens.scales"].shape == (cfg.model.vocab_size,)

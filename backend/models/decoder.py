@@ -60,9 +60,9 @@ class DecoderLM(nn.Module):
         eq = cfg.quantization.layers.get("embed_tokens")
         self.embed_tokens = None
         if eq is not None and eq.method != "none":
-            if eq.method not in ("int8", "int4"):
+            if eq.method not in ("int8", "int6", "int4"):
                 raise ValueError(f"quantization.layers.embed_tokens.method {eq.method!r} not supported; "
-                                 f"allowed: none, int8, int4")
+                                 f"allowed: none, int8, int6, int4")
             self.embed_tokens = make_linear(m.hidden_size, m.vocab_size, False, self.dtype, eq)
         self.register_buffer("embed_tokens_weight", None if self.embed_tokens is not None else
                              torch.empty(m.vocab_size, m.hidden_size, dtype=self.dtype))
@@ -140,11 +140,13 @@ class DecoderLM(nn.Module):
             if attr not in own:
                 raise ValueError(f"engine weights: unexpected tensor {name!r}")
             cur = own[attr]
+            mod_name, _, leaf = attr.rpartition(".")
+            mod = self.get_submodule(mod_name) if mod_name else self
+            if hasattr(mod, "from_engine"):  # the int6 embedding: packed codes widened to int8
+                t = mod.from_engine(leaf, t)
             if cur is not None and tuple(cur.shape) != tuple(t.shape):
                 raise ValueError(f"engine weights: tensor {name!r} has shape {tuple(t.shape)}, "
                                  f"config implies {tuple(cur.shape)}")
-            mod_name, _, leaf = attr.rpartition(".")
-            mod = self.get_submodule(mod_name) if mod_name else self
             target_dtype = cur.dtype if cur is not None else t.dtype
             if leaf in ("scales", "zeros") and t.dtype in (torch.float16, torch.bfloat16):
                 # engine format 3: 16-bit group parameters stay 16-bit in memory; the CPU kernels

@@ -12,7 +12,7 @@ from torch import nn
 
 from tritium.kernels import ops
 
-from ..quant import Fp8Linear, Int4Linear, Int8Linear
+from ..quant import Fp8Linear, Int4Linear, Int6Linear, Int8Linear
 
 
 def cpu_packing_supported(weight: torch.Tensor) -> bool:
@@ -71,7 +71,7 @@ class DenseLinear(nn.Module):
 
 # method name (LayerQuant.method) -> constructor with DenseLinear's signature
 LINEAR_CLASSES: Dict[str, Callable[..., nn.Module]] = {
-    "none": DenseLinear, "int8": Int8Linear, "fp8": Fp8Linear, "int4": Int4Linear}
+    "none": DenseLinear, "int8": Int8Linear, "fp8": Fp8Linear, "int4": Int4Linear, "int6": Int6Linear}
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,

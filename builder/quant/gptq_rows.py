@@ -60,10 +60,21 @@ def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor,
     return Q[:, torch.argsort(perm)]
 
 
-def gptq_int8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp_percent: float = 0.01
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ on quantize_int8's grid (symmetric, scale = row amax / 127).
-    Returns (qweight int8 (N, K), scales float32 (N,)), quantize_int8's layout."""
-    scales = int8_row_scales(w)
-    q = gptq_rows(w, hessian, scales, lambda x: torch.round(x).clamp_(-127, 127), damp_percent=damp_percent)
+def gptq_int8_quantize(w: torch.Tensor, hessian: torch.Tensor, damp_percent: float = 0.01,
+                       qmax: int = 127, scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on quantize_int8's grid (symmetric, scale = row amax / qmax unless `scales` (N,) are
+    given; qmax 31: the int6 embedding's codes -32..31). Returns (qweight int8 (N, K), scales
+    float32 (N,)), quantize_int8's layout."""
+    scales = int8_row_scales(w, qmax) if scales is None else scales.float()
+    lo = -qmax - 1 if qmax != 127 else -127
+    q = gptq_rows(w, hessian, scales, lambda x: torch.round(x).clamp_(lo, qmax), damp_percent=damp_percent)
     return q.to(torch.int8), scales
+
+
+def gptq_int6_grouped(w: torch.Tensor, hessian: torch.Tensor, group_size: int, s16: torch.Tensor,
+                      damp_percent: float = 0.01) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on the int6 grid in symmetric groups of `group_size` with the scales s16 (K // G, N)
+    fixed up front (the paper's static groups; codes -32..31). Returns (qweight int8 (N, K), s16)."""
+    full = s16.float().t().repeat_interleave(group_size, dim=1)  # (N, K)
+    q = gptq_rows(w, hessian, full, lambda x: torch.round(x).clamp_(-32, 31), damp_percent=damp_percent)
+    return q.to(torch.int8), s16

@@ -36,26 +36,26 @@ from typing import Optional
 import torch
 
 from tritium.kernels import ops
-from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4
+from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, pack_int6
 
 from .awq import awq_clip_int4, awq_clip_rows_int8, awq_search_scale, fake_quantize_int8_rows
 from .gptq import HessianAccumulator, gptq_quantize
-from .gptq_rows import gptq_int8_quantize
+from .gptq_rows import gptq_int6_grouped, gptq_int8_quantize
 from .param16 import compact_scales
 from .quantize_int4 import quantize_int4
-from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, quantize_int8,
+from .quantize_int8 import (dequantize_int8, int8_codes, int8_row_scales, int6_scales, quantize_int6, quantize_int8,
                             quantize_int8_grouped)
 
 HEAD_SEARCH_TOKENS = 512  # calibration rows used in AWQ's alpha search on the head
-CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose head is centred unless told otherwise
+CENTRED_BY_DEFAULT = {"int4-awq": True}  # methods whose int8 head is centred unless told otherwise
 
 
 def head_name(plan: dict, tied: bool) -> Optional[str]:
     """The plan entry that serves as the LM head ('embed_tokens' when tied), if it is quantized
-    (int8, or int4 with --embedding-quantization int4)."""
+    (int8, or int6 / int4 with --embedding-quantization)."""
     name = "embed_tokens" if tied else "lm_head"
     lq = plan.get(name)
-    return name if lq is not None and lq.method in ("int8", "int4") else None
+    return name if lq is not None and lq.method in ("int8", "int6", "int4") else None
 
 
 @torch.no_grad()
@@ -94,28 +94,32 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
     mark plan['embed_tokens'].input_scale. A centred head (centre; None: CENTRED_BY_DEFAULT[method])
     gets head_input_mean / head_mean_logits from head_stats' mean and its plan entry marked
     centred. Returns report entries."""
-    if centre is None:
-        centre = CENTRED_BY_DEFAULT.get(method, False)
     report = {}
     head = head_name(plan, tied)
+    if centre is None:  # the int6 head is not centred by default: its float32 mean logits (4 bytes
+        # per vocabulary row) would take an int4 engine past 0.33x the bfloat16 one (docs/quantization.md)
+        centre = CENTRED_BY_DEFAULT.get(method, False) and head is not None and plan[head].method == "int8"
     for name in ("embed_tokens", "lm_head"):
         lq = plan.get(name)
         if lq is not None and lq.method == "int4" and name + ".weight" in new:
             report[name] = _int4_embedding(new, name, lq, method, head_stats if name == head else None)
             report[name]["head"] = name == head
             continue
-        if lq is None or lq.method != "int8" or name + ".weight" not in new:
+        if lq is None or lq.method not in ("int8", "int6") or name + ".weight" not in new:
             continue
         w = new.pop(name + ".weight").float()
-        entry = {"method": "int8", "head": name == head}
-        # the calibrated roundings below are per-row: a grouped embedding is rounded to nearest
-        stats = head_stats if name == head and not lq.group_size else None
+        six = lq.method == "int6"
+        qmax = 31 if six else 127  # GPTQ's code range: int6 -32..31 (scales from int6_scales), int8 -127..127
+        entry = {"method": lq.method, "head": name == head}
+        # the calibrated roundings below are per-row (int6: GPTQ also with groups): a grouped int8
+        # embedding is rounded to nearest
+        stats = head_stats if name == head and (six or not lq.group_size) else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
-        if stats is not None and method == "int4-gptq":
-            q, s = gptq_int8_quantize(w, stats["H"])
+        if stats is not None and method == "int4-gptq" and not lq.group_size:
+            q, s = gptq_int8_quantize(w, stats["H"], qmax=qmax, scales=int6_scales(w) if six else None)
             entry["rounding"] = "GPTQ error feedback (act-order) under the final hidden states' Hessian"
-        elif stats is not None and method == "int4-awq":
+        elif stats is not None and method == "int4-awq" and not six and not lq.group_size:
             mu = stats["mean"].float() if centre else torch.zeros_like(stats["mean"].float())
             # a centred head: only x - mu meets the rounding, so both searches score that part
             h_in = centred_hessian(stats) if centre else stats["H"]
@@ -137,20 +141,28 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
             in_scale = scale
-        elif lq.group_size:
+        elif lq.group_size and stats is not None and method == "int4-gptq":  # six: see stats above
+            q, s = gptq_int6_grouped(w, stats["H"], lq.group_size, int6_scales(w, lq.group_size))
+            entry["rounding"] = (f"GPTQ error feedback (act-order, static groups of {lq.group_size}) "
+                                 "under the final hidden states' Hessian")
+        elif lq.group_size and not six:
             q, s = quantize_int8_grouped(w, lq.group_size)
             entry["rounding"] = (f"round to nearest, symmetric groups of {lq.group_size} "
                                  f"({lq.group_reason or 'float16 scales'})")
+        elif six:
+            q, s = quantize_int6(w, lq.group_size)
+            entry["rounding"] = ("round to nearest, scales by a clip search for the least weight error"
+                                 + (" (AWQ's searches are int8-only)" if stats is not None else ""))
         else:
             q, s = quantize_int8(w)
             entry["rounding"] = "round to nearest"
         if stats is not None and centre:
-            if method != "int4-awq":  # the rounding is the method's own; centring adds the bias term
+            if method != "int4-awq" or six:  # the rounding is the method's own; centring adds the bias term
                 in_scale, h_in = torch.ones_like(stats["mean"].float()), centred_hessian(stats)
             new["head_input_mean"] = stats["mean"].float() / in_scale
             new["head_mean_logits"] = w @ stats["mean"].float()
             plan[name] = dataclasses.replace(plan[name], centred=True)
-        new[name + ".qweight"], new[name + ".scales"] = q, compact_scales(s)
+        new[name + ".qweight"], new[name + ".scales"] = (pack_int6(q) if six else q), compact_scales(s)
         deq = dequantize_grouped(q, s, None, lq.group_size) if lq.group_size else dequantize_int8(q, s)
         entry["rel_weight_error"] = float((deq - wq).norm() / wq.norm().clamp_min(1e-12))
         if stats is not None:

@@ -22,7 +22,8 @@ import torch
 from tritium.backend.config import (SUPPORTED_EMBEDDING_QUANTIZATION, SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS,
                                     SUPPORTED_QUANTIZATION, EngineConfig, KVCacheConfig, QuantConfig)
 from tritium.backend.models.kv_rotation import rotate, rotation_supported
-from tritium.kernels.quant_layouts import FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT8_GROUPED_LAYOUT, INT8_LAYOUT
+from tritium.kernels.quant_layouts import (FP8_GROUPED_LAYOUT, FP8_LAYOUT, INT4_LAYOUT, INT6_LAYOUT, INT8_GROUPED_LAYOUT,
+                                          INT8_LAYOUT)
 
 KV_ROTATION_CHOICES = ("auto",) + SUPPORTED_KV_ROTATIONS
 
@@ -223,7 +224,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     layer_reports.update(quantize_embeddings(new, plan, o.quantization, cfg.model.tie_word_embeddings,
                                              head_stats, centre=o.head_centring))
     new.update(kv_scales)
-    layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT,
+    layouts = {"int4": INT4_LAYOUT, "int8": INT8_LAYOUT, "fp8": FP8_LAYOUT, "int6": INT6_LAYOUT,
                "int8 grouped": INT8_GROUPED_LAYOUT, "fp8 grouped": FP8_GROUPED_LAYOUT}
     used = {lq.method + (" grouped" if lq.method in ("int8", "fp8") and lq.group_size else "")
             for lq in plan.values()}

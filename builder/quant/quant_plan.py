@@ -80,9 +80,12 @@ def int4_symmetric(o) -> bool:
 
 def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
     """The embedding / untied LM head of a quantized build (--embedding-quantization):
-    none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits);
-    int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: per-row int8 in int4 builds
-    (rounded by the build's own method, quant_head.py), groups of 32 in int8 / fp8 builds."""
+    none (or --exclude-modules matching it): float; int8: symmetric groups of 32 (8.5 bits) in
+    int8 / fp8 builds, one scale per row in int4 builds (8 + 16 / hidden bits);
+    int6: symmetric 6-bit codes with float16 scales per 64 (6.25 bits; per row, 6 + 16 / hidden,
+    where 64 does not divide hidden), the head rounded by GPTQ in int4-gptq builds (quant_head.py);
+    int4: asymmetric groups of 32 (round to nearest, 5 bits); auto: int6 in int4 builds (per-row
+    int8 where hidden is not a multiple of 4, and under --quantization auto), groups of 32 in int8 / fp8 builds."""
     emb = getattr(o, "embedding_quantization", "auto") or "auto"
     if emb == "none" or excluded(name, o.exclude_modules):
         return LayerQuant("none")
@@ -91,12 +94,21 @@ def plan_embedding(kind: str, hidden: int, o, name: str) -> LayerQuant:
         if g is None:
             raise ValueError(f"--embedding-quantization int4: no group size of 32 fits hidden size {hidden}")
         return LayerQuant("int4", group_size=g, group_reason=f"--embedding-quantization int4: groups of {g}")
-    if emb == "auto" and kind == "int4":
+    if emb == "auto" and kind == "int4" and o.quantization.startswith("int4") and hidden % 4 == 0:
+        emb = "int6"  # int4 builds: within the 3% budget at 0.33x the bfloat16 engine (docs/quantization.md)
+    if emb == "int6":
+        if hidden % 4:
+            raise ValueError(f"--embedding-quantization int6: hidden size {hidden} is not a multiple of 4")
+        g = INT6_GROUP_SIZE if hidden % INT6_GROUP_SIZE == 0 and hidden > INT6_GROUP_SIZE else None
+        return LayerQuant("int6", group_size=g, group_reason="int6 embedding: "
+                          + (f"symmetric groups of {g}" if g else "per row"))
+    if kind == "int4":  # int8 (or auto without int6): one scale per row, rounded by the build's method
         return LayerQuant("int8")
     return plan_8bit_embedding(hidden, o, name, explicit_group=kind != "int4")
 
 
 EMBEDDING_GROUP_SIZE = 32
+INT6_GROUP_SIZE = 64  # int6 embedding: float16 scale per 64 (6.25 bits) where 64 divides hidden, else per row
 
 
 def plan_8bit_embedding(hidden: int, o, name: str, explicit_group: bool = True) -> LayerQuant:

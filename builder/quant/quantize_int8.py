@@ -27,9 +27,10 @@ def bf16_ceil(s: torch.Tensor) -> torch.Tensor:
     return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
 
 
-def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
-    """Per-row scales (N,) of w (N, K): amax / 127, rounded up to bfloat16 (see the module doc)."""
-    return bf16_ceil((w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-10))
+def int8_row_scales(w: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+    """Per-row scales (N,) of w (N, K): amax / qmax (127; 31 for int6 codes), rounded up to
+    bfloat16 (see the module doc)."""
+    return bf16_ceil((w.float().abs().amax(dim=1) / float(qmax)).clamp_min(1e-10))
 
 
 def int8_codes(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -130,3 +131,38 @@ def quantize_int8_source_grid(w: torch.Tensor, group_size: int
         cands.append((torch.round(wg / s[:, :, None]).clamp_(-127, 127), s, zero))
     c, s, z = _pick(cands, wg)
     return _pack_groups(c.to(torch.int8), s.to(dtype), z.to(dtype))
+
+
+# ---- the int6 embedding / LM head (codes -32..31; kernels/quant_layouts.py INT6_LAYOUT) ----
+
+INT6_CLIP_RATIOS = torch.linspace(0.6, 1.0, 41)  # scale candidates: ratio x amax / 31
+
+
+def int6_scales(w: torch.Tensor, group_size=None) -> torch.Tensor:
+    """Scales of the int6 grid for w (N, K), one per row (bfloat16 values, rounded up like
+    int8_row_scales) or per group of `group_size` (float16, (K // G, N)): per row / group, the
+    candidate ratio x amax / 31 (INT6_CLIP_RATIOS) whose round-to-nearest codes in -32..31 give
+    the least squared weight error (a clip search: on a 6-bit grid the largest value alone
+    should not set the step)."""
+    n, k = w.shape
+    wr = w.float() if group_size is None else _groups(w, group_size).reshape(-1, group_size)
+    amax = wr.abs().amax(dim=1).clamp_min(1e-10)
+    dtype = None if group_size is None else param16_dtype(amax / 31.0)  # float16 unless past its range
+    best_err = best_s = None
+    for r in INT6_CLIP_RATIOS.tolist():
+        s = amax * r / 31.0
+        s = bf16_ceil(s) if dtype is None else param16(s, dtype, positive=True)  # the stored values
+        sf = s.float()
+        err = ((torch.round(wr / sf[:, None]).clamp_(-32, 31) * sf[:, None] - wr) ** 2).sum(dim=1)
+        better = err < best_err if best_err is not None else torch.ones_like(err, dtype=torch.bool)
+        best_err = err if best_err is None else torch.where(better, err, best_err)
+        best_s = s if best_s is None else torch.where(better, s, best_s)
+    return best_s if group_size is None else best_s.view(n, k // group_size).t().contiguous()
+
+
+def quantize_int6(w: torch.Tensor, group_size=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest on int6_scales' grid: (codes int8 (N, K) in -32..31, scales: float32
+    (N,) with bfloat16 values per row, or float16 (K // G, N) per group)."""
+    s = int6_scales(w, group_size)
+    full = s[:, None] if group_size is None else s.float().t().repeat_interleave(group_size, dim=1)
+    return torch.round(w.float() / full).clamp_(-32, 31).to(torch.int8), s

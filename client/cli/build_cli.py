@@ -73,8 +73,9 @@ def register(sub) -> None:
                         "times one float16 scale per group, llama.cpp Q4_0's grid, 4.5 bits)")
     p.add_argument("--embedding-quantization", default=None, choices=SUPPORTED_EMBEDDING_QUANTIZATION,
                    help="the embedding / LM head of a quantized build: int8 (symmetric groups of 32, float16 "
-                        "scales), int4 (asymmetric groups of 32), none (float), or auto (default: int8 per row in "
-                        "int4 builds, rounded by their method; int8 in groups of 32 in int8 / fp8 builds)")
+                        "scales; one scale per row in int4 builds), int6 (6-bit codes, float16 scale per 64: 6.25 "
+                        "bits), int4 (asymmetric groups of 32), none (float), or auto (default: int6 in int4 builds, "
+                        "rounded by their method; int8 in groups of 32 in int8 / fp8 builds)")
     a = p.add_argument_group("--quantization auto: per-layer precision under a quality budget (docs/quantization.md)")
     a.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
                    help="required with --quantization auto: the allowed perplexity increase over the float model, "
