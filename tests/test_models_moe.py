@@ -199,7 +199,7 @@ def test_qwen3_moe_serves_through_tritonserver(tiny_engine, tmp_path):
 def _dequantized(cfg, tensors: dict) -> dict:
     """The engine's tensors with every quantized weight replaced by its float value, decoded
     through the layouts of kernels/quant_layouts.py (not the runtime's quantized modules)."""
-    from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, dequantize_rowwise
+    from tritium.kernels.quant_layouts import dequantize_grouped, dequantize_int4, dequantize_int6, dequantize_rowwise
     out = {}
     for name, t in tensors.items():
         expert = name.endswith("_qweight")
@@ -212,6 +212,8 @@ def _dequantized(cfg, tensors: dict) -> dict:
         lq = cfg.quantization.layers[prefix]
 
         def deq(q, s, z):
+            if lq.method == "int6":  # the 6-bit embedding / LM head of int4 builds
+                return dequantize_int6(q, s, lq.group_size)
             if lq.method in ("int8", "fp8"):  # per row, or grouped (e.g. the int8 embedding of int8 builds)
                 return dequantize_rowwise(q, s) if s.dim() == 1 else dequantize_grouped(q, s, z, lq.group_size)
             return dequantize_int4(q, s, z, lq.group_size)
