@@ -125,11 +125,9 @@ void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, fl
 /* ---------------------------------------------------------------- per-path panel kernels */
 
 /* Per call, per row m and block b: xq codes, xd scale, xz = xd S (S the block's code sum), xo =
- * -off S (off: the offset of the path's unsigned weight codes, 0 where the path uses signed codes),
- * xa = |xq| (AVX2 int8). */
+ * -off S (off: the offset of the path's unsigned weight codes, 0 where the path uses signed codes). */
 typedef struct {
     const int8_t *xq;
-    const uint8_t *xa;
     const float *xd, *xz;
     const int32_t *xo;
     int64_t K;
@@ -182,8 +180,8 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 #elif defined(I8DOT_AVX2)
 #define OFF8 0 /* signed int8 codes through the sign trick */
 #define OFF4 8
-/* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|x| times
- * sign(x) c... written as |c| times sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16) and
+/* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|c| times
+ * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
  * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
  * (8 x 2 x 15 x 127 < 2^15), then one VPMADDWD, started from -8 S. */
 INLINE void half_panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
@@ -298,13 +296,12 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
                        float *y, int64_t M, int64_t N, int64_t K, int64_t bits) {
     const int64_t KB = K / QB;
     const int32_t off = bits == 8 ? OFF8 : OFF4;
-    /* scratch: codes, |codes|, scales, xd x S, -off S */
-    const size_t bytes = (size_t)M * (size_t)(2 * K + 12 * KB) + 64;
+    /* scratch: codes, scales, xd x S, -off S */
+    const size_t bytes = (size_t)M * (size_t)(K + 12 * KB) + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem) return -1;
     int8_t *xq = (int8_t *)mem;
-    uint8_t *xa = (uint8_t *)(mem + (size_t)M * K);
-    float *xd = (float *)(mem + (size_t)M * 2 * K);
+    float *xd = (float *)(mem + (size_t)M * K);
     float *xz = xd + M * KB;
     int32_t *xo = (int32_t *)(xz + M * KB);
     for (int64_t m = 0; m < M; m++) {
@@ -313,9 +310,8 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
             xz[m * KB + b] = xd[m * KB + b] * (float)xo[m * KB + b];
             xo[m * KB + b] *= -off;
         }
-        for (int64_t k = 0; k < K; k++) xa[m * K + k] = (uint8_t)abs(xq[m * K + k]);
     }
-    const acts_t A = {xq, xa, xd, xz, xo, K};
+    const acts_t A = {xq, xd, xz, xo, K};
     const int64_t pbytes = 16 * (bits == 8 ? K : K / 2), P = (N + 15) / 16;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
