@@ -151,12 +151,11 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
-            _mm_prefetch((const char *)(p + 2048), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + 2048 + 256), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
             const uint8_t *p = wp + b * 256;
-            _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
                 u[i] = _mm512_and_si512(v, m4);
@@ -194,10 +193,10 @@ INLINE void half_panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
         __m256i a[8];
         const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
         if (BITS == 8) {
-            _mm_prefetch((const char *)(p + 2048), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
             for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
         } else {
-            _mm_prefetch((const char *)(p + 1024), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
             for (int i = 0; i < 4; i++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
                 a[i] = _mm256_and_si256(v, m4);
