@@ -236,26 +236,41 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     half_panel(A, m0, wp, dp, zp, out, BITS, MR_, 1);
 }
 
-#else /* portable C: signed codes, 16 channels per loop the compiler vectorizes */
+#else /* portable C: signed codes */
 #define OFF8 0
 #define OFF4 0
+/* A block's codes are put back in channel order (c[j][k], once per block for all rows), so each
+ * channel's block dot is a contiguous 32-term integer reduction the compiler vectorizes. */
+static __attribute__((noinline)) void dots16(const int8_t (*restrict c)[QB], const int8_t *restrict x,
+                                             int32_t *restrict t) {
+    for (int j = 0; j < 16; j++) {
+        int32_t s = 0;
+        for (int k = 0; k < QB; k++) s += (int32_t)c[j][k] * x[k];
+        t[j] = s;
+    }
+}
+
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                   float *out, const int BITS, const int MR_) {
     const int64_t K = A->K, KB = K / QB;
     float f[MR][16];
     memset(f, 0, sizeof f);
     for (int64_t b = 0; b < KB; b++) {
-        int8_t c[8][16][4]; /* k = 4 i + e of channel j */
+        int8_t c[16][QB]; /* channel j, k: 4-byte words moved, int4 nibbles split over 16 bytes at once */
         if (BITS == 8) {
-            memcpy(c, wp + b * 512, 512);
+            const uint8_t *p = wp + b * 512;
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < 16; j++) memcpy(&c[j][4 * i], p + 64 * i + 4 * j, 4);
         } else {
             const uint8_t *p = wp + b * 256;
+            uint8_t cb[16][QB / 2];
             for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 16; j++)
-                    for (int e = 0; e < 4; e++) {
-                        c[i][j][e] = (int8_t)((p[64 * i + 4 * j + e] & 0x0f) - 8);
-                        c[i + 4][j][e] = (int8_t)((p[64 * i + 4 * j + e] >> 4) - 8);
-                    }
+                for (int j = 0; j < 16; j++) memcpy(&cb[j][4 * i], p + 64 * i + 4 * j, 4);
+            for (int j = 0; j < 16; j++)
+                for (int k = 0; k < QB / 2; k++) {
+                    c[j][k] = (int8_t)((cb[j][k] & 0x0f) - 8);
+                    c[j][k + QB / 2] = (int8_t)((cb[j][k] >> 4) - 8);
+                }
         }
         float dv[16], zv[16];
         for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[b * 16 + j]), zv[j] = zp ? half_to_f32(zp[b * 16 + j]) : 0.0f;
@@ -263,14 +278,11 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
             const int64_t m = m0 + r;
             const int8_t *x = A->xq + m * K + b * QB;
             const float xd = A->xd[m * KB + b], xz = A->xz[m * KB + b];
-            int32_t t[16] = {0};
-            for (int i = 0; i < 8; i++)
-                for (int j = 0; j < 16; j++)
-                    for (int e = 0; e < 4; e++) t[j] += (int32_t)c[i][j][e] * x[4 * i + e];
-            for (int j = 0; j < 16; j++) {
-                f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
-                if (zp) f[r][j] = xz * zv[j] + f[r][j];
-            }
+            int32_t t[16];
+            dots16((const int8_t(*)[QB])c, x, t);
+            for (int j = 0; j < 16; j++) f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
+            if (zp)
+                for (int j = 0; j < 16; j++) f[r][j] = xz * zv[j] + f[r][j];
         }
     }
     for (int r = 0; r < MR_; r++) memcpy(out + 16 * r, f[r], sizeof f[r]);
