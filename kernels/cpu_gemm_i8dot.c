@@ -5,19 +5,21 @@
  * amax = 0); xhat = d q. A row's codes depend on that row alone, so a row's result never depends
  * on the other rows of the call (batch invariance, docs/determinism.md).
  *
- * Weights (repacked at load by kernels/i8dot_pack.py): unsigned codes u with a per-kind offset
- * (int8: u = c + 128 in one byte; int4: u = nibble, c = u - 8, two per byte, byte j of a block of
- * 32 holding k = j in its low and k = j + 16 in its high nibble), per block of 32 a float16 scale
- * d and, for asymmetric layers, a float16 zero z, and per output channel a float32 power of two
- * r: w = r (c d + z).
+ * Weights (repacked at load by kernels/i8dot_pack.py) in panels of 16 output channels: per panel
+ * and block of 32 inputs, 8 vectors of 64 bytes, vector i holding k = 4 i .. 4 i + 3 of each of the
+ * 16 channels (int8: signed codes c; int4: nibbles u = c + 8, the low nibble of vector i, k = 4 i +
+ * e, and the high nibble k + 16), then per block a float16 scale d and, for asymmetric layers, a
+ * float16 zero z of each channel, and per output channel a float32 power of two r: w = r (c d + z).
  *
- * y[m][n] = r[n] (sum_b xd[m][b] d[n][b] T[m][n][b] + sum_b xd[m][b] S[m][b] z[n][b]), with
- * T = sum_k c_k q_k over block b (exact in int32) and S = sum_k q_k the block's code sum.
- * The integer dot products: AVX-512 VNNI (VPDPBUSD: unsigned weight codes u times signed
- * activation codes, U = T + offset S exact in int32, the offset's share taken out with the zero
- * term: sum_b xd S (z - offset d)), AVX2 (VPMADDUBSW + VPMADDWD; int8 weights through the sign
- * trick so that no pair sum saturates, int4 as AVX-512), and portable C the compiler vectorizes.
- * The float sums run in an order fixed by K.
+ * y[m][n] = r[n] sum_b (T[m][n][b] d[n][b] xd[m][b] + xd[m][b] S[m][b] z[n][b]), with
+ * T = sum_k c_k q_k over block b (exact in int32), S = sum_k q_k the block's code sum, the sum over
+ * b in block order for every row and channel (fixed by K: batch invariance).
+ * A block's weights are loaded once per tile of up to 8 rows; a row's 4 codes are broadcast
+ * against the 16 channels, so each integer lane sums one channel's whole block and no horizontal
+ * sum is left: AVX-512 VNNI (VPDPBUSD: weights as unsigned u = c + 128 or the int4 nibble, the
+ * offset's share off S subtracted exactly in int32 by starting the sum from -off S), AVX2
+ * (int8: VPSIGNB / VPMADDUBSW / VPMADDWD with |c| and sign(x, c); int4: VPMADDUBSW on the
+ * nibbles, 8 products summed in int16, one VPMADDWD) and portable C the compiler vectorizes.
  * K % 32 == 0.
  */
 #include <math.h>
@@ -30,7 +32,6 @@
 
 #define QB 32  /* activation and weight block */
 #define MR 8   /* rows of x per pass over a channel */
-#define NB 16  /* output channels per parallel work item */
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -121,191 +122,170 @@ void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, fl
         quantize_row(x + m * K, K, xq + m * K, xd + m * (K / QB), xs + m * (K / QB));
 }
 
-/* ---------------------------------------------------------------- per-path block dots */
+/* ---------------------------------------------------------------- per-path panel kernels */
+
+/* Per call, per row m and block b: xq codes, xd scale, xz = xd S (S the block's code sum), xo =
+ * -off S (off: the offset of the path's unsigned weight codes, 0 where the path uses signed codes). */
+typedef struct {
+    const int8_t *xq;
+    const float *xd, *xz;
+    const int32_t *xo;
+    int64_t K;
+} acts_t;
+
+INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 #if defined(I8DOT_AVX512)
-/* 64 weight codes (two blocks) as unsigned bytes in k order. */
-INLINE __m512i load_u64(const uint8_t *wn, int64_t k, const int BITS) {
-    if (BITS == 8) return _mm512_loadu_si512((const void *)(wn + k));
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(wn + k / 2)), m4 = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    /* [A lo, B lo, A hi, B hi] -> [A lo, A hi, B lo, B hi] (128-bit lanes) */
-    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-INLINE __m256i load_u32(const uint8_t *wn, int64_t k, const int BITS) {
-    if (BITS == 8) return _mm256_loadu_si256((const __m256i *)(wn + k));
-    const __m128i v = _mm_loadu_si128((const __m128i *)(wn + k / 2)), m4 = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-}
-
-/* out[r] = sum_b xd[r][b] d[b] U[r][b] for MR_ rows, U = sum_k u_k q_k the unsigned codes' dot
- * (the offset's share, off x S, is taken out with the zero term); xdx: each block's xd repeated
- * in its 8 lanes. */
-#define UNSIGNED_DOT(bits) 1
-INLINE void dot_rows(const int8_t *xq, const float *xdx, int64_t K, const uint8_t *wn,
-                     const uint16_t *dn, float *out, const int BITS, const int MR_) {
-    __m512 acc[MR];
-    __m256 acc8[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm512_setzero_ps(), acc8[r] = _mm256_setzero_ps();
-    const int64_t K4 = K / 4, K64 = K / 64 * 64;
-    for (int64_t k = 0; k < K64; k += 64) {
-        const int64_t b = k / QB;
-        const __m512i w = load_u64(wn, k, BITS);
-        const __m512 dv = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16((short)dn[b + 1]),
-                                                           _mm_set1_epi16((short)dn[b])));
+#define OFF8 128 /* int8 codes: u = c ^ 0x80 = c + 128 for VPDPBUSD's unsigned operand */
+#define OFF4 8
+/* One panel of 16 channels, rows m0 .. m0 + MR_ - 1: out (MR_, 16) = sum_b (T d) xd + xz z.
+ * Each block's weights are loaded (and widened) once into 8 registers of 16 channels x 4 k and used
+ * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S. */
+INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                  float *out, const int BITS, const int MR_) {
+    const int64_t K = A->K, KB = K / QB;
+    __m512 f[MR];
+    for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < KB; b++) {
+        __m512i u[8];
+        if (BITS == 8) {
+            const uint8_t *p = wp + b * 512;
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
+        } else {
+            const uint8_t *p = wp + b * 256;
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
+                u[i] = _mm512_and_si512(v, m4);
+                u[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + b * 16)));
+        const __m512 zv = zp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16))) : _mm512_setzero_ps();
         for (int r = 0; r < MR_; r++) {
-            const __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
-                                                  _mm512_loadu_si512((const void *)(xq + r * K + k)));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dv), _mm512_loadu_ps(xdx + r * K4 + k / 4),
-                                     acc[r]);
+            const int64_t m = m0 + r;
+            const int8_t *x = A->xq + m * K + b * QB;
+            __m512i t = _mm512_set1_epi32(A->xo[m * KB + b]);
+            for (int i = 0; i < 8; i++) t = _mm512_dpbusd_epi32(t, u[i], _mm512_set1_epi32(load4(x + 4 * i)));
+            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dv), _mm512_set1_ps(A->xd[m * KB + b]), f[r]);
+            if (zp) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(A->xz[m * KB + b]), zv, f[r]);
         }
     }
-    if (K64 < K) { /* one block left */
-        const int64_t k = K64, b = k / QB;
-        const __m256i w = load_u32(wn, k, BITS);
-        const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dn[b]));
-        for (int r = 0; r < MR_; r++) {
-            const __m256i t = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w,
-                                                  _mm256_loadu_si256((const __m256i *)(xq + r * K + k)));
-            acc8[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_loadu_ps(xdx + r * K4 + k / 4),
-                                      acc8[r]);
-        }
-    }
-    for (int r = 0; r < MR_; r++) {
-        const __m256 h = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1))),
-                                       acc8[r]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
-}
-
-/* sum_b xz[b] z[b] over nb blocks (xz = xd x code sum). */
-static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 16 <= nb; b += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(xz + b), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zn + b))), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; b < nb; b++) s += xz[b] * _cvtsh_ss(zn[b]);
-    return s;
+    for (int r = 0; r < MR_; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
 
 #elif defined(I8DOT_AVX2)
-#define UNSIGNED_DOT(bits) ((bits) == 4) /* int8: the sign trick gives T itself */
-INLINE __m256i load_u32(const uint8_t *wn, int64_t k, const int BITS) {
-    if (BITS == 8) return _mm256_loadu_si256((const __m256i *)(wn + k));
-    const __m128i v = _mm_loadu_si128((const __m128i *)(wn + k / 2)), m4 = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-}
-
-INLINE void dot_rows(const int8_t *xq, const float *xd, int64_t K, const uint8_t *wn,
-                     const uint16_t *dn, float *out, const int BITS, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t KB = K / QB;
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t k = 0; k < K; k += QB) {
-        const int64_t b = k / QB;
-        const float d = _cvtsh_ss(dn[b]);
-        const __m256i u = load_u32(wn, k, BITS);
-        /* int8: signed codes c = u - 128, |c| times sign(c) x (|c| <= 128, |x| <= 127: pair sums fit int16) */
-        const __m256i c = BITS == 8 ? _mm256_xor_si256(u, flip) : u;
-        const __m256i a = BITS == 8 ? _mm256_abs_epi8(c) : u;
+#define OFF8 0 /* signed int8 codes through the sign trick */
+#define OFF4 8
+/* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|c| times
+ * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
+ * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
+ * (8 x 2 x 15 x 127 < 2^15), then one VPMADDWD, started from -8 S. */
+INLINE void half_panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                       float *out, const int BITS, const int MR_, const int h) {
+    const int64_t K = A->K, KB = K / QB;
+    __m256 f[MR];
+    for (int r = 0; r < MR_; r++) f[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < KB; b++) {
+        __m256i a[8];
+        const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
+        if (BITS == 8) {
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
+        } else {
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
+                a[i] = _mm256_and_si256(v, m4);
+                a[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
+        const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
+                             : _mm256_setzero_ps();
         for (int r = 0; r < MR_; r++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + k));
+            const int64_t m = m0 + r;
+            const int8_t *x = A->xq + m * K + b * QB;
             __m256i t;
             if (BITS == 8) {
-                t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, c)), ones);
+                t = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
+                    const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4 * i)), c);
+                    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], s), ones));
+                }
             } else {
-                t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones); /* unsigned codes: U */
+                __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
+                for (int i = 1; i < 8; i++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
+                t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[m * KB + b]));
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(xd[r * KB + b] * d), acc[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[m * KB + b]), f[r]);
+            if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[m * KB + b]), zv, f[r]);
         }
     }
-    for (int r = 0; r < MR_; r++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    for (int r = 0; r < MR_; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, f[r]);
+}
+
+INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                  float *out, const int BITS, const int MR_) {
+    half_panel(A, m0, wp, dp, zp, out, BITS, MR_, 0);
+    half_panel(A, m0, wp, dp, zp, out, BITS, MR_, 1);
+}
+
+#else /* portable C: signed codes */
+#define OFF8 0
+#define OFF4 0
+/* A block's codes are put back in channel order (c[j][k], once per block for all rows), so each
+ * channel's block dot is a contiguous 32-term integer reduction the compiler vectorizes. */
+static __attribute__((noinline)) void dots16(const int8_t (*restrict c)[QB], const int8_t *restrict x,
+                                             int32_t *restrict t) {
+    for (int j = 0; j < 16; j++) {
+        int32_t s = 0;
+        for (int k = 0; k < QB; k++) s += (int32_t)c[j][k] * x[k];
+        t[j] = s;
     }
 }
 
-/* int8 weights (W8A8 on AVX2): dot_rows with each block's scale product taken as one vector
- * multiply by the row's lane-repeated scales (xdx, as on AVX-512) instead of a scalar product and
- * a broadcast per row and block; the weight scale is widened once per block for all rows: per
- * block (T d) xd, the products of the AVX-512 path, in an order fixed by K. */
-INLINE void dot_rows8(const int8_t *xq, const float *xdx, int64_t K, const uint8_t *wn, const uint16_t *dn,
-                      float *out, const int MR_) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR_; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t K4 = K / 4;
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t k = 0; k < K; k += QB) {
-        const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dn[k / QB]));
-        const __m256i c = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wn + k)), flip);
-        const __m256i a = _mm256_abs_epi8(c);
-        for (int r = 0; r < MR_; r++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + k));
-            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, c)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_loadu_ps(xdx + r * K4 + k / 4),
-                                     acc[r]);
-        }
-    }
-    for (int r = 0; r < MR_; r++) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    }
-}
-#define HAVE_ROWS8 1
-
-static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 8 <= nb; b += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(xz + b), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zn + b))), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    float t = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-    for (; b < nb; b++) t += xz[b] * _cvtsh_ss(zn[b]);
-    return t;
-}
-
-#else /* portable C */
-#define UNSIGNED_DOT(bits) 0
-INLINE void dot_rows(const int8_t *xq, const float *xd, int64_t K, const uint8_t *wn,
-                     const uint16_t *dn, float *out, const int BITS, const int MR_) {
-    float acc[MR] = {0};
-    const int64_t KB = K / QB;
+INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                  float *out, const int BITS, const int MR_) {
+    const int64_t K = A->K, KB = K / QB;
+    float f[MR][16];
+    memset(f, 0, sizeof f);
     for (int64_t b = 0; b < KB; b++) {
-        int8_t c[QB];
+        int8_t c[16][QB]; /* channel j, k: 4-byte words moved, int4 nibbles split over 16 bytes at once */
         if (BITS == 8) {
-            for (int i = 0; i < QB; i++) c[i] = (int8_t)(wn[b * QB + i] ^ 0x80u);
+            const uint8_t *p = wp + b * 512;
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < 16; j++) memcpy(&c[j][4 * i], p + 64 * i + 4 * j, 4);
         } else {
-            const uint8_t *p = wn + b * (QB / 2);
-            for (int i = 0; i < QB / 2; i++) {
-                c[i] = (int8_t)((p[i] & 0x0f) - 8);
-                c[i + QB / 2] = (int8_t)((p[i] >> 4) - 8);
-            }
+            const uint8_t *p = wp + b * 256;
+            uint8_t cb[16][QB / 2];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 16; j++) memcpy(&cb[j][4 * i], p + 64 * i + 4 * j, 4);
+            for (int j = 0; j < 16; j++)
+                for (int k = 0; k < QB / 2; k++) {
+                    c[j][k] = (int8_t)((cb[j][k] & 0x0f) - 8);
+                    c[j][k + QB / 2] = (int8_t)((cb[j][k] >> 4) - 8);
+                }
         }
-        const float d = half_to_f32(dn[b]);
+        float dv[16], zv[16];
+        for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[b * 16 + j]), zv[j] = zp ? half_to_f32(zp[b * 16 + j]) : 0.0f;
         for (int r = 0; r < MR_; r++) {
-            const int8_t *x = xq + r * K + b * QB;
-            int32_t t = 0;
-            for (int i = 0; i < QB; i++) t += (int32_t)c[i] * x[i];
-            acc[r] += (float)t * (xd[r * KB + b] * d);
+            const int64_t m = m0 + r;
+            const int8_t *x = A->xq + m * K + b * QB;
+            const float xd = A->xd[m * KB + b], xz = A->xz[m * KB + b];
+            int32_t t[16];
+            dots16((const int8_t(*)[QB])c, x, t);
+            for (int j = 0; j < 16; j++) f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
+            if (zp)
+                for (int j = 0; j < 16; j++) f[r][j] = xz * zv[j] + f[r][j];
         }
     }
-    for (int r = 0; r < MR_; r++) out[r] = acc[r];
-}
-
-static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
-    float s = 0.0f;
-    for (int64_t b = 0; b < nb; b++) s += xz[b] * half_to_f32(zn[b]);
-    return s;
+    for (int r = 0; r < MR_; r++) memcpy(out + 16 * r, f[r], sizeof f[r]);
 }
 #endif
 
@@ -319,61 +299,48 @@ static inline float zero_term(const float *xz, const uint16_t *zn, int64_t nb) {
     case 7: CALL(7); break; default: CALL(8); break;         \
     }
 
-/* x bfloat16 (M, K); w: int8 codes u = c + 128 (N, K) when bits == 8, int4 nibbles (N, K/2)
- * when bits == 4; d, z float16 bits (N, K/32) (z NULL: symmetric); r float32 (N,); y float32
- * (M, N). Returns 0, or -1 when the scratch memory cannot be allocated. */
+/* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
+ * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
+ * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
+ * when the scratch memory cannot be allocated. */
 int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
                        float *y, int64_t M, int64_t N, int64_t K, int64_t bits) {
-    const int64_t KB = K / QB, K4 = K / 4;
-    const int32_t off = bits == 8 ? 128 : 8;
-    /* scratch: codes, per-lane scales (AVX-512, AVX2 int8), per-block scales, xd x S, S */
-    const size_t bytes = (size_t)M * (size_t)(K + 4 * K4 + 4 * KB + 4 * KB + 4 * KB) + 64;
+    const int64_t KB = K / QB;
+    const int32_t off = bits == 8 ? OFF8 : OFF4;
+    /* scratch: codes, scales, xd x S, -off S */
+    const size_t bytes = (size_t)M * (size_t)(K + 12 * KB) + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem) return -1;
     int8_t *xq = (int8_t *)mem;
-    float *xdx = (float *)(mem + (size_t)M * K);
-    float *xd = xdx + M * K4;
+    float *xd = (float *)(mem + (size_t)M * K);
     float *xz = xd + M * KB;
-    int32_t *xs = (int32_t *)(xz + M * KB);
+    int32_t *xo = (int32_t *)(xz + M * KB);
     for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, K, xq + m * K, xd + m * KB, xs + m * KB);
+        quantize_row(x + m * K, K, xq + m * K, xd + m * KB, xo + m * KB); /* xo: S for now */
         for (int64_t b = 0; b < KB; b++) {
-            xz[m * KB + b] = xd[m * KB + b] * (float)xs[m * KB + b];
-            for (int i = 0; i < 8; i++) xdx[m * K4 + b * 8 + i] = xd[m * KB + b];
+            xz[m * KB + b] = xd[m * KB + b] * (float)xo[m * KB + b];
+            xo[m * KB + b] *= -off;
         }
     }
-#if defined(I8DOT_AVX512)
-    const float *xsc = xdx; /* per-lane scales */
-#else
-    const float *xsc = xd;  /* per-block scales */
-#endif
-    const int64_t xstride = xsc == xdx ? K4 : KB;
-    const int64_t wrow = bits == 8 ? K : K / 2;
-    const int64_t nblocks = (N + NB - 1) / NB;
+    const acts_t A = {xq, xd, xz, xo, K};
+    const int64_t pbytes = 16 * (bits == 8 ? K : K / 2), P = (N + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            for (int64_t n = nb * NB; n < n1; n++) {
-                float out[MR];
-                if (bits == 8) {
-#ifdef HAVE_ROWS8
-#define D8(R) dot_rows8(xq + m0 * K, xdx + m0 * K4, K, w + n * wrow, d + n * KB, out, R)
-#else
-#define D8(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 8, R)
-#endif
-                    DISPATCH(D8, mr)
-                } else {
-#define D4(R) dot_rows(xq + m0 * K, xsc + m0 * xstride, K, w + n * wrow, d + n * KB, out, 4, R)
-                    DISPATCH(D4, mr)
-                }
-                for (int64_t i = 0; i < mr; i++) {
-                    float zt = z ? zero_term(xz + (m0 + i) * KB, z + n * KB, KB) : 0.0f;
-                    if (UNSIGNED_DOT(bits)) zt -= (float)off * zero_term(xz + (m0 + i) * KB, d + n * KB, KB);
-                    y[(m0 + i) * N + n] = (out[i] + zt) * r[n];
-                }
+            float out[MR * 16];
+            const uint8_t *wp = w + p * pbytes;
+            const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
+            if (bits == 8) {
+#define P8(R) panel(&A, m0, wp, dp, zp, out, 8, R)
+                DISPATCH(P8, mr)
+            } else {
+#define P4(R) panel(&A, m0, wp, dp, zp, out, 4, R)
+                DISPATCH(P4, mr)
             }
+            for (int64_t i = 0; i < mr; i++)
+                for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
         }
     }
     free(mem);

@@ -190,8 +190,10 @@ def i8dot_gemm(x: torch.Tensor, w) -> torch.Tensor:
     integer dot products; w an i8dot_pack.I8DotWeight (the layout and the definition are there)."""
     n, k = w.shape
     xb = _check(x, k)
+    panels = (n + 15) // 16
     assert w.codes.dtype == torch.uint8 and w.codes.is_contiguous() and w.d.dtype == torch.float16
-    assert w.codes.shape == ((n, k) if w.bits == 8 else (n, k // 2)) and w.r.dtype == torch.float32
+    assert w.codes.shape == (panels, k // 32, w.bits, 16, 4) and w.r.dtype == torch.float32
+    assert w.d.shape == (panels, k // 32, 16) and (w.z is None or w.z.shape == w.d.shape)
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
     rc = _lib().tritium_i8dot_gemm(xb.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(),
                                    w.z.data_ptr() if w.z is not None else None, w.r.data_ptr(), y.data_ptr(),

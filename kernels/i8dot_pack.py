@@ -2,13 +2,18 @@
 quantized linear's dequantization-exact view, and the torch references of the W8A8 / W4A8
 GEMM written from the definition (tests compare the native kernel with them).
 
-Layout (I8DotWeight), K a multiple of 32, per output channel n and block b of 32 inputs:
-    codes  uint8 (N, K)    int8 weights: u = c + 128 (c the signed code)
-           uint8 (N, K/2)  int4 weights: u = c + 8 in 0..15, byte j of a block = k j (low nibble)
-                           and k j + 16 (high nibble)
-    d      float16 (N, K/32) block scale, z float16 (N, K/32) block zero (None: symmetric, 0)
+Layout (I8DotWeight), K a multiple of 32, output channels in panels of 16 (P = ceil(N / 16), the
+last panel padded with zero codes and zero scales), per channel n and block b of 32 inputs:
+    codes  int8 as uint8 (P, K/32, 8, 16, 4)  int8 weights: [p, b, i, j, e] holds the signed code
+                                              c of channel 16 p + j at k = 32 b + 4 i + e
+           uint8 (P, K/32, 4, 16, 4)          int4 weights: u = c + 8 in 0..15; [p, b, i, j, e]
+                                              holds k = 32 b + 4 i + e (low nibble) and that k + 16
+                                              (high nibble) of channel 16 p + j
+    d      float16 (P, K/32, 16) block scale, z float16 (P, K/32, 16) block zero (None: symmetric)
     r      float32 (N,)      a power of two per channel, so d and z use float16's precision
     w[n, k] = r[n] (c[n, k] d[n, b] + z[n, b]),  b = k // 32
+A 64-byte row [p, b, i] is one vector of 16 channels x 4 inputs: the kernel loads a block's
+weights once and takes the dot of 4 inputs of a row in every channel with one instruction.
 
 The source view (repack's arguments): signed codes c (N, K) and scales / zeros per output
 channel (N,) or per group (K // G, N), G a multiple of 32, with w = c s + z: the int8 layout
@@ -38,7 +43,29 @@ class I8DotWeight:
 
     @property
     def shape(self) -> Tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * QBLOCK
+        return self.r.shape[0], self.d.shape[1] * QBLOCK
+
+
+PANEL = 16  # output channels per panel
+
+
+def _to_panels(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """(N, ...) per channel -> (P, 16, ...), the last panel padded with `fill`."""
+    n = t.shape[0]
+    p = (n + PANEL - 1) // PANEL
+    pad = torch.full((p * PANEL - n,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
+    t = torch.cat((t, pad)).view((p, PANEL) + tuple(t.shape[1:]))
+    return t
+
+
+def _params_to_panels(v: torch.Tensor) -> torch.Tensor:
+    """float16 (N, K/32) -> (P, K/32, 16)."""
+    return _to_panels(v).permute(0, 2, 1).contiguous()
+
+
+def block_params(v: torch.Tensor, n: int) -> torch.Tensor:
+    """A panel layout's d or z (P, K/32, 16) -> (N, K/32)."""
+    return v.permute(0, 2, 1).reshape(-1, v.shape[1])[:n]
 
 
 def _per_block(p: torch.Tensor, n: int, k: int, group_size: Optional[int]) -> torch.Tensor:
@@ -80,22 +107,26 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tens
         amax = torch.maximum(amax, z.abs().amax(dim=1))
     _, e = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
     r = torch.ldexp(torch.ones_like(amax), e)  # amax / r in [0.5, 1): float16's normal range below
-    d16 = (s / r[:, None]).to(torch.float16).contiguous()
-    z16 = (z / r[:, None]).to(torch.float16).contiguous() if z is not None else None
-    if bits == 8:
-        u = (c + 128).to(torch.uint8).contiguous()
-    else:
-        u = (c + 8).to(torch.uint8).view(n, k // QBLOCK, 2, QBLOCK // 2)
-        u = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return I8DotWeight(u, d16, z16, r.float().contiguous(), bits)
+    d16 = _params_to_panels((s / r[:, None]).to(torch.float16))
+    z16 = _params_to_panels((z / r[:, None]).to(torch.float16)) if z is not None else None
+    kb = k // QBLOCK
+    if bits == 8:  # (P, 16, KB, 8, 4) -> (P, KB, 8, 16, 4)
+        u = _to_panels(c.to(torch.int8).view(torch.uint8).view(n, kb, 8, 4))
+        u = u.permute(0, 2, 3, 1, 4)
+    else:  # byte j of a block: k j (low), k j + 16 (high); j = 4 i + e; (P, 16, KB, 4, 4) -> (P, KB, 4, 16, 4)
+        u = (c + 8).to(torch.uint8).view(n, kb, 2, QBLOCK // 2)
+        u = _to_panels((u[:, :, 0] | (u[:, :, 1] << 4)).view(n, kb, 4, 4), fill=0x88)
+        u = u.permute(0, 2, 3, 1, 4)
+    return I8DotWeight(u.contiguous(), d16, z16, r.float().contiguous(), bits)
 
 
 def signed_codes(p: I8DotWeight) -> torch.Tensor:
     """The signed codes c (N, K) int32 of a repacked weight (the inverse of repack's packing)."""
     n, k = p.shape
+    kb = k // QBLOCK
+    b = p.codes.permute(0, 3, 1, 2, 4).reshape(-1, kb, p.codes.shape[2] * 4)[:n]  # (N, KB, bytes)
     if p.bits == 8:
-        return p.codes.to(torch.int32) - 128
-    b = p.codes.view(n, k // QBLOCK, QBLOCK // 2)
+        return b.view(torch.int8).reshape(n, k).to(torch.int32)
     u = torch.stack((b & 0x0F, b >> 4), dim=2).reshape(n, k)
     return u.to(torch.int32) - 8
 
@@ -104,9 +135,9 @@ def dequantize(p: I8DotWeight, dtype: torch.dtype = torch.float64) -> torch.Tens
     """w (N, K) = r (c d + z) of a repacked weight, in `dtype` (float64: exact)."""
     n, k = p.shape
     c = signed_codes(p).to(torch.float64).view(n, k // QBLOCK, QBLOCK)
-    w = c * p.d.double()[:, :, None]
+    w = c * block_params(p.d, n).double()[:, :, None]
     if p.z is not None:
-        w = w + p.z.double()[:, :, None]
+        w = w + block_params(p.z, n).double()[:, :, None]
     return (w.reshape(n, k) * p.r.double()[:, None]).to(dtype)
 
 
@@ -131,8 +162,8 @@ def i8dot_gemm_ref(x: torch.Tensor, p: I8DotWeight) -> torch.Tensor:
     qb = q.to(torch.int64).view(m, k // QBLOCK, QBLOCK)
     c = signed_codes(p).to(torch.int64).view(n, k // QBLOCK, QBLOCK)
     t = torch.einsum("mbi,nbi->mnb", qb, c).double()  # exact integer block dots
-    y = (t * xd.double()[:, None, :] * p.d.double()[None, :, :]).sum(dim=2)
+    y = (t * xd.double()[:, None, :] * block_params(p.d, n).double()[None, :, :]).sum(dim=2)
     if p.z is not None:
         s = qb.sum(dim=2).double() * xd.double()  # (M, B): each block's activation sum
-        y = y + s @ p.z.double().t()
+        y = y + s @ block_params(p.z, n).double().t()
     return y * p.r.double()[None, :]

@@ -97,3 +97,28 @@ def test_repack_is_exact_and_checks_its_input():
         ip.repack(torch.zeros(4, 48, dtype=torch.int32), torch.ones(4), None, None, 8)
     with pytest.raises(ValueError, match="group parameters"):
         ip.repack(c4, s4.t(), None, 64, 4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_panel_layout_matches_its_definition(bits):
+    """The packed bytes read element by element as i8dot_pack's docstring defines them (panels
+    of 16 channels, vector i of a block = k 4 i .. 4 i + 3 of each channel; int4 high nibble =
+    k + 16), the padded channels of the last panel code 0 with scale 0, and signed_codes inverts."""
+    torch.manual_seed(2)
+    n, k = 21, 64
+    c = torch.randint(-128, 128, (n, k)) if bits == 8 else torch.randint(-8, 8, (n, k))
+    s = torch.rand(n) / 30 + 1e-3
+    w = ip.repack(c, s, None, None, bits) if bits == 8 else ip.repack(c, s[None, :].expand(k // 32, n), None, 32, 4)
+    assert w.codes.shape == (2, k // 32, bits, 16, 4) and w.d.shape == (2, k // 32, 16)
+    for _ in range(200):
+        ch, kk = random.randrange(32), random.randrange(k)
+        p, j, b, i, e = ch // 16, ch % 16, kk // 32, (kk % 32) // 4, kk % 4
+        want = int(c[ch, kk]) if ch < n else 0
+        if bits == 8:
+            got = int(w.codes[p, b, i, j, e].view(torch.int8))
+        else:
+            byte = int(w.codes[p, b, i % 4, j, e])
+            got = ((byte >> 4) if (kk % 32) >= 16 else (byte & 0x0F)) - 8
+        assert got == want, f"channel {ch} k {kk}: {got} != {want}"
+        assert (float(w.d[p, b, j]) == 0.0) == (ch >= n)
+    assert torch.equal(ip.signed_codes(w), c.to(torch.int32))
