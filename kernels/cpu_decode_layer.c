@@ -37,6 +37,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -139,14 +140,24 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
     return linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1 < n0 ? n0 : n1);
 }
 
-/* A barrier for the threads of one parallel region: spin a while (the others are usually a few
- * microseconds away), then sleep on a futex (one of them lost its core to another process, or
- * thread 0 runs a long attention): a spinning thread would keep the core its peer needs. */
+/* A barrier for the threads of one parallel region: spin (the others are usually microseconds
+ * away: thread 0 runs a norm or the attention while the rest wait), then sleep on a futex (one of
+ * them lost its core to another process): a spinning thread would keep the core its peer needs.
+ * The spin is bounded by time, not by a count of pause instructions, whose latency differs from
+ * CPU to CPU by 20x (and a guest's pause loop may exit to the hypervisor): waking a sleeping
+ * thread costs tens of microseconds in a VM, more than most ops of a small step take, so a spin
+ * of a few microseconds slept at almost every barrier and made two threads slower than one. */
 typedef struct {
     int count, gen, sleepers;
 } step_barrier_t;
 
-#define BARRIER_SPINS 200 /* a few microseconds of pause instructions */
+#define BARRIER_SPIN_NS 300000 /* 0.3 ms: longer than any op of a step of <= 32 rows here */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static void futex_wait(int *addr, int val) {
 #ifdef __linux__
@@ -169,11 +180,13 @@ static void barrier(step_barrier_t *b, int nt) {
 #endif
         return;
     }
-    for (int spins = 0; spins < BARRIER_SPINS; spins++) {
+    const int64_t until = now_ns() + BARRIER_SPIN_NS;
+    for (int spins = 1;; spins++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) return;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
+        if ((spins & 63) == 0 && now_ns() > until) break;
     }
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
