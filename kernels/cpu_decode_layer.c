@@ -24,8 +24,8 @@
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
  * parallel region: the threads split each GEMM's output channels (in units of 32, so every
  * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
- * not depend on the thread count) and meet at a barrier between ops (it spins briefly, then
- * sleeps); the small ops (norms, rotary, attention, SiLU) run on thread 0 meanwhile. A fork/join
+ * not depend on the thread count) and meet at a barrier between ops (it spins, then sleeps);
+ * the small ops (norms, rotary, SiLU) split the rows, attention its rows by keys to read. A fork/join
  * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
  * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
@@ -203,6 +203,23 @@ void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t h
     *bf16_elems = T * (H + nqkv + 2 * hq * D + 3 * I);
 }
 
+/* Attention rows [a0, a1) of thread `tid` of `nt`: contiguous, split where the running count of
+ * keys to read (len - lo, plus one per row) crosses tid / nt of the total, so a long-context row
+ * and many short ones weigh alike. */
+static void attention_share(const int64_t *lo, const int64_t *len, int64_t nrows, int tid, int nt, int64_t *a0,
+                            int64_t *a1) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < nrows; r++) total += len[r] - lo[r] + 1;
+    int64_t run = 0, r = 0;
+    *a0 = *a1 = nrows;
+    for (int t = 0; t <= tid + 1 && t <= nt; t++) {
+        if (t == nt) break; /* the last bound is nrows */
+        while (r < nrows && run * nt < total * t) run += len[r] - lo[r] + 1, r++;
+        if (t == tid) *a0 = r;
+        if (t == tid + 1) *a1 = r;
+    }
+}
+
 /* The layer loop as thread `tid` of `nt` runs it (nt == 1: every kernel opens its own parallel
  * region; nt > 1: inside the caller's parallel region, see the top of this file). */
 static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H, int64_t hq,
@@ -216,27 +233,37 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
              *act = gu + T * 2 * I;
     const int64_t *tok = rows, *seq = rows + nrows, *lo = rows + 2 * nrows, *len = rows + 3 * nrows;
     int rc = 0;
+    /* this thread's rows of the small ops (norms, rotary, SiLU: equal counts) and attention rows
+     * (balanced by keys to read); each row is computed by the same code whatever thread takes it */
+    const int64_t t0 = T * tid / nt, t1 = T * (tid + 1) / nt, nt_rows = t1 - t0;
+    int64_t a0, a1;
+    attention_share(lo, len, nrows, tid, nt, &a0, &a1);
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
-        if (tid == 0)
-            tritium_add_rms_norm_bf16(hidden, has_residual || l ? residual : NULL, L->input_norm, eps, T, H, x,
-                                      residual);
+        const uint16_t *res_in = has_residual || l ? residual + t0 * H : NULL;
+        if (nt_rows)
+            tritium_add_rms_norm_bf16(hidden + t0 * H, res_in, L->input_norm, eps, nt_rows, H, x + t0 * H,
+                                      residual + t0 * H);
         barrier(bar, nt);
         rc |= linear_part(&L->qkv, x, T, ws_f32, qkv, 1.0f, tid, nt);
         barrier(bar, nt);
-        if (tid == 0) {
-            tritium_rope_kv_write_bf16(qkv, cos, ssin, slots, T, hq, hkv, D, q, L->k_cache, L->v_cache);
-            tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len,
-                                      nrows, hq, hkv, D, BS, scale, 0.0f, attn);
-        }
+        if (nt_rows)
+            tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
+                                       q + t0 * hq * D, L->k_cache, L->v_cache);
+        barrier(bar, nt); /* attention rows read keys other threads may have just written */
+        if (a1 > a0)
+            tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
+                                      lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
         barrier(bar, nt);
         rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
         barrier(bar, nt);
-        if (tid == 0) tritium_add_rms_norm_bf16(hidden, residual, L->post_attn_norm, eps, T, H, x, residual);
+        if (nt_rows)
+            tritium_add_rms_norm_bf16(hidden + t0 * H, residual + t0 * H, L->post_attn_norm, eps, nt_rows, H,
+                                      x + t0 * H, residual + t0 * H);
         barrier(bar, nt);
         rc |= linear_part(&L->gate_up, x, T, ws_f32, gu, 1.0f, tid, nt);
         barrier(bar, nt);
-        if (tid == 0) tritium_silu_mul_bf16(gu, T, I, act);
+        if (nt_rows) tritium_silu_mul_bf16(gu + t0 * 2 * I, nt_rows, I, act + t0 * I);
         barrier(bar, nt);
         rc |= linear_part(&L->down, act, T, ws_f32, hidden, residual_mult, tid, nt);
         barrier(bar, nt);
