@@ -207,6 +207,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.run(sched)
         seconds = time.perf_counter() - t0
+        if self.thread_policy is not None:
+            self.thread_policy.observe(sched.num_batched_tokens, seconds)
         step_outputs, proposed, accepted = self.postprocess(sched, logits)
         if self.speculator is not None:
             self.speculator.observe_step(seconds, len(sched.seqs), sched.num_batched_tokens, proposed, accepted)

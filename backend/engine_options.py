@@ -98,7 +98,8 @@ OPTIONS = (
                  f"(server default {DEFAULT_MAX_QUEUE_SIZE})"),
     EngineOption("num_threads", "int", "--num-threads", "torch intra-op threads (default: every core)"),
     EngineOption("small_step_threads", "int", "--small-step-threads",
-                 "threads for steps of fewer than 4 tokens (default: num_threads - 1; see ThreadPolicy)"),
+                 "threads for steps of fewer than 4 tokens (default: measured while serving, one or num_threads, "
+                 "whichever is faster at the time; see ThreadPolicy)"),
     EngineOption("threads_per_rank", "int", "--threads-per-rank",
                  "threads of each tensor-parallel worker (default: the cores divided by the ranks)"),
     EngineOption("speculative_method", "str", "--speculative",
@@ -237,8 +238,8 @@ class EngineSetup:
 
 def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_size: int = 1,
                  server: bool = False) -> EngineSetup:
-    """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that leaves a
-    core to the frontend, a bounded queue); otherwise torch's thread count stays as it is."""
+    """Options -> EngineSetup. server: the Triton backend's defaults (a thread policy that measures
+    whether small steps run faster on one thread or all, a bounded queue); otherwise torch's thread count stays as it is."""
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                                "device", "threads_per_rank", "deterministic", "gpu_memory_utilization",
                                "activation_quant")
@@ -259,6 +260,6 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
         kw.setdefault("threads_per_rank", per_rank)
     if server or "num_threads" in opts or "small_step_threads" in opts:
         threads = opts.get("num_threads", per_rank if tp_size > 1 else cores)
-        policy = ThreadPolicy(threads, opts.get("small_step_threads", max(1, threads - 1)))
+        policy = ThreadPolicy(threads, opts.get("small_step_threads"))
     queue = opts.get("max_queue_size", DEFAULT_MAX_QUEUE_SIZE if server else None)
     return EngineSetup(kw, policy, queue)
