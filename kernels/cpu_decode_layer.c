@@ -146,12 +146,20 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
  * The spin is bounded by time, not by a count of pause instructions, whose latency differs from
  * CPU to CPU by 20x (and a guest's pause loop may exit to the hypervisor): waking a sleeping
  * thread costs tens of microseconds in a VM, more than most ops of a small step take, so a spin
- * of a few microseconds slept at almost every barrier and made two threads slower than one. */
+ * of a few microseconds slept at almost every barrier and made two threads slower than one on
+ * an idle host; on a busy one long spins made them slower still (backend/thread_policy.py then
+ * picks one thread). */
 typedef struct {
     int count, gen, sleepers;
 } step_barrier_t;
 
-#define BARRIER_SPIN_NS 300000 /* 0.3 ms: longer than any op of a step of <= 32 rows here */
+/* The spin budget adapts: halved after a spin that ended in sleep (a peer had lost its core:
+ * spinning on only keeps a core from whoever took it), doubled after one that met its peers,
+ * between BARRIER_MIN_NS and BARRIER_MAX_NS (0.3 ms: longer than any op of a step of <= 32 rows
+ * here). Shared by the process's steps; a stale value costs speed, never correctness. */
+#define BARRIER_MIN_NS 2000
+#define BARRIER_MAX_NS 300000
+static int64_t barrier_spin_ns = BARRIER_MAX_NS;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -180,14 +188,21 @@ static void barrier(step_barrier_t *b, int nt) {
 #endif
         return;
     }
-    const int64_t until = now_ns() + BARRIER_SPIN_NS;
+    const int64_t budget = __atomic_load_n(&barrier_spin_ns, __ATOMIC_RELAXED);
+    const int64_t until = now_ns() + budget;
     for (int spins = 1;; spins++) {
-        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) return;
+        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
+            if (budget < BARRIER_MAX_NS)
+                __atomic_store_n(&barrier_spin_ns, budget * 2 < BARRIER_MAX_NS ? budget * 2 : BARRIER_MAX_NS,
+                                 __ATOMIC_RELAXED);
+            return;
+        }
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
         if ((spins & 63) == 0 && now_ns() > until) break;
     }
+    __atomic_store_n(&barrier_spin_ns, budget / 2 > BARRIER_MIN_NS ? budget / 2 : BARRIER_MIN_NS, __ATOMIC_RELAXED);
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
     __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
