@@ -9,6 +9,7 @@ import torch
 SMALL_STEP_TOKENS = 4
 # Steps of up to this many tokens run the native decode step (backend/models/native_step.py).
 MID_STEP_TOKENS = 32
+MID_CLASSES = ("mid4", "mid8", "mid16")
 
 
 class ThreadTuner:
@@ -81,8 +82,9 @@ class ThreadTuner:
 class ThreadPolicy:
     """torch intra-op threads per step: `threads` for big steps (more than MID_STEP_TOKENS
     tokens: prefill, GEMM-bound); for small steps (fewer than SMALL_STEP_TOKENS tokens) and mid
-    steps (up to MID_STEP_TOKENS: the native decode step), `small_step_threads` when given, else
-    a ThreadTuner per class choosing between one thread and `threads`. Servers also run with
+    steps (up to MID_STEP_TOKENS: the native decode step), `small_step_threads` (small steps) and
+    `threads` (mid steps) when small_step_threads is given, else a ThreadTuner per size class
+    choosing between one thread and `threads`. Servers also run with
     OMP_WAIT_POLICY=PASSIVE (client/serve/server.py): idle OpenMP threads that spin take the core
     a preempted worker needs (at load 16 a batch of 16 decoded at 64.4 tokens/s with it against
     2.1 without, docs/quantization.md, "Build time on shared cores")."""
@@ -96,19 +98,24 @@ class ThreadPolicy:
         self.threads, self.small_step_threads = threads, small_step_threads
         self.tuners: Dict[str, ThreadTuner] = {}
         if small_step_threads is None and threads > 1:
-            self.tuners = {"small": ThreadTuner((1, threads)), "mid": ThreadTuner((threads, 1))}
+            # one tuner per size class: seconds per token fall with the step's size, so only steps
+            # of like size are compared
+            self.tuners = {"small": ThreadTuner((1, threads))}
+            self.tuners.update({cls: ThreadTuner((threads, 1)) for cls in MID_CLASSES})
         self._last = None  # (class, threads) of the step being run
 
     @staticmethod
     def step_class(num_tokens: int) -> str:
+        """small (< SMALL_STEP_TOKENS), mid4 / mid8 / mid16 (up to MID_STEP_TOKENS, by powers of
+        two) or big."""
         if num_tokens < SMALL_STEP_TOKENS:
             return "small"
-        return "mid" if num_tokens <= MID_STEP_TOKENS else "big"
+        if num_tokens > MID_STEP_TOKENS:
+            return "big"
+        return "mid4" if num_tokens < 8 else "mid8" if num_tokens < 16 else "mid16"
 
     def threads_for(self, num_tokens: int) -> int:
         cls = self.step_class(num_tokens)
-        if cls == "big":
-            return self.threads
         if cls in self.tuners:
             return self.tuners[cls].choose()
         return self.small_step_threads if cls == "small" and self.small_step_threads else self.threads
