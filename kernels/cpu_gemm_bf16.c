@@ -178,6 +178,41 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
         for (int c = 0; c < NR_; c++) out[r * ldo + c] = hsum8(acc[r][c]);
 }
 
+/* Up to 2 rows x 4 channels where the weight streams (a few rows): bf16_tile's order per output,
+ * 8 accumulator chains (2 x 2 left the FMA latency exposed: half the cache-resident speed), each
+ * weight widened once for both rows; pf as bf16_tile (2 lines per step of 16). */
+INLINE void bf16_tile4(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo, const char *pf,
+                       const int MR_) {
+    __m256 acc[2][4];
+    for (int r = 0; r < MR_; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16) {
+        _mm_prefetch(pf + k / 16 * 128, _MM_HINT_T1);
+        _mm_prefetch(pf + k / 16 * 128 + 64, _MM_HINT_T1);
+        __m256 xe[2], xo[2];
+        for (int r = 0; r < MR_; r++) {
+            __m256i xv = load256(x + r * K + k);
+            xe[r] = bf16_even(xv), xo[r] = bf16_odd(xv);
+        }
+        for (int c = 0; c < 4; c++) {
+            __m256i v = load256(w + c * K + k);
+            __m256 we = bf16_even(v), wo = bf16_odd(v);
+            for (int r = 0; r < MR_; r++) acc[r][c] = _mm256_fmadd_ps(xo[r], wo, _mm256_fmadd_ps(xe[r], we, acc[r][c]));
+        }
+    }
+    if (K16 < K) {
+        uint16_t bx[16], bw[16];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = load256(tail16(w + c * K + K16, K - K16, bw));
+            for (int r = 0; r < MR_; r++)
+                acc[r][c] = dot16_eo(acc[r][c], tail16(x + r * K + K16, K - K16, bx), bf16_even(v), bf16_odd(v));
+        }
+    }
+    for (int r = 0; r < MR_; r++)
+        for (int c = 0; c < 4; c++) out[r * ldo + c] = hsum8(acc[r][c]);
+}
+
 INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
     __m256 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
@@ -234,6 +269,14 @@ static void tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, i
     for (int64_t m0 = 0; m0 < M; m0 += MRB) {
         const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
         int64_t n = 0;
+#if defined(TRITIUM_AVX2)
+        if (pfb && mr <= 2) /* streaming, 1-2 rows: 4 channels at a time */
+            for (; n + 4 <= nc; n += 4) {
+                const char *pf = (const char *)(w + n * K) + pfb;
+                if (mr == 1) bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 1);
+                else bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 2);
+            }
+#endif
         for (; n + NR <= nc; n += NR) ROWS(NR)
         for (; n < nc; n++) ROWS(1)
     }
