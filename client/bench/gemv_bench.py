@@ -10,9 +10,10 @@ here, so the weights come from DRAM as in a decode step; one copy measures the c
 layer by layer in the model's order: the bf16 GEMM (kernels/cpu_gemm_bf16.c) and the integer-dot
 W8A8 / W4A8 GEMM (cpu_gemm_i8dot.c, asymmetric groups of 32 as the default builds store them). Each
 round runs every path (forced with TRITIUM_CPU_ISA), kind and row count in turn, then a plain read
-of the same weights in the same order (a small C loop XOR-ing 64-byte words, the hardware
-prefetchers' best case); prints each shape's best GB/s of weight bytes, all shapes together, the
-read's best, and the ratio GEMM / read (1.0: the GEMM streams at read speed).
+of the same bytes in the same order (a small C loop XOR-ing 64-byte words, asking for the lines
+16 KB ahead as the GEMMs do); prints each shape's best GB/s of weight bytes (codes, scales and
+zeros for the integer kinds), all shapes together, the read's best, and the ratio GEMM / read
+(1.0: the GEMM streams at read speed).
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ SHAPES = ((3072, 576), (1536, 576), (576, 1536), (576, 576), (192, 576))
 _READ_C = """#include <stdint.h>
 uint64_t gemv_bench_read(const uint64_t *p, int64_t n) { /* n words, a multiple of 8 */
     uint64_t a[8] = {0};
-    for (int64_t i = 0; i < n; i += 8)
+    for (int64_t i = 0; i < n; i += 8) {
+        __builtin_prefetch(p + i + 2048, 0, 2); /* 16 KB ahead, as the GEMMs ask */
         for (int j = 0; j < 8; j++) a[j] ^= p[i + j];
+    }
     return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
 }
 """
@@ -52,7 +55,7 @@ def _reader(path: str):
 
 
 def _weights(kind: str, layers: int) -> List[List[Tuple]]:
-    """[layer][shape] -> (tensors to keep, call args after x and before y, N, K, bytes)."""
+    """[layer][shape] -> (tensors to stream, call args after x and before y, N, K, bytes)."""
     out = []
     base = []
     for n, k in SHAPES:
@@ -69,11 +72,11 @@ def _weights(kind: str, layers: int) -> List[List[Tuple]]:
         for n, k, w in base:
             if kind == "bf16":
                 t = w.clone()
-                row.append(((t,), (t.data_ptr(),), n, k, t.numel() * 2, t))
+                row.append(((t,), (t.data_ptr(),), n, k, t.numel() * 2))
             else:
                 c, d, z, r = w.codes.clone(), w.d.clone(), w.z.clone(), w.r.clone()
                 row.append(((c, d, z, r), (c.data_ptr(), d.data_ptr(), z.data_ptr(), r.data_ptr()), n, k,
-                            c.numel(), c))
+                            sum(t.numel() * t.element_size() for t in (c, d, z, r))))
         out.append(row)
     return out
 
@@ -83,7 +86,7 @@ def _round(lib, kind: str, m: int, ws, x, y) -> List[float]:
     acc = [0.0] * len(SHAPES)
     bits = 8 if kind == "w8a8" else 4
     for row in ws:
-        for s, (_, args, n, k, _, _) in enumerate(row):
+        for s, (_, args, n, k, _) in enumerate(row):
             t0 = time.perf_counter()
             if kind == "bf16":
                 lib.tritium_bf16_gemm(x.data_ptr(), args[0], y.data_ptr(), m, n, k)
@@ -113,7 +116,8 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
             t0 = time.perf_counter()
             for row in ws[kind]:
                 for w in row:
-                    read(w[5].data_ptr(), w[4] // 8)
+                    for t in w[0]:
+                        read(t.data_ptr(), t.numel() * t.element_size() // 64 * 8)
             best[("read", kind)] = min(best.get(("read", kind), float("inf")), time.perf_counter() - t0)
     return best
 
