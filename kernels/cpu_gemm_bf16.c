@@ -25,6 +25,9 @@
 #include <stdint.h>
 
 #include "cpu_simd.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define NB 32  /* output channels per parallel work item */
 #define MR 4   /* rows of x per tile */
@@ -295,53 +298,78 @@ static inline uint16_t out_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* Whether a parallel loop of n items gets more than one thread: not inside another team (the
+ * native step's region calls the kernels on its threads' channel ranges) nor with one thread
+ * allowed; opening a one-thread region cost about 0.9 us a call, a few % of a decode step. */
+static int team_pays(int64_t n) {
+#ifdef _OPENMP
+    return n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1;
+#else
+    (void)n;
+    return 0;
+#endif
+}
+
+/* One block of NB channels of one row (the decode case) into y, or rounded into y16. */
+static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t N, int64_t K,
+                      int64_t nb) {
+    const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+    float buf[NB];
+    for (int64_t n = nb * NB; n < n1; n += NR1) {
+        const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
+        float *o = y16 ? buf + (n - nb * NB) : y + n;
+        if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
+        else bf16_row(x, w + n * K, K, o, (int)nc);
+    }
+    if (y16)
+        for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
+}
+
+/* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a chunk
+ * of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
+static void rows_item(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
+                      int64_t K, int64_t item) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
+    const int64_t c1 = c0 + MC < M ? c0 + MC : M;
+    const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+    float buf[MC * NB];
+    /* where the tiles write: y itself, or a float32 block of this item for y16 */
+    float *yo = y16 ? buf : y;
+    const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
+    /* the tiles read a few weight rows at a time, too few loads in flight to stream the weight at
+     * memory speed. A few rows (one row chunk of MRB, each weight read once): the tiles request
+     * the lines PFB bytes ahead as they go (as bf16_row); more rows: ask for the whole next block
+     * in L2 first */
+    const int64_t pfb = M <= MRB ? PFB : 0;
+    if (!pfb && nb + 1 < nblocks) {
+        const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
+        const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
+        for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
+    }
+    tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K, yo + (c0 - ym) * ldy + (nb * NB - yn), ldy, pfb);
+    if (y16)
+        for (int64_t m = c0; m < c1; m++)
+            for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
+}
+
 /* y (float32) or, where y16 is given instead, y16 (bf16: each float32 result rounded once with
- * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). */
+ * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). The items run on the threads
+ * of one parallel loop, or in a plain loop where a team would have one thread. */
 static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
                       int64_t K) {
-    const int64_t nblocks = (N + NB - 1) / NB;
-    if (M == 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-            float buf[NB];
-            for (int64_t n = nb * NB; n < n1; n += NR1) {
-                const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
-                float *o = y16 ? buf + (n - nb * NB) : y + n;
-                if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
-                else bf16_row(x, w + n * K, K, o, (int)nc);
-            }
-            if (y16)
-                for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
+    const int64_t nblocks = (N + NB - 1) / NB, items = M == 1 ? nblocks : (M + MC - 1) / MC * nblocks;
+    if (!team_pays(items)) {
+        for (int64_t i = 0; i < items; i++) {
+            if (M == 1) row_block(x, w, y, y16, N, K, i);
+            else rows_item(x, w, y, y16, M, N, K, i);
         }
         return;
     }
-    /* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a
-     * chunk of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
-    const int64_t nchunks = (M + MC - 1) / MC;
 #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < nchunks * nblocks; item++) {
-        const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
-        const int64_t c1 = c0 + MC < M ? c0 + MC : M;
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-        float buf[MC * NB];
-        /* where the tiles write: y itself, or a float32 block of this item for y16 */
-        float *yo = y16 ? buf : y;
-        const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
-        /* the tiles read a few weight rows at a time, too few loads in flight to stream the
-         * weight at memory speed. A few rows (one row chunk of MRB, each weight read once): the
-         * tiles request the lines PFB bytes ahead as they go (as bf16_row); more rows: ask for
-         * the whole next block in L2 first */
-        const int64_t pfb = M <= MRB ? PFB : 0;
-        if (!pfb && nb + 1 < nblocks) {
-            const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
-            const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
-            for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
-        }
-        tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K, yo + (c0 - ym) * ldy + (nb * NB - yn), ldy, pfb);
-        if (y16)
-            for (int64_t m = c0; m < c1; m++)
-                for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
+    for (int64_t i = 0; i < items; i++) {
+        if (M == 1) row_block(x, w, y, y16, N, K, i);
+        else rows_item(x, w, y, y16, M, N, K, i);
     }
 }
 

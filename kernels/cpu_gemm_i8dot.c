@@ -26,6 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -316,6 +319,28 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     case 7: CALL(7); break; default: CALL(8); break;         \
     }
 
+/* Panel p (16 channels) for all M rows, MR at a time, scaled by r into y. */
+static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
+                       float *y, int64_t M, int64_t N, int64_t bits, int64_t p) {
+    const int64_t K = A->K, KB = K / QB, pbytes = 16 * (bits == 8 ? K : K / 2);
+    const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
+    const uint8_t *wp = w + p * pbytes;
+    const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t mr = M - m0 < MR ? M - m0 : MR;
+        float out[MR * 16];
+        if (bits == 8) {
+#define P8(R) panel(A, m0, wp, dp, zp, out, 8, R)
+            DISPATCH(P8, mr)
+        } else {
+#define P4(R) panel(A, m0, wp, dp, zp, out, 4, R)
+            DISPATCH(P4, mr)
+        }
+        for (int64_t i = 0; i < mr; i++)
+            for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+    }
+}
+
 /* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
  * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
  * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
@@ -340,26 +365,18 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
         }
     }
     const acts_t A = {xq, xd, xz, xo, K};
-    const int64_t pbytes = 16 * (bits == 8 ? K : K / 2), P = (N + 15) / 16;
+    const int64_t P = (N + 15) / 16;
+#ifdef _OPENMP
+    /* a team of one thread (inside the native step's region, or one thread allowed) costs about
+     * 0.9 us a call: a plain loop then */
+    if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            float out[MR * 16];
-            const uint8_t *wp = w + p * pbytes;
-            const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
-            if (bits == 8) {
-#define P8(R) panel(&A, m0, wp, dp, zp, out, 8, R)
-                DISPATCH(P8, mr)
-            } else {
-#define P4(R) panel(&A, m0, wp, dp, zp, out, 4, R)
-                DISPATCH(P4, mr)
-            }
-            for (int64_t i = 0; i < mr; i++)
-                for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
-        }
+        for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+        free(mem);
+        return 0;
     }
+#endif
+    for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
     free(mem);
     return 0;
 }
