@@ -18,9 +18,10 @@
  *
  * tritium_bf16_gemm: W bf16 (N, K); tritium_bf16_panel: the tiles over one block of channels
  * (the int4 GEMM of cpu_gemm_w4.c runs them on its dequantized panels). Threads: OpenMP over
- * blocks of output channels. Weight rows are prefetched a
- * few cache lines ahead: a decode streams every weight from memory once per step, and without
- * the hints the one-row kernel ran at half oneDNN's speed on SmolLM2's down_proj.
+ * blocks of output channels (a plain loop where the team would have one thread). A decode streams
+ * every weight from memory once per step, as short rows read several at once, which the hardware
+ * prefetchers do not run ahead of: one to six rows ask for each line PFB bytes before reading it
+ * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read).
  */
 #include <stdint.h>
 
