@@ -18,17 +18,24 @@
  *
  * tritium_bf16_gemm: W bf16 (N, K); tritium_bf16_panel: the tiles over one block of channels
  * (the int4 GEMM of cpu_gemm_w4.c runs them on its dequantized panels). Threads: OpenMP over
- * blocks of output channels. Weight rows are prefetched a
- * few cache lines ahead: a decode streams every weight from memory once per step, and without
- * the hints the one-row kernel ran at half oneDNN's speed on SmolLM2's down_proj.
+ * blocks of output channels (a plain loop where the team would have one thread). A decode streams
+ * every weight from memory once per step, as short rows read several at once, which the hardware
+ * prefetchers do not run ahead of: one to six rows ask for each line PFB bytes before reading it
+ * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read).
  */
 #include <stdint.h>
 
 #include "cpu_simd.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define NB 32  /* output channels per parallel work item */
 #define MR 4   /* rows of x per tile */
 #define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
+#ifndef PFB
+#define PFB 16384 /* bytes of weight requested ahead of the one read (streaming kernels) */
+#endif
 
 #if defined(TRITIUM_AVX512)
 #define NR 4   /* output channels per tile: MRB * NR accumulators + NR weights stay in registers */
@@ -57,15 +64,19 @@ INLINE __m512 reduce16(const __m512 *a) {
                          _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* out[r][c] = x[r] . w[c] over K for MR_ rows and NR_ channels (compile-time counts). */
+/* out[r][c] = x[r] . w[c] over K for MR_ rows and NR_ channels (compile-time counts). pf: where
+ * the weight streams (a few rows), the address of the lines to request for step 0 (one line per
+ * channel and step, as bf16_row), else NULL. */
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                      const int MR_, const int NR_) {
+                      const char *pf, const int MR_, const int NR_) {
     __m512 acc[MRB][NR];
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) acc[r][c] = _mm512_setzero_ps();
     const int64_t K32 = K / 32 * 32;
     for (int64_t k = 0; k < K32; k += 32) { /* whole blocks of 32: plain loads */
         __m512bh wv[NR];
+        if (pf)
+            for (int c = 0; c < NR_; c++) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, _MM_HINT_T1);
         for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
@@ -105,16 +116,17 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
 INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
     __m512 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
-    /* the NC rows of this tile are one contiguous block; while it is read, the block of the next
-     * NC channels is requested line by line (NC lines per step of 32), so every line of the
-     * weight is asked for one tile ahead instead of only the lines past the first few of a row */
-    const char *next = (const char *)(w + (int64_t)NC * K);
+    /* the NC rows of this tile are one contiguous block of NC K / 32 steps of 64 bytes; step s
+     * requests the NC lines PFB + 64 NC s bytes past the block's start, so consecutive tiles ask
+     * for every line of the weight once, PFB bytes before it is read, into L2 (the hint T1: into
+     * L1, the lines of the next tiles evicted the tile being read) */
+    const char *next = (const char *)w + PFB;
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv = load_bh(x + k, m);
         const char *pf = next + (k / 32) * NC * 64;
         for (int c = 0; c < NC; c++) {
-            _mm_prefetch(pf + c * 64, _MM_HINT_T0);
+            _mm_prefetch(pf + c * 64, _MM_HINT_T1);
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
     }
@@ -138,15 +150,16 @@ INLINE const uint16_t *tail16(const uint16_t *p, int64_t n, uint16_t *buf) {
 }
 
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                      const int MR_, const int NR_) {
+                      const char *pf, const int MR_, const int NR_) {
     __m256 acc[MR][NR];
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < NR_; c++) acc[r][c] = _mm256_setzero_ps();
     const int64_t K16 = K / 16 * 16;
     for (int64_t k = 0; k < K16; k += 16) {
         __m256 we[NR], wo[NR];
+        if (pf) _mm_prefetch(pf + k / 16 * NR_ * 32, _MM_HINT_T1); /* NR_ / 2 lines per step */
         for (int c = 0; c < NR_; c++) {
-            PREFETCH(w + c * K + k + 8 * 32);
+            if (!pf) PREFETCH(w + c * K + k + 8 * 32);
             __m256i v = load256(w + c * K + k);
             we[c] = bf16_even(v);
             wo[c] = bf16_odd(v);
@@ -169,15 +182,53 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
         for (int c = 0; c < NR_; c++) out[r * ldo + c] = hsum8(acc[r][c]);
 }
 
+/* Up to 2 rows x 4 channels where the weight streams (a few rows): bf16_tile's order per output,
+ * 8 accumulator chains (2 x 2 left the FMA latency exposed: half the cache-resident speed), each
+ * weight widened once for both rows; pf as bf16_tile (2 lines per step of 16). */
+INLINE void bf16_tile4(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo, const char *pf,
+                       const int MR_) {
+    __m256 acc[2][4];
+    for (int r = 0; r < MR_; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16) {
+        _mm_prefetch(pf + k / 16 * 128, _MM_HINT_T1);
+        _mm_prefetch(pf + k / 16 * 128 + 64, _MM_HINT_T1);
+        __m256 xe[2], xo[2];
+        for (int r = 0; r < MR_; r++) {
+            __m256i xv = load256(x + r * K + k);
+            xe[r] = bf16_even(xv), xo[r] = bf16_odd(xv);
+        }
+        for (int c = 0; c < 4; c++) {
+            __m256i v = load256(w + c * K + k);
+            __m256 we = bf16_even(v), wo = bf16_odd(v);
+            for (int r = 0; r < MR_; r++) acc[r][c] = _mm256_fmadd_ps(xo[r], wo, _mm256_fmadd_ps(xe[r], we, acc[r][c]));
+        }
+    }
+    if (K16 < K) {
+        uint16_t bx[16], bw[16];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = load256(tail16(w + c * K + K16, K - K16, bw));
+            for (int r = 0; r < MR_; r++)
+                acc[r][c] = dot16_eo(acc[r][c], tail16(x + r * K + K16, K - K16, bx), bf16_even(v), bf16_odd(v));
+        }
+    }
+    for (int r = 0; r < MR_; r++)
+        for (int c = 0; c < 4; c++) out[r * ldo + c] = hsum8(acc[r][c]);
+}
+
 INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out, const int NC) {
     __m256 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     const int64_t K16 = K / 16 * 16;
+    /* as on AVX-512, NC / 2 lines per step of 16, PFB bytes ahead (without: 0.4x read speed) */
+    const char *next = (const char *)w + PFB;
     for (int64_t k = 0; k < K16; k += 16) {
         __m256i xv = load256(x + k);
         __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
+        const char *pf = next + (k / 16) * NC * 32;
         for (int c = 0; c < NC; c++) {
-            PREFETCH(w + c * K + k + 8 * 32);
+            if (c % 2 == 0) _mm_prefetch(pf + c * 32, _MM_HINT_T1);
             __m256i v = load256(w + c * K + k);
             acc[c] = _mm256_fmadd_ps(xo, bf16_odd(v), _mm256_fmadd_ps(xe, bf16_even(v), acc[c]));
         }
@@ -205,7 +256,7 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
 #ifndef MRB
 #define MRB MR
 #endif
-#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, R, C)
+#define TILE(R, C) bf16_tile(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pfb ? (const char *)(w + n * K) + pfb : 0, R, C)
 #define ROWS(C)                                                                  \
     switch (mr) {                                                                \
     case 1: TILE(1, C); break; case 2: TILE(2, C); break;                        \
@@ -217,14 +268,27 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
 /* y[m][c] (rows ldy apart) = x[m] . w[c] for m < M, c < nc in the tiles above, one thread.
  * Also called by the fused int8 kernels (cpu_gemm.c) on a block of channels they dequantized
  * to bfloat16, so a batch's rows share each conversion and get tritium_bf16_gemm's bits. */
-void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
-                        int64_t ldy) {
+static void tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y, int64_t ldy,
+                  int64_t pfb) {
     for (int64_t m0 = 0; m0 < M; m0 += MRB) {
         const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
         int64_t n = 0;
+#if defined(TRITIUM_AVX2)
+        if (pfb && mr <= 2) /* streaming, 1-2 rows: 4 channels at a time */
+            for (; n + 4 <= nc; n += 4) {
+                const char *pf = (const char *)(w + n * K) + pfb;
+                if (mr == 1) bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 1);
+                else bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 2);
+            }
+#endif
         for (; n + NR <= nc; n += NR) ROWS(NR)
         for (; n < nc; n++) ROWS(1)
     }
+}
+
+void tritium_bf16_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, int64_t K, float *y,
+                        int64_t ldy) {
+    tiles(x, M, w, nc, K, y, ldy, 0);
 }
 
 /* float32 -> bfloat16 as torch's vectorized conversion does it (the per-op path's .to(bfloat16)):
@@ -235,51 +299,78 @@ static inline uint16_t out_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* Whether a parallel loop of n items gets more than one thread: not inside another team (the
+ * native step's region calls the kernels on its threads' channel ranges) nor with one thread
+ * allowed; opening a one-thread region cost about 0.9 us a call, a few % of a decode step. */
+static int team_pays(int64_t n) {
+#ifdef _OPENMP
+    return n > 1 && !omp_in_parallel() && omp_get_max_threads() > 1;
+#else
+    (void)n;
+    return 0;
+#endif
+}
+
+/* One block of NB channels of one row (the decode case) into y, or rounded into y16. */
+static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t N, int64_t K,
+                      int64_t nb) {
+    const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+    float buf[NB];
+    for (int64_t n = nb * NB; n < n1; n += NR1) {
+        const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
+        float *o = y16 ? buf + (n - nb * NB) : y + n;
+        if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
+        else bf16_row(x, w + n * K, K, o, (int)nc);
+    }
+    if (y16)
+        for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
+}
+
+/* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a chunk
+ * of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
+static void rows_item(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
+                      int64_t K, int64_t item) {
+    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
+    const int64_t c1 = c0 + MC < M ? c0 + MC : M;
+    const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
+    float buf[MC * NB];
+    /* where the tiles write: y itself, or a float32 block of this item for y16 */
+    float *yo = y16 ? buf : y;
+    const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
+    /* the tiles read a few weight rows at a time, too few loads in flight to stream the weight at
+     * memory speed. A few rows (one row chunk of MRB, each weight read once): the tiles request
+     * the lines PFB bytes ahead as they go (as bf16_row); more rows: ask for the whole next block
+     * in L2 first */
+    const int64_t pfb = M <= MRB ? PFB : 0;
+    if (!pfb && nb + 1 < nblocks) {
+        const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
+        const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
+        for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
+    }
+    tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K, yo + (c0 - ym) * ldy + (nb * NB - yn), ldy, pfb);
+    if (y16)
+        for (int64_t m = c0; m < c1; m++)
+            for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
+}
+
 /* y (float32) or, where y16 is given instead, y16 (bf16: each float32 result rounded once with
- * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). */
+ * out_bf16, the bits .to(torch.bfloat16) gives the float32 result). The items run on the threads
+ * of one parallel loop, or in a plain loop where a team would have one thread. */
 static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *y16, int64_t M, int64_t N,
                       int64_t K) {
-    const int64_t nblocks = (N + NB - 1) / NB;
-    if (M == 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-            float buf[NB];
-            for (int64_t n = nb * NB; n < n1; n += NR1) {
-                const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
-                float *o = y16 ? buf + (n - nb * NB) : y + n;
-                if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);
-                else bf16_row(x, w + n * K, K, o, (int)nc);
-            }
-            if (y16)
-                for (int64_t n = nb * NB; n < n1; n++) y16[n] = out_bf16(buf[n - nb * NB]);
+    const int64_t nblocks = (N + NB - 1) / NB, items = M == 1 ? nblocks : (M + MC - 1) / MC * nblocks;
+    if (!team_pays(items)) {
+        for (int64_t i = 0; i < items; i++) {
+            if (M == 1) row_block(x, w, y, y16, N, K, i);
+            else rows_item(x, w, y, y16, M, N, K, i);
         }
         return;
     }
-    /* Several rows: work items are (chunk of MC rows, block of NB channels), chunk-major, so a
-     * chunk of x stays in L2 while the blocks of W go by (a prompt's whole x does not fit). */
-    const int64_t nchunks = (M + MC - 1) / MC;
 #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < nchunks * nblocks; item++) {
-        const int64_t nb = item % nblocks, c0 = item / nblocks * MC;
-        const int64_t c1 = c0 + MC < M ? c0 + MC : M;
-        const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
-        float buf[MC * NB];
-        /* where the tiles write: y itself, or a float32 block of this item for y16 */
-        float *yo = y16 ? buf : y;
-        const int64_t ym = y16 ? c0 : 0, yn = y16 ? nb * NB : 0, ldy = y16 ? NB : N;
-        /* the tiles read a few weight rows at a time, too few loads in flight to stream the
-         * weight at memory speed; ask for the whole next block in L2 first */
-        if (nb + 1 < nblocks) {
-            const int64_t e1 = (nb + 2) * NB < N ? (nb + 2) * NB : N;
-            const char *p0 = (const char *)(w + n1 * K), *p1 = (const char *)(w + e1 * K);
-            for (const char *p = p0; p < p1; p += 64) __builtin_prefetch(p, 0, 2);
-        }
-        tritium_bf16_tiles(x + c0 * K, c1 - c0, w + nb * NB * K, n1 - nb * NB, K,
-                           yo + (c0 - ym) * ldy + (nb * NB - yn), ldy);
-        if (y16)
-            for (int64_t m = c0; m < c1; m++)
-                for (int64_t n = nb * NB; n < n1; n++) y16[m * N + n] = out_bf16(buf[(m - c0) * NB + n - nb * NB]);
+    for (int64_t i = 0; i < items; i++) {
+        if (M == 1) row_block(x, w, y, y16, N, K, i);
+        else rows_item(x, w, y, y16, M, N, K, i);
     }
 }
 
@@ -296,12 +387,5 @@ void tritium_bf16_gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y16,
  * bits) over one block of channels, e.g. an int4 weight panel dequantized to bf16 (cpu_gemm_w4.c). */
 void tritium_bf16_panel(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t nc, int64_t K,
                         int64_t ldy) {
-    float *yo = y;
-    const int64_t ym = 0, yn = 0;
-    for (int64_t m0 = 0; m0 < M; m0 += MRB) {
-        const int64_t mr = M - m0 < MRB ? M - m0 : MRB;
-        int64_t n = 0;
-        for (; n + NR <= nc; n += NR) ROWS(NR)
-        for (; n < nc; n++) ROWS(1)
-    }
+    tiles(x, M, w, nc, K, y, ldy, 0);
 }

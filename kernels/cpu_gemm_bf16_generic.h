@@ -41,7 +41,8 @@ static __attribute__((noinline)) void tile22(const uint16_t *restrict x, const u
 }
 
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                      const int MR_, const int NR_) {
+                      const char *pf, const int MR_, const int NR_) {
+    (void)pf; /* no prefetch hints in the portable loops (they stop GCC vectorizing) */
     int r = 0;
     if (NR_ == 2)
         for (; r + 2 <= MR_; r += 2) tile22(x + r * K, w, K, out + r * ldo, ldo);

@@ -26,12 +26,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define QB 32  /* activation and weight block */
 #define MR 8   /* rows of x per pass over a channel */
+#ifndef PFB
+#define PFB 8192 /* bytes of weight requested ahead of the block read, into L2 (hint T1) */
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -151,11 +157,11 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
             const uint8_t *p = wp + b * 256;
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
                 u[i] = _mm512_and_si512(v, m4);
@@ -183,57 +189,71 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
  * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
  * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
  * (8 x 2 x 15 x 127 < 2^15), then one VPMADDWD, started from -8 S. */
-INLINE void half_panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                       float *out, const int BITS, const int MR_, const int h) {
+/* Block b of half panel h (8 channels) for MR_ rows: f[r] += this block's share of row m0 + r. */
+INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                       int64_t b, __m256 *f, const int BITS, const int MR_, const int h) {
     const int64_t K = A->K, KB = K / QB;
-    __m256 f[MR];
-    for (int r = 0; r < MR_; r++) f[r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < KB; b++) {
-        __m256i a[8];
-        const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
-        if (BITS == 8) {
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + 2048 + 64 * i), _MM_HINT_T0);
-            for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
-        } else {
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + 1024 + 64 * i), _MM_HINT_T0);
-            for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
-                a[i] = _mm256_and_si256(v, m4);
-                a[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-        }
-        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
-        const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
-                             : _mm256_setzero_ps();
-        for (int r = 0; r < MR_; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *x = A->xq + m * K + b * QB;
-            __m256i t;
-            if (BITS == 8) {
-                t = _mm256_setzero_si256();
-                for (int i = 0; i < 8; i++) {
-                    const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
-                    const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4 * i)), c);
-                    t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], s), ones));
-                }
-            } else {
-                __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
-                for (int i = 1; i < 8; i++)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
-                t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[m * KB + b]));
-            }
-            f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[m * KB + b]), f[r]);
-            if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[m * KB + b]), zv, f[r]);
+    __m256i a[8];
+    const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
+    if (BITS == 8) {
+        if (h == 0) /* the pass of half 0 brings the lines of both halves */
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
+    } else {
+        if (h == 0)
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
+            a[i] = _mm256_and_si256(v, m4);
+            a[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
     }
-    for (int r = 0; r < MR_; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, f[r]);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
+    const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
+                         : _mm256_setzero_ps();
+    for (int r = 0; r < MR_; r++) {
+        const int64_t m = m0 + r;
+        const int8_t *x = A->xq + m * K + b * QB;
+        __m256i t;
+        if (BITS == 8) {
+            t = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
+                const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4 * i)), c);
+                t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], s), ones));
+            }
+        } else {
+            __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
+            for (int i = 1; i < 8; i++)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
+            t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[m * KB + b]));
+        }
+        f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[m * KB + b]), f[r]);
+        if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[m * KB + b]), zv, f[r]);
+    }
 }
 
+/* Up to 2 rows: both halves of each block in one pass over the panel (the weight read once, in
+ * order); more rows: one pass per half (the rows' accumulators and a block's 8 vectors fill the
+ * registers). The same operations per channel in the same order either way. */
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                   float *out, const int BITS, const int MR_) {
-    half_panel(A, m0, wp, dp, zp, out, BITS, MR_, 0);
-    half_panel(A, m0, wp, dp, zp, out, BITS, MR_, 1);
+    const int64_t KB = A->K / QB;
+    __m256 f[2][MR];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < MR_; r++) f[h][r] = _mm256_setzero_ps();
+    if (MR_ <= 2) {
+        for (int64_t b = 0; b < KB; b++) {
+            half_block(A, m0, wp, dp, zp, b, f[0], BITS, MR_, 0);
+            half_block(A, m0, wp, dp, zp, b, f[1], BITS, MR_, 1);
+        }
+    } else {
+        for (int64_t b = 0; b < KB; b++) half_block(A, m0, wp, dp, zp, b, f[0], BITS, MR_, 0);
+        for (int64_t b = 0; b < KB; b++) half_block(A, m0, wp, dp, zp, b, f[1], BITS, MR_, 1);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < MR_; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, f[h][r]);
 }
 
 #else /* portable C: signed codes */
@@ -299,6 +319,28 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     case 7: CALL(7); break; default: CALL(8); break;         \
     }
 
+/* Panel p (16 channels) for all M rows, MR at a time, scaled by r into y. */
+static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
+                       float *y, int64_t M, int64_t N, int64_t bits, int64_t p) {
+    const int64_t K = A->K, KB = K / QB, pbytes = 16 * (bits == 8 ? K : K / 2);
+    const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
+    const uint8_t *wp = w + p * pbytes;
+    const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t mr = M - m0 < MR ? M - m0 : MR;
+        float out[MR * 16];
+        if (bits == 8) {
+#define P8(R) panel(A, m0, wp, dp, zp, out, 8, R)
+            DISPATCH(P8, mr)
+        } else {
+#define P4(R) panel(A, m0, wp, dp, zp, out, 4, R)
+            DISPATCH(P4, mr)
+        }
+        for (int64_t i = 0; i < mr; i++)
+            for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+    }
+}
+
 /* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
  * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
  * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
@@ -323,26 +365,18 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
         }
     }
     const acts_t A = {xq, xd, xz, xo, K};
-    const int64_t pbytes = 16 * (bits == 8 ? K : K / 2), P = (N + 15) / 16;
+    const int64_t P = (N + 15) / 16;
+#ifdef _OPENMP
+    /* a team of one thread (inside the native step's region, or one thread allowed) costs about
+     * 0.9 us a call: a plain loop then */
+    if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            float out[MR * 16];
-            const uint8_t *wp = w + p * pbytes;
-            const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
-            if (bits == 8) {
-#define P8(R) panel(&A, m0, wp, dp, zp, out, 8, R)
-                DISPATCH(P8, mr)
-            } else {
-#define P4(R) panel(&A, m0, wp, dp, zp, out, 4, R)
-                DISPATCH(P4, mr)
-            }
-            for (int64_t i = 0; i < mr; i++)
-                for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
-        }
+        for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+        free(mem);
+        return 0;
     }
+#endif
+    for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
     free(mem);
     return 0;
 }

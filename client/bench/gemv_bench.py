@@ -1,0 +1,166 @@
+"""The few-row GEMMs of a decode step streaming their weights from memory, against a pure read of
+the same bytes: a benchmark that prints figures.
+
+    python -m tritium.client.bench.gemv_bench [--paths avx512 avx2] [--rows 1 2 4] [--layers 30]
+        [--kinds bf16 w8a8 w4a8] [--rounds 5]
+
+SmolLM2-135M's linears (gate_up 3072x576, gate or up 1536x576, down 576x1536, q / o 576x576, k / v
+192x576), --layers distinct copies of each (30 layers: 212 MB of bf16 weights, more than any L3
+here, so the weights come from DRAM as in a decode step; one copy measures the caches), called
+layer by layer in the model's order: the bf16 GEMM (kernels/cpu_gemm_bf16.c) and the integer-dot
+W8A8 / W4A8 GEMM (cpu_gemm_i8dot.c, asymmetric groups of 32 as the default builds store them). Each
+round runs every path (forced with TRITIUM_CPU_ISA), kind and row count in turn, then a plain read
+of the same bytes in the same order (a small C loop XOR-ing 64-byte words, asking for the lines
+16 KB ahead as the GEMMs do); prints each shape's best GB/s of weight bytes (codes, scales and
+zeros for the integer kinds), all shapes together, the read's best, and the ratio GEMM / read
+(1.0: the GEMM streams at read speed).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import time
+from typing import Dict, List, Tuple
+
+import torch
+
+from tritium.kernels import cpu_isa, cpu_native
+from tritium.kernels import i8dot_pack as ip
+
+SHAPES = ((3072, 576), (1536, 576), (576, 1536), (576, 576), (192, 576))
+_READ_C = """#include <stdint.h>
+uint64_t gemv_bench_read(const uint64_t *p, int64_t n) { /* n words, a multiple of 8 */
+    uint64_t a[8] = {0};
+    for (int64_t i = 0; i < n; i += 8) {
+        __builtin_prefetch(p + i + 2048, 0, 2); /* 16 KB ahead, as the GEMMs ask */
+        for (int j = 0; j < 8; j++) a[j] ^= p[i + j];
+    }
+    return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
+}
+"""
+
+
+def _reader(path: str):
+    src = os.path.join(cpu_isa.cache_dir(), "gemv_bench_read.c")
+    os.makedirs(os.path.dirname(src), exist_ok=True)
+    with open(src, "w") as f:
+        f.write(_READ_C)
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    lib = ctypes.CDLL(cpu_isa.build(cc, path, [src], []))
+    lib.gemv_bench_read.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.gemv_bench_read.restype = ctypes.c_uint64
+    return lib.gemv_bench_read
+
+
+def _weights(kind: str, layers: int) -> List[List[Tuple]]:
+    """[layer][shape] -> (tensors to stream, call args after x and before y, N, K, bytes)."""
+    out = []
+    base = []
+    for n, k in SHAPES:
+        if kind == "bf16":
+            base.append((n, k, (torch.randn(n, k) / k ** 0.5).bfloat16()))
+        else:
+            bits = 8 if kind == "w8a8" else 4
+            lo, hi = (-128, 128) if bits == 8 else (-8, 8)
+            w = ip.repack(torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 50 + 1e-3,
+                          torch.randn(k // 32, n) / 50, 32, bits)
+            base.append((n, k, w))
+    for _ in range(layers):
+        row = []
+        for n, k, w in base:
+            if kind == "bf16":
+                t = w.clone()
+                row.append(((t,), (t.data_ptr(),), n, k, t.numel() * 2))
+            else:
+                c, d, z, r = w.codes.clone(), w.d.clone(), w.z.clone(), w.r.clone()
+                row.append(((c, d, z, r), (c.data_ptr(), d.data_ptr(), z.data_ptr(), r.data_ptr()), n, k,
+                            sum(t.numel() * t.element_size() for t in (c, d, z, r))))
+        out.append(row)
+    return out
+
+
+def _round(lib, kind: str, m: int, ws, x, y) -> List[float]:
+    """Seconds per shape, all layers."""
+    acc = [0.0] * len(SHAPES)
+    bits = 8 if kind == "w8a8" else 4
+    for row in ws:
+        for s, (_, args, n, k, _) in enumerate(row):
+            t0 = time.perf_counter()
+            if kind == "bf16":
+                lib.tritium_bf16_gemm(x.data_ptr(), args[0], y.data_ptr(), m, n, k)
+            else:
+                lib.tritium_i8dot_gemm(x.data_ptr(), *args, y.data_ptr(), m, n, k, bits)
+            acc[s] += time.perf_counter() - t0
+    return acc
+
+
+def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds: int) -> Dict:
+    ws = {kind: _weights(kind, layers) for kind in kinds}
+    x = torch.randn(max(rows), max(k for _, k in SHAPES)).bfloat16()
+    y = torch.empty(max(rows), max(n for n, _ in SHAPES))
+    read = _reader(cpu_isa.runnable()[0])
+    best: Dict = {}
+    for _ in range(rounds):
+        for path in paths:
+            os.environ[cpu_isa.ENV] = path
+            cpu_native.reset()
+            lib = cpu_native._lib()
+            for kind in kinds:
+                for m in rows:
+                    t = _round(lib, kind, m, ws[kind], x, y)
+                    b = best.setdefault((path, kind, m), [float("inf")] * len(SHAPES))
+                    best[(path, kind, m)] = [min(a, c) for a, c in zip(b, t)]
+        for kind in kinds:
+            t0 = time.perf_counter()
+            for row in ws[kind]:
+                for w in row:
+                    for t in w[0]:
+                        read(t.data_ptr(), t.numel() * t.element_size() // 64 * 8)
+            best[("read", kind)] = min(best.get(("read", kind), float("inf")), time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paths", nargs="+", choices=cpu_isa.PATHS, default=None,
+                   help="native paths to time (default: every path this host runs)")
+    p.add_argument("--kinds", nargs="+", choices=("bf16", "w8a8", "w4a8"), default=["bf16", "w8a8", "w4a8"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows per call (default 1 2 4)")
+    p.add_argument("--layers", type=int, default=30, help="distinct copies of each weight (default 30)")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    paths = args.paths or cpu_isa.runnable()
+    bad = [x for x in paths if x not in cpu_isa.runnable()]
+    if bad:
+        p.error(f"--paths: this CPU cannot run {', '.join(bad)}; allowed here: {', '.join(cpu_isa.runnable())}")
+    if args.layers < 1 or args.rounds < 1 or min(args.rows) < 1:
+        p.error("--layers, --rounds and --rows must be >= 1")
+    saved = os.environ.get(cpu_isa.ENV)
+    try:
+        best = run(paths, args.kinds, args.rows, args.layers, args.rounds)
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_isa.ENV, None)
+        else:
+            os.environ[cpu_isa.ENV] = saved
+        cpu_native.reset()
+    print(f"threads={os.environ.get('OMP_NUM_THREADS', 'all')} layers={args.layers} best of {args.rounds} rounds; "
+          f"GB/s of weight bytes")
+    head = "".join(f"{f'{n}x{k}':>11s}" for n, k in SHAPES)
+    print(f"{'path':8s}{'kind':6s}{'rows':>5s}{head}{'all':>8s}{'read':>8s}{'/read':>7s}")
+    for kind in args.kinds:
+        nbytes = [w[4] * args.layers for w in _weights(kind, 1)[0]]
+        rd = sum(nbytes) / best[("read", kind)] / 1e9
+        for path in paths:
+            for m in args.rows:
+                t = best[(path, kind, m)]
+                per = "".join(f"{b / s / 1e9:11.1f}" for b, s in zip(nbytes, t))
+                tot = sum(nbytes) / sum(t) / 1e9
+                print(f"{path:8s}{kind:6s}{m:5d}{per}{tot:8.1f}{rd:8.1f}{tot / rd:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
