@@ -42,7 +42,7 @@ from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, int4_symmetric, plan_layers
 from .smoothquant import (DEFAULT_ALPHA, check_activation_options, resolve_activation_quant, smooth_engine_tensors,
-                          smoothquant_applies)
+                          smoothquant_applies, smoothquant_off)
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -228,7 +228,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears")})
     report = _report(o, float_tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
     if o.activation_quant != "none":
-        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or "off")
+        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or smoothquant_off(o, tokenizer))
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, float_tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report

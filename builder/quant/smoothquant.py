@@ -135,6 +135,15 @@ def smoothquant_applies(o, tokenizer=True) -> bool:
     return o.quantization == "int8" and tokenizer is not None
 
 
+def smoothquant_off(o, tokenizer=True) -> str:
+    """Why an int8-activation build did not smooth (the build report's `smoothquant`)."""
+    if o.smoothquant is False:
+        return "off (--no-smoothquant)"
+    if o.quantization != "int8":
+        return "off (int4 weights: docs/quantization.md#integer-dot-activations-w8a8--w4a8)"
+    return "off (the source has no tokenizer for the calibration text)" if tokenizer is None else "off"
+
+
 def smooth_engine_tensors(cfg, tensors: Dict[str, torch.Tensor], runner, plan: dict, alpha: float,
                           progress=None) -> Tuple[Dict[str, torch.Tensor], dict]:
     """SmoothQuant over every layer: runner is a calibration.LayerwiseRunner over the float model
