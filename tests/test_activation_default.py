@@ -167,3 +167,41 @@ def test_build_options_refuse_a_bad_value_before_work(tiny_checkpoint, tmp_path)
         build_engine(BuildOptions(source=tiny_checkpoint("llama", **DIMS), output=str(tmp_path / "e"),
                                   quantization="int8", activation_quant="w8a8", progress=False))
     assert not (tmp_path / "e").exists()
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_checkpoint, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    from lora_utils import make_peft_adapter
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama", **DIMS), dtype=torch.float32)
+    out = str(tmp_path_factory.mktemp("actdef-lora") / "a")
+    make_peft_adapter(base, out, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    return out
+
+
+def test_smoothed_engine_refuses_lora_and_build_with_lora_is_not_smoothed(build, adapter, tmp_path):
+    """SmoothQuant scales each linear's input, which an adapter was not trained on: a default
+    (smoothed) int8 engine refuses adapters naming the fix; `tritium build --lora` turns SmoothQuant
+    off (int8 activations kept) and its adapter then moves the logits as on the weight-only engine
+    of the same weights."""
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.lora.manager import LoRAConfig
+    from lora_utils import engine_logits, rel_err
+    sq, _ = build("--quantization", "int8")
+    with pytest.raises(ValueError, match=r"LoRA: this engine was built with SmoothQuant .*--no-smoothquant"):
+        LLMEngine(sq, device="cpu", num_kv_blocks=16, lora=LoRAConfig({"a": adapter}))
+    out, err = build("--quantization", "int8", "--repo", str(tmp_path / "repo"), "--lora", f"a={adapter}")
+    raw = _json(out, "engine.json")
+    assert raw["activation_quant"] == "int8" and raw["quantization"]["smoothquant"] == {}
+    assert "SmoothQuant off" in err, err
+    with pytest.raises(ValueError, match="--smoothquant-alpha: SmoothQuant scales each linear's input"):
+        from tritium.client.cli.build_cli import options_from_args
+        from tritium.client.cli.main import build_parser
+        options_from_args(build_parser().parse_args(
+            ["build", "src", "-o", "o", "--quantization", "int8", "--smoothquant-alpha", "0.5", "--lora", f"a={adapter}"]))
+    deltas = {}
+    for mode in ("int8", "none"):
+        eng = LLMEngine(out, device="cpu", num_kv_blocks=16, activation_quant=mode, lora=LoRAConfig({"a": adapter}))
+        deltas[mode] = engine_logits(eng, PROMPT, "a") - engine_logits(eng, PROMPT)
+    assert deltas["none"].abs().max() > 0.1  # the adapter moves the logits
+    assert rel_err(deltas["int8"], deltas["none"]) < 0.1, rel_err(deltas["int8"], deltas["none"])

@@ -11,7 +11,8 @@ from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPO
                                     SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.kernels.quant_layouts import INT4_LAYOUTS
 from tritium.builder.quant.smoothquant import ACTIVATION_QUANT_CHOICES
-from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
+from tritium.backend.engine_options import (SPECULATIVE, add_option_arguments, lora_adapters_from_args,
+                                           speculative_config, to_params)
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
@@ -158,6 +159,14 @@ def options_from_args(args: argparse.Namespace):
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
                                            "eval_tokens", "activation_quant", "smoothquant", "smoothquant_alpha")
              if hasattr(args, k)}
+    if lora_adapters_from_args(args) and extra.get("smoothquant") is None:
+        # an adapter acts on a linear's input, which SmoothQuant scales (backend/lora/setup.check_unsmoothed)
+        if extra.get("smoothquant_alpha") is not None:
+            raise ValueError("--smoothquant-alpha: SmoothQuant scales each linear's input, so the --lora adapters "
+                             "could not apply; drop it (builds with --lora are not smoothed)")
+        from tritium.builder.quant.smoothquant import resolve_activation_quant
+        if resolve_activation_quant(extra.get("activation_quant", "auto"), extra.get("quantization") or "none") == "int8":
+            extra["smoothquant"] = False
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
