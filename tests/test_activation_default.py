@@ -16,6 +16,7 @@ from tritium.backend import quant
 from tritium.backend.loader import load_engine
 from tritium.kernels import cpu_native
 from tests.test_quant_pipeline import DIMS, PROMPT, _logits
+from test_quant_int8_grouped import gguf_src  # noqa: F401 (fixture: a GGUF without a vocabulary)
 
 INTEGER_DOT = ("int8", "int4-rtn", "int4-awq", "int4-gptq")
 
@@ -205,3 +206,16 @@ def test_smoothed_engine_refuses_lora_and_build_with_lora_is_not_smoothed(build,
         deltas[mode] = engine_logits(eng, PROMPT, "a") - engine_logits(eng, PROMPT)
     assert deltas["none"].abs().max() > 0.1  # the adapter moves the logits
     assert rel_err(deltas["int8"], deltas["none"]) < 0.1, rel_err(deltas["int8"], deltas["none"])
+
+
+def test_gguf_source_without_vocabulary_gets_w8a8_unsmoothed(gguf_src, tmp_path):
+    """A GGUF source resolves like a Hugging Face one (int8 activations for --quantization int8);
+    one without a vocabulary has no calibration text, so SmoothQuant is skipped and the report
+    says why (the build does not fail)."""
+    from tritium.builder.build import BuildOptions, build_engine
+    src, _ = gguf_src
+    out = str(tmp_path / "e")
+    cfg = build_engine(BuildOptions(source=src, output=out, dtype="float32", progress=False, quantization="int8"))
+    assert cfg.activation_quant == "int8" and cfg.quantization.smoothquant == {}
+    report = _json(out, "build_report.json")
+    assert report["quantization_report"]["smoothquant"] == "off (the source has no tokenizer for the calibration text)"
