@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-# kind -> (tritium build options, the matching llama.cpp weight type)
 # pair -> (the Tritium engine's build options, llama.cpp's type). int8 / int4 are the default
 # builds (W8A8 / W4A8: --activation-quant auto); int8-wo / int4-wo the same weights weight-only.
 PAIRS = {"bf16": ({"dtype": "bfloat16", "quantization": "none"}, "BF16"),
