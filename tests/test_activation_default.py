@@ -219,3 +219,27 @@ def test_gguf_source_without_vocabulary_gets_w8a8_unsmoothed(gguf_src, tmp_path)
     assert cfg.activation_quant == "int8" and cfg.quantization.smoothquant == {}
     report = _json(out, "build_report.json")
     assert report["quantization_report"]["smoothquant"] == "off (the source has no tokenizer for the calibration text)"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2",
+                                    "granite", "smollm3"])
+def test_smoothquant_is_exact_in_float_for_every_dense_family(tiny_engine, family):
+    """SmoothQuant now runs in every default int8 build, so its folds (norm weights, v rows, up
+    rows) must be exact for every family's layer: in float the smoothed model gives the float
+    model's logits (Gemma's stored 1 + w norms, q / k norms, biases, multipliers, post-norm OLMo 2
+    whose linears have no norm before them and are left as they are)."""
+    from tritium.builder import calibration as calib
+    from tritium.builder.quant import quant_pipeline as qp
+    from tritium.builder.quant.quant_plan import plan_layers
+    from tritium.builder.quant.smoothquant import smooth_engine_tensors
+    fdir = tiny_engine(family)
+    cfg, fmodel, _ = load_engine(fdir, "cpu")
+    tensors = load_file(os.path.join(fdir, cfg.weights_file(0)))
+    plan = plan_layers(cfg, qp.QuantOptions(quantization="int8"))
+    runner = calib.LayerwiseRunner(qp._float_model(cfg, tensors), [PROMPT])
+    new, report = smooth_engine_tensors(cfg, tensors, runner, plan, 0.5)
+    assert report["linears"] > 0 or family == "olmo2", report["linears"]
+    changed = [n for n in tensors if not torch.equal(tensors[n], new[n])]
+    assert changed or family == "olmo2"
+    ref, got = _logits(fmodel, PROMPT), _logits(qp._float_model(cfg, new), PROMPT)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), (family, (got - ref).abs().max().item())
