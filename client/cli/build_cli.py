@@ -182,13 +182,17 @@ def run(args: argparse.Namespace) -> int:
     placement = placement_args(args)  # likewise
     from tritium.builder.lora_repo import check_lora_after_build, lora_params
     spec_params.update(lora_params(args))  # adapters' folders checked before the build too
-    cfg = build_engine(options_from_args(args))
+    opts = options_from_args(args)
+    cfg = build_engine(opts)
     check_lora_after_build(args, cfg)  # shapes and modules against the engine, before the repository
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
           f"{f', tensor parallel {cfg.tensor_parallel_size} ranks' if cfg.tensor_parallel_size > 1 else ''}", file=sys.stderr)
     _print_quality(args.output)
+    if opts.smoothquant is False and getattr(args, "smoothquant", None) is None:
+        print("SmoothQuant is off because the engine serves --lora adapters: it would scale the inputs the "
+              "adapters act on (docs/lora.md)", file=sys.stderr)
     if getattr(args, "repo", None):
         from tritium.builder.repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
