@@ -60,7 +60,9 @@ class BuildOptions:
     max_ppl_increase: Optional[float] = None  # --quantization auto: the budget in percent (builder/quant/quant_auto.py)
     auto_int4_method: Optional[str] = None     # --quantization auto: int4-rtn / int4-awq / int4-gptq
     auto_candidates: Optional[str] = None      # --quantization auto: e.g. "int4,int8,none"
-    activation_quant: str = "none"   # EngineConfig.activation_quant ("int8": W8A8 / W4A8, SmoothQuant first)
+    # EngineConfig.activation_quant ("int8": W8A8 / W4A8, SmoothQuant first); auto: int8 for int8 / int4
+    # methods Tritium quantizes, else none (smoothquant.resolve_activation_quant)
+    activation_quant: str = "auto"
     smoothquant: Optional[bool] = None  # False: --no-smoothquant; None: smoothquant.smoothquant_applies
     smoothquant_alpha: Optional[float] = None  # None: smoothquant.DEFAULT_ALPHA
     progress: bool = True
@@ -121,8 +123,12 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
     # KVCacheConfig, report dict). `opts` is this BuildOptions.
     from .quant.quant_auto import validate_auto_args
     validate_auto_args(opts)  # refuses the auto flags without --quantization auto, too
+    from .quant.smoothquant import resolve_activation_quant
+    opts = dataclasses.replace(opts, activation_quant=resolve_activation_quant(opts.activation_quant, opts.quantization))
     if opts.activation_quant != "int8" and (opts.smoothquant_alpha is not None or opts.smoothquant is False):
-        raise ValueError("--smoothquant-alpha / --no-smoothquant need --activation-quant int8")
+        raise ValueError(f"--smoothquant-alpha / --no-smoothquant need --activation-quant int8 (the default, auto, "
+                         f"gives it to --quantization int8, int4-rtn, int4-awq and int4-gptq; this build's "
+                         f"activations: {opts.activation_quant})")
     if opts.activation_quant == "int8" and opts.quantization == "auto":
         raise ValueError("--activation-quant int8 is not available with --quantization auto (its budget is "
                          "measured weight-only); give --quantization int8 or int4-*")
@@ -204,6 +210,7 @@ def build_engine(opts: BuildOptions) -> EngineConfig:
                 "source_sha256": source_hash,
                 "dtype": opts.dtype,
                 "quantization": cfg.quantization.method,
+                "activation_quant": cfg.activation_quant,
                 "tensor_parallel_size": opts.tensor_parallel_size,
                 **({"rank_bytes": [sum(t.numel() * t.element_size() for t in sh.values()) for sh in shards]}
                    if len(shards) > 1 else {}),

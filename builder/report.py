@@ -58,6 +58,26 @@ def kv_cache_line(kv: dict) -> str:
             f"{kv['layout']} of {kv['element_bytes']} bytes)")
 
 
+def activation_line(report: dict) -> str:
+    """The console line of a build's activations (build_report.json activation_quant and
+    quantization_report.smoothquant); '' for a report without the field (older engines)."""
+    mode = report.get("activation_quant")
+    if mode is None:
+        return ""
+    if mode == "none":
+        q = report.get("quantization", "none")
+        if q == "int8" or q.startswith("int4"):
+            return "activations: weight-only (W8A16 / W4A16 numerics; --activation-quant int8 for integer dot products)"
+        return "activations: not quantized (weight-only)"
+    qr = report.get("quantization_report") or {}
+    kind = "W8A8" if qr.get("method", report.get("quantization")) == "int8" else "W4A8"
+    sq = qr.get("smoothquant")
+    sq_text = (f"SmoothQuant alpha {sq['alpha']} on {sq['linears']} linears" if isinstance(sq, dict)
+               else f"SmoothQuant {sq or 'off'}")
+    return (f"activations: int8 per row and block of 32, integer dot products on CPU ({kind}; GPUs run "
+            f"weight-only); {sq_text}; engine option activation_quant=none gives the weight-only numerics")
+
+
 def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)

@@ -44,12 +44,12 @@ def test_summary_ratios_and_table():
     assert bf16["figures"]["llama-server"]["c16"]["output_tok_s_repeats"] == [100, 120]
     assert bf16["ratios"]["tritium_vs_llama"] == {"c16": pytest.approx(160 / 110), "single": pytest.approx(50 / 60)}
     assert bf16["ratios"]["serve_vs_in_process"] == {"c16": pytest.approx(160 / 170), "single": 1.0}
-    assert rep["pairs"]["int8"]["weights"] == {"llama-server": "Q8_0", "tritium": "int8"}
+    assert rep["pairs"]["int8"]["weights"] == {"llama-server": "Q8_0", "tritium": "int8 W8A8"}
     assert rep["quantized_vs_bf16"]["tritium-serve"]["int8"] == {"c16": pytest.approx(200 / 160),
                                                                  "single": pytest.approx(50 / 50)}
     assert rep["quantized_vs_bf16"]["llama-server"]["int8"]["single"] == pytest.approx(80 / 60)
     table = format_table(rep)
-    assert "int8  tritium-serve     int8" in table and "200.0" in table
+    assert "int8    tritium-serve     int8 W8A8" in table and "200.0" in table
     assert "tritium serve / best llama  c16 1.45x, single 0.83x" in table
     assert "tritium-serve int8 / bf16: c16 1.25x, single 1.00x" in table
     assert "bf16 0.5 -> 2.5" in table and "100.0 / 100" in table  # load; ITL p50 / p99
@@ -62,11 +62,12 @@ def test_ratios_use_the_fastest_llama_server():
     assert rep["best_llama"] == {"c16": "llama-server-t1", "single": "llama-server-t2"}
     assert rep["ratios"]["tritium_vs_llama"] == {"c16": pytest.approx(160 / 130), "single": pytest.approx(50 / 60)}
     table = format_table({"pairs": {"bf16": rep}})
-    assert "bf16  llama-server-t1   BF16" in table and "best llama" in table
+    assert "bf16    llama-server-t1   BF16" in table and "best llama" in table
 
 
 def test_parse_pairs():
     assert parse_pairs("int4,bf16") == ["int4", "bf16"]
+    assert parse_pairs("int8,int8-wo,int4-wo") == ["int8", "int8-wo", "int4-wo"]
     for bad in ("", "bf16,bf16", "fp8"):
         with pytest.raises(ValueError, match="--pairs"):
             parse_pairs(bad)
@@ -106,3 +107,23 @@ def test_compare_bad_flags_exit_2(capsys, argv, flag):
     rc = main(["compare", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and flag in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_pairs_compare_the_default_builds_and_weight_only_on_request(tmp_path):
+    """int8 / int4 are the default builds (W8A8 / W4A8); int8-wo / int4-wo the weight-only
+    engines of the same weights. A cached engine built with other activations is rebuilt; one in
+    a folder the user named is refused, naming the folder and the pair."""
+    import json
+
+    from tritium.client.cli.compare_cli import ensure_engine, expected_activation_quant
+    assert {k: expected_activation_quant(k) for k in ("bf16", "int8", "int4", "int8-wo", "int4-wo")} == {
+        "bf16": "none", "int8": "int8", "int4": "int8", "int8-wo": "none", "int4-wo": "none"}
+    for kind, mode in (("int8", "none"), ("int8-wo", "none")):
+        os.makedirs(tmp_path / kind)
+        (tmp_path / kind / "engine.json").write_text(json.dumps({"activation_quant": mode}))
+    assert ensure_engine("int8-wo", "unused.gguf", str(tmp_path), print, cached=False) == str(tmp_path / "int8-wo")
+    with pytest.raises(ValueError, match="int8 has activation_quant none, the int8 pair compares activation_quant int8"):
+        ensure_engine("int8", "unused.gguf", str(tmp_path), print, cached=False)
+    with pytest.raises(Exception):  # cached: the stale engine is removed and rebuilt (here: no such GGUF)
+        ensure_engine("int8", str(tmp_path / "missing.gguf"), str(tmp_path), print, cached=True)
+    assert not (tmp_path / "int8" / "engine.json").exists()

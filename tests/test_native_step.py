@@ -35,8 +35,11 @@ SHAPES = {
     # the four multipliers (residual_multiplier inside the layer loop), biases on all four linears
     "granite-bias-multipliers": ("granite", dict(num_attention_heads=2, num_key_value_heads=1)),
 }
-WEIGHTS = {"bf16": dict(deterministic=True), "int8": dict(quantization="int8", group_size=-1),
-           "int8-g32": dict(quantization="int8", group_size=32), "int4": dict(quantization="int4-rtn", group_size=32)}
+# the weight-only kernels' kinds: activation_quant none (the default of int8 / int4 builds is W8A8 / W4A8)
+WO = dict(activation_quant="none")
+WEIGHTS = {"bf16": dict(deterministic=True), "int8": dict(quantization="int8", group_size=-1, **WO),
+           "int8-g32": dict(quantization="int8", group_size=32, **WO),
+           "int4": dict(quantization="int4-rtn", group_size=32, **WO)}
 KINDS = {"bf16": "bf16_native", "int8": "int8_native", "int8-g32": "int8g_native", "int4": "int4_native"}
 
 

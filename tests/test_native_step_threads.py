@@ -20,8 +20,9 @@ from test_native_step import SHAPES, _count_native, _steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-WEIGHTS = {"bf16": dict(deterministic=True), "int8-g32": dict(quantization="int8", group_size=32),
-           "int4": dict(quantization="int4-rtn", group_size=32),
+# int8-g32 / int4: the weight-only kernels (activation_quant none; W8A8 / W4A8 are the default, w8a8 / w4a8 here)
+WEIGHTS = {"bf16": dict(deterministic=True), "int8-g32": dict(quantization="int8", group_size=32, activation_quant="none"),
+           "int4": dict(quantization="int4-rtn", group_size=32, activation_quant="none"),
            "w8a8": dict(quantization="int8", group_size=32, activation_quant="int8", smoothquant=False),
            "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False)}
 KINDS = {"bf16": "bf16_native", "int8-g32": "int8g_native", "int4": "int4_native", "w8a8": "i8dot", "w4a8": "i8dot"}

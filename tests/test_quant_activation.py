@@ -126,7 +126,7 @@ def test_runtime_option_turns_it_on_and_off(engines):
     on an --activation-quant int8 engine; bad values name the parameter."""
     from tritium.backend.engine import LLMEngine
     from tritium.backend.engine_options import engine_setup, options_from_params
-    wdir = engines(quantization="int8")
+    wdir = engines(quantization="int8", activation_quant="none")  # a weight-only engine (not the default)
     eng = LLMEngine(wdir, num_kv_blocks=16, **engine_setup(options_from_params({"activation_quant": "int8"})).engine_kwargs)
     assert eng.config.activation_quant == "int8"
     lins = [m for m in eng.runner.model.modules() if isinstance(m, quant.Int8Linear)]
@@ -182,7 +182,7 @@ def test_eval_cli_activation_quant(engines, capsys, tmp_path):
     """`tritium eval --activation-quant int8` scores the engine's W8A8 numerics (recorded in the
     JSON), and they differ from its weight-only numerics on the same text."""
     from tritium.client.cli.main import main
-    qdir, fdir = engines(quantization="int8"), engines()
+    qdir, fdir = engines(quantization="int8", activation_quant="none"), engines()  # weight-only build
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     res = {}

@@ -158,6 +158,8 @@ def test_generous_budget_takes_int4_everywhere_and_reports_every_linear(tiny_che
                                     quantization="auto", max_ppl_increase=1000.0, **FAST))
     layers = cfg.quantization.layers
     assert cfg.quantization.method == "auto" and cfg.quantization.budget["met"]
+    # --activation-quant auto (the default) stays weight-only here: the budget is measured weight-only
+    assert cfg.activation_quant == "none" and not cfg.quantization.smoothquant
     for name in LINEAR_NAMES:
         assert layers[name].method == "int4", name
     # the cheapest int4 for each linear: the largest group size that divides its input

@@ -48,6 +48,7 @@ def _check_import(src, tmp_path, preset, kind, logits_tol, max_ratio=0.1, **kw):
     cfg = build_engine(BuildOptions(source=ck, output=eng, dtype="float32", progress=False))
     assert cfg.quantization.method == "imported"
     assert cfg.quantization.imported["format"] == "compressed-tensors"
+    assert cfg.activation_quant == "none"  # --activation-quant auto: an import stays weight-only
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(eng, "rank0.safetensors"))
     lib = ct_dequantized_state(ck)

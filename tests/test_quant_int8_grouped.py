@@ -281,8 +281,9 @@ def test_source_grid_engine_matches_hf_on_gguf_weights(gguf_src, tmp_path, metho
     src, hf_path = gguf_src
     hf = _hf_with_gguf_weights(hf_path)
     keep = "*.qkv_proj,*.down_proj" + (",*.gate_up_proj" if method == "fp8" else "")
-    _build(src, tmp_path / "grid", quantization=method, exclude_modules=keep)
-    _build(src, tmp_path / "g64", quantization=method, exclude_modules=keep, group_size=64)
+    # activation_quant none: transformers holds the weights in float (weight-only numerics)
+    _build(src, tmp_path / "grid", quantization=method, exclude_modules=keep, activation_quant="none")
+    _build(src, tmp_path / "g64", quantization=method, exclude_modules=keep, group_size=64, activation_quant="none")
     t = load_file(str(tmp_path / "grid" / "rank0.safetensors"))
     o = dequantize_grouped(t["layers.0.o_proj.qweight"], t["layers.0.o_proj.scales"], t["layers.0.o_proj.zeros"], 32)
     ref_o = hf.model.layers[0].self_attn.o_proj.weight.detach()

@@ -14,6 +14,7 @@ def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
     each step's rows by adapter and the scheduler keep at most max_loras adapters per step."""
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"lora must be a LoRAConfig, got {type(config).__name__}")
+    check_unsmoothed(engine.config)
     model = engine.runner.model
     shard = lora_shard(engine.config, 0, model) if engine.config.tensor_parallel_size > 1 else None
     manager = LoRAManager(engine.config.model, config, engine.device, model.dtype, shard=shard)
@@ -24,6 +25,19 @@ def enable_lora(engine, config: LoRAConfig) -> LoRAManager:
         engine.runner.lora = manager
     engine.scheduler.max_loras = manager.max_loras
     return manager
+
+
+def check_unsmoothed(cfg) -> None:
+    """SmoothQuant (engine.json quantization.smoothquant) divides each smoothed linear's input by
+    per-channel factors folded into the norms / v rows / up rows; an adapter trained on the
+    original inputs would act on the scaled ones, so such an engine takes no adapters."""
+    sq = cfg.quantization.smoothquant
+    if sq:
+        raise ValueError(f"LoRA: this engine was built with SmoothQuant (engine.json quantization.smoothquant: alpha "
+                         f"{sq.get('alpha')}, {sq.get('linears')} linears), which scales each smoothed linear's "
+                         f"input; adapters trained on the original inputs cannot apply. Build it with "
+                         f"--no-smoothquant (int8 activations without smoothing) or --activation-quant none, or "
+                         f"with --lora, which turns SmoothQuant off")
 
 
 def resolve_request_lora(manager: Optional[LoRAManager], lora_name: Optional[str], lora_task_id: Optional[int]):

@@ -33,6 +33,7 @@ from .kv_scales import (KV_OFFSET_METHODS, KV_SCALE_METHODS, attention_weighted_
                         kv_head_scales)
 from ..heldout_eval import evaluate_held_out
 from ..layer_progress import LayerProgress
+from ..source_tokenizer import load_source_tokenizer  # noqa: F401  (re-exported: quant_auto, tests)
 from .quant_eval import evaluate
 from .quant_head import collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
@@ -40,7 +41,8 @@ from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, int4_symmetric, plan_layers
-from .smoothquant import DEFAULT_ALPHA, check_activation_options, smooth_engine_tensors, smoothquant_applies
+from .smoothquant import (DEFAULT_ALPHA, check_activation_options, resolve_activation_quant, smooth_engine_tensors,
+                          smoothquant_applies, smoothquant_off)
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -73,10 +75,15 @@ class QuantOptions:
     layer_plan: Optional[dict] = None
     head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
     kv_offsets: str = "mean"  # quantized KV cache: kv_scales.KV_OFFSET_METHODS
-    # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant first (smoothquant.smoothquant_applies)
+    # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant first (smoothquant.smoothquant_applies).
+    # "auto" (BuildOptions' default) resolves as smoothquant.resolve_activation_quant; a QuantOptions
+    # made by hand stays weight-only unless asked.
     activation_quant: str = "none"
     smoothquant: Optional[bool] = None
     smoothquant_alpha: Optional[float] = None
+
+    def __post_init__(self):
+        self.activation_quant = resolve_activation_quant(self.activation_quant, self.quantization)
 
     @classmethod
     def of(cls, opts=None, **kw) -> "QuantOptions":
@@ -158,24 +165,6 @@ def _read_text(path: str, flag: str) -> str:
         return f.read()
 
 
-def load_source_tokenizer(source: Optional[str]):
-    """tokenizers.Tokenizer of a build source (HF folder's tokenizer.json, or the GGUF's)."""
-    from tokenizers import Tokenizer
-    if source and os.path.isdir(source) and os.path.isfile(os.path.join(source, "tokenizer.json")):
-        return Tokenizer.from_file(os.path.join(source, "tokenizer.json"))
-    if source and os.path.isfile(source) and source.lower().endswith(".gguf"):
-        import tempfile
-
-        import gguf
-        if "tokenizer.ggml.tokens" not in gguf.GGUFReader(source).fields:
-            return None  # a GGUF without a vocabulary: token ids only, no eval / calibration
-        from ..tokenizer_export import export_gguf_tokenizer
-        with tempfile.TemporaryDirectory() as d:
-            export_gguf_tokenizer(source, d)
-            return Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
-    return None
-
-
 def _float_model(cfg: EngineConfig, tensors, model_factory=None):
     from tritium.backend.models.decoder import DecoderLM
     fcfg = dataclasses.replace(cfg, quantization=QuantConfig(), kv_cache=KVCacheConfig())
@@ -209,7 +198,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     fp8_gptq = any(lq.method == "fp8" and not lq.asymmetric for lq in plan.values())
     calibrated = o.quantization in CALIBRATED or (o.quantization == "fp8" and tokenizer is not None and fp8_gptq)
     float_tensors, smooth_report = tensors, None
-    if smoothquant_applies(o) and plan:  # SmoothQuant on the float weights first
+    if smoothquant_applies(o, tokenizer) and plan:  # SmoothQuant on the float weights first
         tensors, smooth_report = smooth_engine_tensors(
             cfg, tensors, lambda: _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o),
             plan, o.smoothquant_alpha or DEFAULT_ALPHA, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
@@ -239,7 +228,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears")})
     report = _report(o, float_tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
     if o.activation_quant != "none":
-        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or "off")
+        report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or smoothquant_off(o, tokenizer))
     if tokenizer is not None and o.eval_tokens:
         report["eval"] = _eval_vs_float(cfg, float_tensors, new, qcfg, kvcfg, tokenizer, o, model_factory)
     return new, qcfg, kvcfg, report

@@ -87,10 +87,32 @@ def smooth_layer(cfg, i: int, new: Dict[str, torch.Tensor], x_amax: Dict[str, to
     return report
 
 
+ACTIVATION_QUANT_CHOICES = ("auto", "none", "int8")  # --activation-quant; auto resolves to none or int8
+# the methods Tritium quantizes itself whose integer-dot quality is measured (docs/quantization.md)
+INTEGER_DOT_METHODS = ("int8", "int4-rtn", "int4-awq", "int4-gptq")
+
+
+def check_activation_value(value) -> None:
+    """--activation-quant's value; ValueError names the flag and the allowed values."""
+    if value not in ACTIVATION_QUANT_CHOICES:
+        raise ValueError(f"--activation-quant {value!r} not supported; allowed: {', '.join(ACTIVATION_QUANT_CHOICES)}")
+
+
+def resolve_activation_quant(activation_quant: str, quantization: str) -> str:
+    """--activation-quant auto (the default) -> int8 (W8A8 / W4A8) for the int8 and int4 methods
+    Tritium quantizes itself (GGUF or Hugging Face float sources), none everywhere else: no
+    quantization, fp8, --quantization auto (its budget is measured weight-only) and imported
+    pre-quantized checkpoints (built with --quantization none: SmoothQuant cannot be folded into
+    fixed weights). none / int8 are returned as given."""
+    check_activation_value(activation_quant)
+    if activation_quant != "auto":
+        return activation_quant
+    return "int8" if quantization in INTEGER_DOT_METHODS else "none"
+
+
 def check_activation_options(o) -> None:
     """--activation-quant / --smoothquant-alpha of a build (QuantOptions); ValueError names the flag."""
-    if o.activation_quant not in ("none", "int8"):
-        raise ValueError(f"--activation-quant {o.activation_quant!r} not supported; allowed: none, int8")
+    check_activation_value(o.activation_quant)
     if o.activation_quant == "int8" and not (o.quantization == "int8" or o.quantization.startswith("int4")):
         raise ValueError(f"--activation-quant int8 runs int8 / int4 weights on integer dot products: it needs "
                          f"--quantization int8, int4-rtn, int4-awq or int4-gptq, got {o.quantization}")
@@ -99,14 +121,27 @@ def check_activation_options(o) -> None:
         raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {a!r}")
 
 
-def smoothquant_applies(o) -> bool:
+def smoothquant_applies(o, tokenizer=True) -> bool:
     """Whether an --activation-quant int8 build smooths: --no-smoothquant never, --smoothquant-alpha
-    always; by default for int8 weights only. Groups of 4-bit weights along the input dimension take
-    the migrated outliers badly: on SmolLM2 (2,047 held-out tokens) W4A8 with alpha 0.5 lost 17.8%
-    in perplexity where W4A8 without it lost 0.6% (docs/quantization.md)."""
-    if o.activation_quant != "int8" or o.smoothquant is False:
+    always; by default for int8 weights only, and only when the source has a tokenizer for the
+    calibration text (a GGUF without a vocabulary gets W8A8 without smoothing). Groups of 4-bit
+    weights along the input dimension take the migrated outliers badly: on SmolLM2 (2,047
+    held-out tokens) W4A8 with alpha 0.5 lost 17.8% in perplexity where W4A8 without it lost 0.6%
+    (docs/quantization.md)."""
+    if resolve_activation_quant(o.activation_quant, o.quantization) != "int8" or o.smoothquant is False:
         return False
-    return bool(o.smoothquant) or o.smoothquant_alpha is not None or o.quantization == "int8"
+    if o.smoothquant or o.smoothquant_alpha is not None:
+        return True
+    return o.quantization == "int8" and tokenizer is not None
+
+
+def smoothquant_off(o, tokenizer=True) -> str:
+    """Why an int8-activation build did not smooth (the build report's `smoothquant`)."""
+    if o.smoothquant is False:
+        return "off (--no-smoothquant)"
+    if o.quantization != "int8":
+        return "off (int4 weights: docs/quantization.md#integer-dot-activations-w8a8--w4a8)"
+    return "off (the source has no tokenizer for the calibration text)" if tokenizer is None else "off"
 
 
 def smooth_engine_tensors(cfg, tensors: Dict[str, torch.Tensor], runner, plan: dict, alpha: float,

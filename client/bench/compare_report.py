@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-# kind -> (tritium build options, the matching llama.cpp weight type)
+# pair -> (the Tritium engine's build options, llama.cpp's type). int8 / int4 are the default
+# builds (W8A8 / W4A8: --activation-quant auto); int8-wo / int4-wo the same weights weight-only.
 PAIRS = {"bf16": ({"dtype": "bfloat16", "quantization": "none"}, "BF16"),
          "int8": ({"dtype": "bfloat16", "quantization": "int8"}, "Q8_0"),
-         "int4": ({"dtype": "bfloat16", "quantization": "int4-rtn"}, "Q4_0")}
+         "int4": ({"dtype": "bfloat16", "quantization": "int4-rtn"}, "Q4_0"),
+         "int8-wo": ({"dtype": "bfloat16", "quantization": "int8", "activation_quant": "none"}, "Q8_0"),
+         "int4-wo": ({"dtype": "bfloat16", "quantization": "int4-rtn", "activation_quant": "none"}, "Q4_0")}
 
-WEIGHTS = {"bf16": "bf16", "int8": "int8", "int4": "int4-rtn"}
+WEIGHTS = {"bf16": "bf16", "int8": "int8 W8A8", "int4": "int4-rtn W4A8", "int8-wo": "int8 W8A16",
+           "int4-wo": "int4-rtn W4A16"}
 
 
 def _mean(xs: List[Optional[float]]) -> Optional[float]:
@@ -74,13 +78,13 @@ def format_table(report: dict) -> str:
     """Plain-text table: one row per (pair, system), then the ratios."""
     pairs = report["pairs"]
     labels = list(next(iter(next(iter(pairs.values()))["figures"].values())))
-    head = f"{'pair':<5} {'system':<17} {'weights':<9}" + "".join(
+    head = f"{'pair':<7} {'system':<17} {'weights':<14}" + "".join(
         f" {lab + ' tok/s':>12} {lab + ' TTFT ms':>13} {lab + ' ITL ms':>17}" for lab in labels) + "  errors"
     lines = [head]
     for kind, p in pairs.items():
         for system, by in p["figures"].items():
             w = p["weights"]["llama-server" if system.startswith("llama-server") else "tritium"]
-            row = f"{kind:<5} {system:<17} {w:<9}"
+            row = f"{kind:<7} {system:<17} {w:<14}"
             for lab in labels:
                 f = by[lab]
                 itl = f"{_f(f['itl_p50_ms'])} / {_f(f.get('itl_p99_ms'), '{:.0f}')}"

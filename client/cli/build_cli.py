@@ -10,7 +10,9 @@ from tritium.backend.config import (BUILD_REPORT_FILE, ENGINE_CONFIG_FILE, SUPPO
                                     SUPPORTED_EMBEDDING_QUANTIZATION,
                                     SUPPORTED_KV_CACHE_DTYPES, SUPPORTED_KV_ROTATIONS, SUPPORTED_QUANTIZATION)
 from tritium.kernels.quant_layouts import INT4_LAYOUTS
-from tritium.backend.engine_options import SPECULATIVE, add_option_arguments, speculative_config, to_params
+from tritium.builder.quant.smoothquant import ACTIVATION_QUANT_CHOICES
+from tritium.backend.engine_options import (SPECULATIVE, add_option_arguments, lora_adapters_from_args,
+                                           speculative_config, to_params)
 from tritium.backend.speculative.config import DEFAULT_NUM_SPECULATIVE_TOKENS
 
 
@@ -58,15 +60,18 @@ def register(sub) -> None:
     p.add_argument("--exclude-modules", default=None, metavar="PATTERN",
                    help="comma-separated globs of linears kept in float, e.g. 'layers.0.*,*.down_proj'")
     s = p.add_argument_group("integer-dot activations (docs/quantization.md#integer-dot-w8a8--w4a8)")
-    s.add_argument("--activation-quant", default="none", choices=("none", "int8"),
+    s.add_argument("--activation-quant", default="auto", choices=ACTIVATION_QUANT_CHOICES,
                    help="int8: the engine's int8 / int4 linears quantize activations per row and block of 32 to int8 "
-                        "and run integer dot products on CPU (W8A8 / W4A8), int8 weights after SmoothQuant; none (default): "
-                        "weight-only. The backend parameter / engine option activation_quant overrides it at run time")
+                        "and run integer dot products on CPU (W8A8 / W4A8), int8 weights after SmoothQuant; none: "
+                        "weight-only (W8A16 / W4A16 numerics); auto (default): int8 for --quantization int8, int4-rtn, "
+                        "int4-awq and int4-gptq, none for every other build (float, fp8, --quantization auto, "
+                        "imported pre-quantized checkpoints). GPUs run weight-only either way. The backend parameter "
+                        "/ engine option activation_quant overrides it at run time")
     s.add_argument("--smoothquant-alpha", type=float, default=None, metavar="A",
-                   help="with --activation-quant int8: SmoothQuant's migration strength in [0, 1] (default 0.5); "
+                   help="int8 activations: SmoothQuant's migration strength in [0, 1] (default 0.5); "
                         "given, SmoothQuant also runs for int4 weights (off for them by default)")
     s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
-                   help="with --activation-quant int8: do not smooth activation outliers into the weights")
+                   help="int8 activations: do not smooth activation outliers into the weights")
     p.add_argument("--int4-layout", default=None, choices=INT4_LAYOUTS,
                    help="int4 linears: asymmetric (default: a float16 scale and zero point per group, 5 bits per "
                         "weight at groups of 32; keeps a GGUF Q4_1 source's grid exactly) or symmetric (codes -8..7 "
@@ -154,6 +159,14 @@ def options_from_args(args: argparse.Namespace):
                                            "max_ppl_increase", "auto_int4_method", "auto_candidates",
                                            "eval_tokens", "activation_quant", "smoothquant", "smoothquant_alpha")
              if hasattr(args, k)}
+    if lora_adapters_from_args(args) and extra.get("smoothquant") is None:
+        # an adapter acts on a linear's input, which SmoothQuant scales (backend/lora/setup.check_unsmoothed)
+        if extra.get("smoothquant_alpha") is not None:
+            raise ValueError("--smoothquant-alpha: SmoothQuant scales each linear's input, so the --lora adapters "
+                             "could not apply; drop it (builds with --lora are not smoothed)")
+        from tritium.builder.quant.smoothquant import resolve_activation_quant
+        if resolve_activation_quant(extra.get("activation_quant", "auto"), extra.get("quantization") or "none") == "int8":
+            extra["smoothquant"] = False
     return BuildOptions(source=args.source, output=args.output, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         block_size=args.block_size, allow_pickle=args.allow_pickle,
@@ -169,13 +182,17 @@ def run(args: argparse.Namespace) -> int:
     placement = placement_args(args)  # likewise
     from tritium.builder.lora_repo import check_lora_after_build, lora_params
     spec_params.update(lora_params(args))  # adapters' folders checked before the build too
-    cfg = build_engine(options_from_args(args))
+    opts = options_from_args(args)
+    cfg = build_engine(opts)
     check_lora_after_build(args, cfg)  # shapes and modules against the engine, before the repository
     m = cfg.model
     print(f"engine written to {args.output}: {m.architecture}, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"dtype {cfg.dtype}, quantization {cfg.quantization.method}"
           f"{f', tensor parallel {cfg.tensor_parallel_size} ranks' if cfg.tensor_parallel_size > 1 else ''}", file=sys.stderr)
     _print_quality(args.output)
+    if opts.smoothquant is False and getattr(args, "smoothquant", None) is None:
+        print("SmoothQuant is off because the engine serves --lora adapters: it would scale the inputs the "
+              "adapters act on (docs/lora.md)", file=sys.stderr)
     if getattr(args, "repo", None):
         from tritium.builder.repository import write_repository
         name = args.name or os.path.basename(os.path.normpath(args.output))
@@ -190,13 +207,13 @@ def _print_quality(engine_dir: str) -> None:
     """The KV cache's bytes per token, the build's size (bits per weight, bytes against a bfloat16
     engine) and a quantized build's held-out figures, from its build report."""
     import json
-    from tritium.builder.report import kv_cache_line, quality_summary, size_summary
+    from tritium.builder.report import activation_line, kv_cache_line, quality_summary, size_summary
     path = os.path.join(engine_dir, BUILD_REPORT_FILE)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
         lines = (([kv_cache_line(report["kv_cache"])] if "kv_cache" in report else []) + size_summary(report)
-                 + quality_summary(report))
+                 + [line for line in [activation_line(report)] if line] + quality_summary(report))
         for line in lines:
             print(line, file=sys.stderr)
 

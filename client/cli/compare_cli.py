@@ -1,6 +1,7 @@
 """`tritium compare`: Tritium side by side with llama.cpp's llama-server, matched bits, one run.
 
-For each pair (Tritium bf16 vs llama.cpp BF16, int8 vs Q8_0, int4-rtn vs Q4_0):
+For each pair (Tritium bf16 vs llama.cpp BF16, int8 W8A8 vs Q8_0, int4-rtn W4A8 vs Q4_0; int8-wo / int4-wo:
+the weight-only engines of the same weights, on request):
   1. the GGUF (default SmolLM2-135M-Instruct Q4_1) is requantized with `llama-quantize
      --allow-requantize` (cached) and the Tritium engine built with `tritium build` (cached);
   2. llama-server (`-np P -c P*2048 -t T -tb T`: P slots of 2048 tokens, Tritium's max_seq_len;
@@ -42,9 +43,11 @@ def register(sub) -> None:
     p.add_argument("--llama-cpp-dir", default=None, help="an existing llama.cpp build (the folder holding "
                    "build/bin/llama-server; or $TRITIUM_LLAMA_CPP_DIR); default: build it once into the cache")
     p.add_argument("--gguf", default=None, help="source GGUF (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--engines-dir", default=None, help="folder of prebuilt engines named bf16/ int8/ int4/ "
-                   "(default: <cache>/compare/engines, built when missing)")
-    p.add_argument("--pairs", default="bf16,int8,int4", help="which pairs, in order (default bf16,int8,int4)")
+    p.add_argument("--engines-dir", default=None, help="folder of prebuilt engines named after the pairs (bf16/ "
+                   "int8/ int4/ int8-wo/ int4-wo/; default: <cache>/compare/engines, built when missing)")
+    p.add_argument("--pairs", default="bf16,int8,int4",
+                   help="which pairs, in order (default bf16,int8,int4): int8 / int4 are the default builds, W8A8 / "
+                        "W4A8; int8-wo / int4-wo the same weights weight-only (--activation-quant none)")
     p.add_argument("--repeats", type=int, default=1, help="suite repetitions per pair (default 1)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t/-tb and in-process torch threads "
                                                           "(default 2)")
@@ -129,11 +132,32 @@ def format_host_section(host: dict) -> str:
     return "\n".join(lines)
 
 
-def ensure_engine(kind: str, gguf: str, engines_dir: str, log) -> str:
-    """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing."""
+def expected_activation_quant(kind: str) -> str:
+    """The activation_quant PAIRS[kind]'s build gives (int8 / int4: W8A8 / W4A8 by default)."""
+    from tritium.builder.quant.smoothquant import resolve_activation_quant
+    opts = PAIRS[kind][0]
+    return resolve_activation_quant(opts.get("activation_quant", "auto"), opts["quantization"])
+
+
+def ensure_engine(kind: str, gguf: str, engines_dir: str, log, cached: bool = True) -> str:
+    """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing. An engine
+    there whose activation_quant is not the pair's (a weight-only int8 / int4 engine built before
+    integer-dot activations became the default) is rebuilt in the cache (`cached`), refused in a
+    folder the user named."""
     out = os.path.join(engines_dir, kind)
     if os.path.isfile(os.path.join(out, "engine.json")):
-        return out
+        with open(os.path.join(out, "engine.json"), encoding="utf-8") as f:
+            have = json.load(f).get("activation_quant", "none")
+        want = expected_activation_quant(kind)
+        if have == want:
+            return out
+        if not cached:
+            raise ValueError(f"--engines-dir: {out} has activation_quant {have}, the {kind} pair compares "
+                             f"activation_quant {want} (pairs: int8 / int4 W8A8 / W4A8, int8-wo / int4-wo "
+                             f"weight-only); rebuild it or name the pair that matches it")
+        log(f"{out} has activation_quant {have}, the {kind} pair {want}: rebuilding it")
+        import shutil
+        shutil.rmtree(out)
     from tritium.builder.build import BuildOptions, build_engine
     log(f"building the {kind} engine into {out} ...")
     build_engine(BuildOptions(source=gguf, output=out + ".partial", progress=False, **PAIRS[kind][0]))
@@ -169,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     work = os.path.join(cache_dir(), "compare")
     src = ensure_llama_cpp(args.llama_cpp_dir, log=log, isa=args.isa)
     ggufs = {k: requantize(src, args.gguf, PAIRS[k][1], os.path.join(work, "gguf"), args.isa) for k in pairs}
-    engines = {k: ensure_engine(k, args.gguf, args.engines_dir or os.path.join(work, "engines"), log) for k in pairs}
+    engines = {k: ensure_engine(k, args.gguf, args.engines_dir or os.path.join(work, "engines"), log,
+                                cached=args.engines_dir is None) for k in pairs}
     import torch
     torch.set_num_threads(args.threads)
     host = host_section(engines, args.threads, args.bandwidth_mb)
