@@ -153,9 +153,10 @@ typedef struct {
     int count, gen, sleepers;
 } step_barrier_t;
 
-/* The spin budget adapts: halved after a spin that ended in sleep (a peer had lost its core:
- * spinning on only keeps a core from whoever took it), doubled after one that met its peers,
- * between BARRIER_MIN_NS and BARRIER_MAX_NS (0.3 ms: longer than any op of a step of <= 32 rows
+/* The spin budget adapts: doubled after a wait that ended within BARRIER_MAX_NS (spinning or
+ * not: a longer spin would have met the peers without a futex wake-up), halved after a longer
+ * one (a peer had lost its core: spinning on only keeps a core from whoever took it), between
+ * BARRIER_MIN_NS and BARRIER_MAX_NS (0.3 ms: longer than any op of a step of <= 32 rows
  * here). Shared by the process's steps; a stale value costs speed, never correctness. */
 #define BARRIER_MIN_NS 2000
 #define BARRIER_MAX_NS 300000
@@ -189,7 +190,7 @@ static void barrier(step_barrier_t *b, int nt) {
         return;
     }
     const int64_t budget = __atomic_load_n(&barrier_spin_ns, __ATOMIC_RELAXED);
-    const int64_t until = now_ns() + budget;
+    const int64_t start = now_ns(), until = start + budget;
     for (int spins = 1;; spins++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
             if (budget < BARRIER_MAX_NS)
@@ -202,10 +203,15 @@ static void barrier(step_barrier_t *b, int nt) {
 #endif
         if ((spins & 63) == 0 && now_ns() > until) break;
     }
-    __atomic_store_n(&barrier_spin_ns, budget / 2 > BARRIER_MIN_NS ? budget / 2 : BARRIER_MIN_NS, __ATOMIC_RELAXED);
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
     __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
+    /* the whole wait: within the longest spin, a longer spin would have met the peer (grow);
+     * beyond it, the peer had lost its core (shrink) */
+    const int64_t next = now_ns() - start <= BARRIER_MAX_NS ? 2 * budget : budget / 2;
+    __atomic_store_n(&barrier_spin_ns,
+                     next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
+                     __ATOMIC_RELAXED);
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
