@@ -6,7 +6,7 @@ Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
     int8 / fp8 with LayerQuant.group_size: scales (K//G, N), zeros (K//G, N) when
           LayerQuant.asymmetric
     int4: qweight uint8 (N, K//2), scales/zeros (K//G, N), optional g_idx int32 (K,)
-    int6 (embedding / LM head): qweight uint8 (N, 3K//4) in the engine, int8 (N, K) in memory; scales (N,)
+    int6 (embedding / LM head): qweight uint8 (N, 3K//4) (as stored); scales (N,) or (K//G, N)
     bias (engine dtype, optional) for all.
 Scales and zeros keep the dtype the engine stores (float16 or bfloat16 since engine format 3,
 float32 in older and imported engines; DecoderLM.load_engine_weights): the CPU packing widens
@@ -123,6 +123,10 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         _register_group_params(self, layer_quant, "int8")
 
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 codes of output rows `ids` (the embedding lookup)."""
+        return self.qweight[ids]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             return self._cpu(x)
@@ -134,19 +138,28 @@ class Int8Linear(_QuantLinearBase):
 class Int6Linear(Int8Linear):
     """The int6 embedding / LM head (LayerQuant "int6", kernels/quant_layouts.INT6_LAYOUT): the
     engine stores four 6-bit codes in three bytes with a bfloat16 scale per row, or float16
-    scales per group of LayerQuant.group_size (the grouped int8 layout's scales); at load
-    (from_engine) the codes are widened once to int8 (exact: -32..31), so the lookup, the CPU
-    kernels (the int8 GEMMs of every ISA path) and the CUDA W8A16 GEMM run the int8 layout on
-    the same values: w = q * scales[n] (grouped: q * scales[k // G, n])."""
+    scales per group of LayerQuant.group_size; w = q * scales[n] (grouped: q * scales[k // G, n]).
+    qweight stays as stored (uint8 (N, 3K/4)). On CPU the head is packed by
+    kernels/cpu_linear.pack_int6: the integer-dot head on the 6-bit codes (kernels/cpu_head.c,
+    repacked once into its panels) or, where that is off, the codes widened to int8 for the int8
+    kernels; the lookup (codes()) unpacks the gathered rows of the same stored codes. On CUDA the
+    codes are widened to int8 once, on the first call, for the W8A16 GEMM."""
+    method = "int6"
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         if in_features % 4:
             raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
+        self.register_buffer("qweight", torch.empty(out_features, 3 * in_features // 4, dtype=torch.uint8))
 
-    def from_engine(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
-        """An engine tensor as this module holds it: qweight unpacked to int8 codes (N, K)."""
-        return unpack_int6(t) if leaf == "qweight" and t.dtype == torch.uint8 else t
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.qweight[ids]
+        return unpack_int6(q) if q.dtype == torch.uint8 else q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.qweight.dtype == torch.uint8:
+            self._buffers["qweight"] = unpack_int6(self.qweight)
+        return super().forward(x)
 
 
 class Fp8Linear(_QuantLinearBase):
