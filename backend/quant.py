@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tritium.kernels import ops
-from tritium.kernels.cpu_linear import ACTIVATION_QUANT
+from tritium.kernels.cpu_linear import ACTIVATION_QUANT, head_dot_enabled
 from tritium.kernels.quant_layouts import unpack_int6
 
 from .config import EngineConfig
@@ -36,6 +36,7 @@ from .config import EngineConfig
 class _QuantLinearBase(nn.Module):
     method = ""  # the LayerQuant method this class implements
     activation_quant = "none"  # "int8": W8A8 / W4A8 on CPU (set_activation_quant)
+    is_head = False  # the logits GEMM (DecoderLM sets it on its LM head): see head_activation_quant
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, layer_quant):
         super().__init__()
@@ -51,9 +52,20 @@ class _QuantLinearBase(nn.Module):
         if self._packed is None or len(key) != len(self._packed_key) or any(
                 a is not b for a, b in zip(key, self._packed_key)):
             self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size,
-                                               activation_quant=self.activation_quant)
+                                               activation_quant=self.head_activation_quant())
             self._packed_key = key
         return self._packed
+
+    def head_activation_quant(self) -> str:
+        """activation_quant as the CPU kernels take it: an int6 or grouped int8 LM head of a
+        bfloat16 engine runs integer-dot even in a weight-only engine (W6A8 / W8A8: the head's
+        quality cost measured in docs/quantization.md), unless TRITIUM_HEAD_DOT=0 (read when
+        the weight is packed); per-row int8 and int4 heads follow the engine's setting."""
+        if (self.is_head and self.activation_quant == "none" and self.dtype == torch.bfloat16
+                and (self.method == "int6" or (self.method == "int8" and self.group_size))
+                and head_dot_enabled()):
+            return "int8"
+        return self.activation_quant
 
     def prepare_for_device(self, device) -> None:
         """Called by the engine loader after a device move: convert to the kernel layout now."""

@@ -50,7 +50,7 @@ DEQUANT_MIN_ROWS = 64
 # Largest K for which oneDNN's pre-packed bf16 GEMM gave every row the same bits for every M
 # (1..512, SmolLM2 and test shapes, 1 and 2 threads); from K = 1088 on, rows differ from M = 2..23.
 ONEDNN_INVARIANT_MAX_K = 1024
-HEAD_DOT_ENV = "TRITIUM_HEAD_DOT"  # "0": int6 heads of bf16 weight-only engines stay weight-only (pack_int6)
+HEAD_DOT_ENV = "TRITIUM_HEAD_DOT"  # "0": LM heads of weight-only engines stay weight-only (backend/quant.py)
 ONEDNN_ENV = "TRITIUM_CPU_ONEDNN"  # "1": dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on oneDNN
 _scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's quantized layers
 
@@ -150,7 +150,8 @@ def pack_int8(qweight, scales, zeros, group_size, dtype: torch.dtype, activation
 
 
 def head_dot_enabled() -> bool:
-    """TRITIUM_HEAD_DOT (default 1): int6 heads of bfloat16 engines run the integer-dot head."""
+    """TRITIUM_HEAD_DOT (default 1): the int6 / grouped int8 LM heads of bfloat16 weight-only
+    engines run integer-dot (backend/quant.py head_activation_quant); 0 keeps them weight-only."""
     v = os.environ.get(HEAD_DOT_ENV, "1")
     if v not in ("0", "1"):
         raise ValueError(f"{HEAD_DOT_ENV} must be 0 or 1, got {v!r}")
@@ -159,14 +160,11 @@ def head_dot_enabled() -> bool:
 
 def pack_int6(qweight, scales, group_size, dtype: torch.dtype, activation_quant: str = "none") -> CpuLinear:
     """The int6 embedding / LM head (quant_layouts.INT6_LAYOUT, qweight the stored uint8 (N, 3K/4)):
-    the integer-dot head on its 6-bit codes (cpu_head.c, W6A8) with activation_quant "int8", and
-    in bfloat16 engines with "none" too unless TRITIUM_HEAD_DOT=0; else the codes widened to int8
-    and the int8 kernels (weight-only, pack_int8)."""
+    the integer-dot head on its 6-bit codes (cpu_head.c, W6A8) with activation_quant "int8",
+    else the codes widened to int8 for the int8 kernels (weight-only, pack_int8)."""
     codes = unpack_int6(qweight) if qweight.dtype == torch.uint8 else qweight
     k = codes.shape[1]
-    dot = _i8dot_ok(k, group_size, activation_quant) or (
-        activation_quant == "none" and dtype == torch.bfloat16 and head_dot_enabled() and cpu_native.available())
-    if dot and head_pack.repackable(k, group_size):
+    if _i8dot_ok(k, group_size, activation_quant) and head_pack.repackable(k, group_size):
         return CpuLinear("head6", (head_pack.repack6(codes, scales, group_size),))
     return pack_int8(codes, scales, None, group_size, dtype, activation_quant)
 

@@ -75,6 +75,9 @@ class DecoderLM(nn.Module):
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
             m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if head is not None:
+            head.is_head = True  # its CPU kernel choice: backend/quant.py head_activation_quant
         # A centred head (LayerQuant.centred): logits = (h - head_input_mean) W^T + head_mean_logits.
         hq = cfg.quantization.layers.get("embed_tokens" if m.tie_word_embeddings else "lm_head")
         centred = hq is not None and hq.centred
