@@ -16,7 +16,7 @@ With --prefill N, also prompt tokens/s of --batch requests of N-token prompts sc
 With --native-threads M, also the native step on M torch threads (one parallel region for the
 whole step, kernels/cpu_decode_layer.c), interleaved: tokens/s and per CPU-second of the process
 (all its threads), and the wall-clock ratio to the native step on --threads.
-With --head (engines with an int6 head), also the same engine with its LM head on the old
+With --head (engines with an int6 / int8 head), also the same engine with its LM head on the old
 path (TRITIUM_HEAD_DOT=0: codes widened to int8, weight-only), native step on, interleaved, and
 the head's own time per call at --batch rows (best of 20 calls per round) on both heads: the
 head's share of a native decode step is head ms x steps/s.
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--native-threads", type=int, default=0,
                    help="also time the native step on this many torch threads (default 0: off)")
     p.add_argument("--head", action="store_true",
-                   help="int6 heads: also the old weight-only head (TRITIUM_HEAD_DOT=0), native step, and head ms per call")
+                   help="int6 / int8 heads: also the old weight-only head (TRITIUM_HEAD_DOT=0), native step, and head ms per call")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="host memory bandwidth for the limit column (default: measured, a float32 sum)")
     args = p.parse_args(argv)
@@ -200,8 +200,8 @@ def _head(eng: LLMEngine, args, batch: int, name: str) -> None:
     """Decode tok/s (native step) with the default head and TRITIUM_HEAD_DOT=0's, interleaved,
     and each head's CPU ms per call at `batch` rows."""
     model = eng.runner.model
-    if getattr(model.lm_head or model.embed_tokens, "method", None) != "int6":
-        print(f"{name:28s} {batch:5d} --head: not an int6 head")
+    if getattr(model.lm_head or model.embed_tokens, "method", None) not in ("int6", "int8"):
+        print(f"{name:28s} {batch:5d} --head: not an int6 / int8 head")
         return
     old = os.environ.get(HEAD_DOT_ENV)
     best = {"1": [0.0, 0.0, float("inf")], "0": [0.0, 0.0, float("inf")]}
