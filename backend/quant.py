@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tritium.kernels import ops
+from tritium.kernels import cpu_native, head_pack, ops
 from tritium.kernels.cpu_linear import ACTIVATION_QUANT, head_dot_enabled
-from tritium.kernels.quant_layouts import unpack_int6
+from tritium.kernels.quant_layouts import pack_int6, unpack_int6
 
 from .config import EngineConfig
 
@@ -153,9 +153,10 @@ class Int6Linear(Int8Linear):
     scales per group of LayerQuant.group_size; w = q * scales[n] (grouped: q * scales[k // G, n]).
     qweight stays as stored (uint8 (N, 3K/4)). On CPU the head is packed by
     kernels/cpu_linear.pack_int6: the integer-dot head on the 6-bit codes (kernels/cpu_head.c,
-    repacked once into its panels) or, where that is off, the codes widened to int8 for the int8
-    kernels; the lookup (codes()) unpacks the gathered rows of the same stored codes. On CUDA the
-    codes are widened to int8 once, on the first call, for the W8A16 GEMM."""
+    repacked once into its panels, which then replace qweight: one copy, the lookup (codes())
+    reads its rows there) or, where that is off, the codes widened to int8 for the int8 kernels
+    (the lookup unpacks the gathered rows of qweight). On CUDA the codes are widened to int8
+    once, on the first call, for the W8A16 GEMM."""
     method = "int6"
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
@@ -163,8 +164,24 @@ class Int6Linear(Int8Linear):
             raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
         self.register_buffer("qweight", torch.empty(out_features, 3 * in_features // 4, dtype=torch.uint8))
+        self._head6 = None  # the head's panels (kernels/head_pack.Head6Weight) once packed on CPU
+
+    def _get_packed(self):
+        if self._head6 is not None and self._packed is None:  # repacking (another mode): codes back as stored
+            self._buffers["qweight"] = pack_int6(head_pack.signed_codes(self._head6))
+            self._head6 = None
+        p = super()._get_packed()
+        if p.kind == "head6" and self._head6 is None:
+            # The panels hold the same 6-bit codes: the lookup reads them (codes()), so the matrix
+            # is held once; qweight becomes an empty placeholder until a repack needs it back.
+            self._head6 = p.tensors[0]
+            self._buffers["qweight"] = torch.empty(0, 3 * self.in_features // 4, dtype=torch.uint8)
+            self._packed_key = tuple(self._buffers.values())
+        return p
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._head6 is not None:
+            return cpu_native.head6_rows(self._head6, ids)
         q = self.qweight[ids]
         return unpack_int6(q) if q.dtype == torch.uint8 else q
 

@@ -158,3 +158,36 @@ def test_tensor_parallel_vocabulary_shards_give_the_full_heads_columns(tp_engine
         assert torch.equal(part.embed_tokens.codes(ids), full.embed_tokens.codes(ids + v0)), r
         covered += v1 - v0
     assert covered == full.cfg.model.vocab_size
+
+
+def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                       native_cpu):
+    """A tied int6 embedding packed as the W6A8 head: qweight is dropped (the panels are the one
+    copy), the lookup reads its rows from the panels and equals the stored layout's dequantized
+    rows; switching the head to weight-only (TRITIUM_HEAD_DOT=0) brings the stored codes back."""
+    from tritium.backend.loader import load_engine
+    from safetensors.torch import load_file
+    src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, tie_word_embeddings=True)
+    out = str(tmp_path / "tied")
+    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
+                              embedding_quantization="int6", progress=False, eval_tokens=0))
+    cfg, model, _ = load_engine(out, "cpu")
+    assert cfg.model.tie_word_embeddings and model.lm_head is None
+    t = load_file(os.path.join(out, "rank0.safetensors"))
+    e = model.embed_tokens
+    assert e._get_packed().kind == "head6" and e.qweight.numel() == 0
+    ids = torch.tensor([0, 999, 5, 16, 17, 640, 5])
+    emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64)
+    assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
+    h = torch.randn(3, 128).to(torch.bfloat16)
+    y = model.compute_logits(h)
+    ref = h.float() @ emb.t()
+    assert ((y - ref).norm() / ref.norm()).item() < 2e-2
+    monkeypatch.setenv("TRITIUM_HEAD_DOT", "0")
+    e._packed = None  # as set_activation_quant does on a mode change
+    assert e._get_packed().kind != "head6"
+    assert torch.equal(e.qweight, t["embed_tokens.qweight"])  # the stored codes, rebuilt exactly
+    assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
+    yw = model.compute_logits(h)
+    assert ((yw - ref).norm() / ref.norm()).item() < 1e-2 and not torch.equal(yw, y)
