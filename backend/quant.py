@@ -185,6 +185,17 @@ class Int6Linear(Int8Linear):
         q = self.qweight[ids]
         return unpack_int6(q) if q.dtype == torch.uint8 else q
 
+    def int8_codes(self) -> torch.Tensor:
+        """The codes widened to int8 (N, K), from wherever this module holds them."""
+        if self._head6 is not None:
+            return head_pack.signed_codes(self._head6)
+        return unpack_int6(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
+
+    def prepare_for_device(self, device) -> None:
+        if torch.device(device).type != "cpu" and self.qweight.dtype == torch.uint8:
+            self._buffers["qweight"] = unpack_int6(self.qweight)  # the W8A16 GEMM's int8 codes
+        super().prepare_for_device(device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.qweight.dtype == torch.uint8:
             self._buffers["qweight"] = unpack_int6(self.qweight)
