@@ -160,18 +160,23 @@ def test_tensor_parallel_vocabulary_shards_give_the_full_heads_columns(tp_engine
     assert covered == full.cfg.model.vocab_size
 
 
-def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tiny_checkpoint, tmp_path, monkeypatch,
-                                                                       native_cpu):
+@pytest.fixture(scope="module")
+def tied_engine(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)  # the native step's sizes
+    out = str(tmp_path_factory.mktemp("tied") / "e")
+    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
+                              embedding_quantization="int6", progress=False, eval_tokens=0))
+    return out
+
+
+def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tied_engine, monkeypatch, native_cpu):
     """A tied int6 embedding packed as the W6A8 head: qweight is dropped (the panels are the one
     copy), the lookup reads its rows from the panels and equals the stored layout's dequantized
     rows; switching the head to weight-only (TRITIUM_HEAD_DOT=0) brings the stored codes back."""
     from tritium.backend.loader import load_engine
     from safetensors.torch import load_file
-    src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
-                          num_key_value_heads=2, tie_word_embeddings=True)
-    out = str(tmp_path / "tied")
-    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
-                              embedding_quantization="int6", progress=False, eval_tokens=0))
+    out = tied_engine
     cfg, model, _ = load_engine(out, "cpu")
     assert cfg.model.tie_word_embeddings and model.lm_head is None
     t = load_file(os.path.join(out, "rank0.safetensors"))
@@ -191,3 +196,16 @@ def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tiny_chec
     assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
     yw = model.compute_logits(h)
     assert ((yw - ref).norm() / ref.norm()).item() < 1e-2 and not torch.equal(yw, y)
+
+
+def test_head_benchmarks_print_their_figures(tied_engine, capsys, native_cpu):
+    """The benchmarks run and print one figure per kernel / head (not timed: figures only)."""
+    from tritium.client.bench import head_bench, native_step_bench
+    assert head_bench.main(["--vocab", "100", "--hidden", "64", "--rows", "1,3", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ms ") == 6 and "W6A8 (cpu_head.c)" in out
+    assert native_step_bench.main([tied_engine, "--batch", "1", "--tokens", "4", "--rounds", "1", "--head",
+                                   "--bandwidth-gbs", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "head head6:" in out and "(TRITIUM_HEAD_DOT=0)" in out and "ratio" in out
+    assert os.environ.get("TRITIUM_HEAD_DOT") is None  # restored

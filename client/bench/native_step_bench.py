@@ -221,11 +221,11 @@ def _head(eng: LLMEngine, args, batch: int, name: str) -> None:
                 b = best[dot]
                 best[dot] = [max(b[0], w), max(b[1], c), min(b[2], ms)]
     finally:
+        _set_head(model, old or "1")
         if old is None:
             os.environ.pop(HEAD_DOT_ENV, None)
         else:
             os.environ[HEAD_DOT_ENV] = old
-        _set_head(model, old or "1")
     (w1, c1, m1), (w0, c0, m0) = best["1"], best["0"]
     print(f"{name:28s} {batch:5d} head {kinds['1']}: {w1:.1f} tok/s, {c1:.1f} tok/CPU-s, head {m1:.2f} ms "
           f"({m1 * c1 / batch / 10:.0f}% of a step); head {kinds['0']} (TRITIUM_HEAD_DOT=0): {w0:.1f} tok/s, "
