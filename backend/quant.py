@@ -135,8 +135,28 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         _register_group_params(self, layer_quant, "int8")
 
+    _panels = None  # a CPU head's integer-dot weight once it holds the only copy of the codes
+
+    def _get_packed(self):
+        if self._panels is not None and self._packed is None:  # repacking (another mode): codes back
+            self._buffers["qweight"] = self._stored_codes(self._panels)
+            self._panels = None
+        p = super()._get_packed()
+        if self.is_head and p.kind in ("i8dot", "head6") and self._panels is None:
+            # The head's panels hold the same codes: the lookup (codes()) reads its rows there, so
+            # the matrix is held once; qweight stays an empty placeholder until a repack needs it.
+            self._panels = p.tensors[0]
+            self._buffers["qweight"] = self.qweight.new_empty((0,) + tuple(self.qweight.shape[1:]))
+            self._packed_key = tuple(self._buffers.values())
+        return p
+
+    def _stored_codes(self, panels) -> torch.Tensor:
+        return head_pack.i8dot_codes(panels).to(torch.int8)
+
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 codes of output rows `ids` (the embedding lookup)."""
+        if self._panels is not None:
+            return head_pack.i8dot_codes(self._panels, ids)
         return self.qweight[ids]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +173,7 @@ class Int6Linear(Int8Linear):
     scales per group of LayerQuant.group_size; w = q * scales[n] (grouped: q * scales[k // G, n]).
     qweight stays as stored (uint8 (N, 3K/4)). On CPU the head is packed by
     kernels/cpu_linear.pack_int6: the integer-dot head on the 6-bit codes (kernels/cpu_head.c,
-    repacked once into its panels, which then replace qweight: one copy, the lookup (codes())
-    reads its rows there) or, where that is off, the codes widened to int8 for the int8 kernels
+    repacked once into its panels, which then replace qweight as for int8 heads) or, where that is off, the codes widened to int8 for the int8 kernels
     (the lookup unpacks the gathered rows of qweight). On CUDA the codes are widened to int8
     once, on the first call, for the W8A16 GEMM."""
     method = "int6"
@@ -164,31 +183,20 @@ class Int6Linear(Int8Linear):
             raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
         self.register_buffer("qweight", torch.empty(out_features, 3 * in_features // 4, dtype=torch.uint8))
-        self._head6 = None  # the head's panels (kernels/head_pack.Head6Weight) once packed on CPU
 
-    def _get_packed(self):
-        if self._head6 is not None and self._packed is None:  # repacking (another mode): codes back as stored
-            self._buffers["qweight"] = pack_int6(head_pack.signed_codes(self._head6))
-            self._head6 = None
-        p = super()._get_packed()
-        if p.kind == "head6" and self._head6 is None:
-            # The panels hold the same 6-bit codes: the lookup reads them (codes()), so the matrix
-            # is held once; qweight becomes an empty placeholder until a repack needs it back.
-            self._head6 = p.tensors[0]
-            self._buffers["qweight"] = torch.empty(0, 3 * self.in_features // 4, dtype=torch.uint8)
-            self._packed_key = tuple(self._buffers.values())
-        return p
+    def _stored_codes(self, panels) -> torch.Tensor:
+        return pack_int6(head_pack.signed_codes(panels))
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
-        if self._head6 is not None:
-            return cpu_native.head6_rows(self._head6, ids)
+        if self._panels is not None:
+            return cpu_native.head6_rows(self._panels, ids)
         q = self.qweight[ids]
         return unpack_int6(q) if q.dtype == torch.uint8 else q
 
     def int8_codes(self) -> torch.Tensor:
         """The codes widened to int8 (N, K), from wherever this module holds them."""
-        if self._head6 is not None:
-            return head_pack.signed_codes(self._head6)
+        if self._panels is not None:
+            return head_pack.signed_codes(self._panels)
         return unpack_int6(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
 
     def prepare_for_device(self, device) -> None:

@@ -97,6 +97,19 @@ def signed_codes(p: Head6Weight, ids: Optional[torch.Tensor] = None) -> torch.Te
     return ((lo | (hi << 4)) - 32).to(torch.int8).reshape(-1, k)
 
 
+def i8dot_codes(p, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The signed int8 codes (N, K) of an 8-bit i8dot_pack.I8DotWeight, or of the rows `ids`
+    (T, K): the lookup of an int8 head that holds its codes in the integer-dot panels."""
+    n, k = p.shape
+    if p.bits != 8:
+        raise ValueError(f"i8dot_codes: 8-bit panels only, got {p.bits}")
+    rows = torch.arange(n) if ids is None else ids.long()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise IndexError(f"i8dot_codes: ids must lie in [0, {n})")
+    b = p.codes[rows // PANEL, :, :, rows % PANEL, :]  # (T, K/32, 8, 4): k = 32 b + 4 i + e
+    return b.reshape(-1, k).view(torch.int8)
+
+
 def scales(p: Head6Weight) -> torch.Tensor:
     """w's scale per channel and group, float32 (N, K // G): r d (exact)."""
     n = p.shape[0]

@@ -160,30 +160,40 @@ def test_tensor_parallel_vocabulary_shards_give_the_full_heads_columns(tp_engine
     assert covered == full.cfg.model.vocab_size
 
 
-@pytest.fixture(scope="module")
-def tied_engine(tiny_checkpoint, tmp_path_factory):
+def _tied(tiny_checkpoint, out: str, quantization: str) -> str:
     src = tiny_checkpoint("llama", hidden_size=128, intermediate_size=96, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)  # the native step's sizes
-    out = str(tmp_path_factory.mktemp("tied") / "e")
-    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
-                              embedding_quantization="int6", progress=False, eval_tokens=0))
+    build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization=quantization,
+                              progress=False, eval_tokens=0))  # embedding: int6 g64 / int8 g32 (defaults)
     return out
 
 
-def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tied_engine, monkeypatch, native_cpu):
-    """A tied int6 embedding packed as the W6A8 head: qweight is dropped (the panels are the one
-    copy), the lookup reads its rows from the panels and equals the stored layout's dequantized
-    rows; switching the head to weight-only (TRITIUM_HEAD_DOT=0) brings the stored codes back."""
+@pytest.fixture(scope="module")
+def tied_engine(tiny_checkpoint, tmp_path_factory):
+    return _tied(tiny_checkpoint, str(tmp_path_factory.mktemp("tied") / "e"), "int4-rtn")
+
+
+@pytest.mark.parametrize("quantization", ["int4-rtn", "int8"])
+def test_tied_head_holds_the_codes_once_and_the_lookup_reads_them(tiny_checkpoint, tied_engine, tmp_path,
+                                                                  monkeypatch, native_cpu, quantization):
+    """A tied int6 / int8 embedding packed as the integer-dot head (W6A8 / W8A8): qweight is dropped
+    (the panels are the one copy), the lookup reads its rows from the panels and equals the stored
+    layout's dequantized rows; switching the head to weight-only (TRITIUM_HEAD_DOT=0) brings the
+    stored codes back bit for bit."""
     from tritium.backend.loader import load_engine
+    from tritium.kernels.quant_layouts import dequantize_grouped
     from safetensors.torch import load_file
-    out = tied_engine
+    out = tied_engine if quantization == "int4-rtn" else _tied(tiny_checkpoint, str(tmp_path / "e8"), quantization)
     cfg, model, _ = load_engine(out, "cpu")
     assert cfg.model.tie_word_embeddings and model.lm_head is None
     t = load_file(os.path.join(out, "rank0.safetensors"))
     e = model.embed_tokens
-    assert e._get_packed().kind == "head6" and e.qweight.numel() == 0
+    assert e._get_packed().kind == ("head6" if quantization == "int4-rtn" else "i8dot") and e.qweight.numel() == 0
     ids = torch.tensor([0, 999, 5, 16, 17, 640, 5])
-    emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64)
+    if quantization == "int4-rtn":
+        emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64)
+    else:
+        emb = dequantize_grouped(t["embed_tokens.qweight"], t["embed_tokens.scales"], None, 32)
     assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
     h = torch.randn(3, 128).to(torch.bfloat16)
     y = model.compute_logits(h)
@@ -191,7 +201,7 @@ def test_tied_int6_head_holds_the_codes_once_and_the_lookup_reads_them(tied_engi
     assert ((y - ref).norm() / ref.norm()).item() < 2e-2
     monkeypatch.setenv("TRITIUM_HEAD_DOT", "0")
     e._packed = None  # as set_activation_quant does on a mode change
-    assert e._get_packed().kind != "head6"
+    assert e._get_packed().kind not in ("head6", "i8dot")
     assert torch.equal(e.qweight, t["embed_tokens.qweight"])  # the stored codes, rebuilt exactly
     assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
     yw = model.compute_logits(h)
