@@ -1,7 +1,8 @@
 """Native CPU kernels, built once with the system C compiler: the int8 GEMMs (cpu_gemm.c), the
 batch-invariant bfloat16 and int4 GEMMs (cpu_gemm_bf16.c), paged
 decode attention over a bfloat16 KV cache (cpu_decode_attention.c), the bfloat16 element-wise
-steps between a layer's GEMMs (cpu_glue.c), and the multi-LoRA delta (cpu_lora.c, lora_cpu.py).
+steps between a layer's GEMMs (cpu_glue.c), the multi-LoRA delta (cpu_lora.c, lora_cpu.py), and the
+integer-dot LM head on int6 codes (cpu_head.c, head_pack.py).
 
 The sources are compiled on first use for the instruction-set path this host runs best, or the
 one TRITIUM_CPU_ISA forces (avx512 / avx2 / generic, kernels/cpu_isa.py), into the Tritium cache
