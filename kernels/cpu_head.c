@@ -17,7 +17,7 @@
  * u once per tile of up to 8 rows and a row's 4 codes are broadcast against the 16 channels (no
  * horizontal sums): AVX-512 VNNI (VPDPBUSD on u, started from -32 S, S the block's code sum), AVX2
  * (VPMADDUBSW on u, two slices summed in int16: 2 x 2 x 63 x 127 < 2^15, then VPMADDWD), portable C
- * (signed codes). The float32 steps are those of cpu_gemm_i8dot.c's panels on each path, so an int6
+ * (u rebuilt in channel order as 32-bit words, 4 codes each, then per channel a 32-term dot). The float32 steps are those of cpu_gemm_i8dot.c's panels on each path, so an int6
  * head gives the same bits as its codes widened to int8 and run through tritium_i8dot_gemm.
  * K % 32 == 0, G % 32 == 0, K % G == 0.
  */
@@ -44,7 +44,7 @@ void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, fl
 typedef struct {
     const int8_t *xq;
     const float *xd;
-    const int32_t *xo; /* -32 S (AVX paths: unsigned codes); 0 on the portable path */
+    const int32_t *xo; /* -32 S: the codes are unsigned (u = c + 32) on every path */
     int64_t K, bpg;    /* bpg: blocks of 32 per scale group */
 } acts_t;
 
@@ -140,8 +140,8 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     half_panel(A, m0, wp, dp, out, MR_, 1);
 }
 
-#else /* portable C: signed codes */
-#define OFF 0
+#else /* portable C: unsigned codes u, T = sum u q - 32 S as on the SIMD paths */
+#define OFF 32
 static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     union { uint32_t u; float f; } v;
@@ -153,7 +153,7 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
     return v.f;
 }
 
-static __attribute__((noinline)) void dots16(const int8_t (*restrict c)[QB], const int8_t *restrict x,
+static __attribute__((noinline)) void dots16(const uint8_t (*restrict c)[QB], const int8_t *restrict x,
                                              int32_t *restrict t) {
     for (int j = 0; j < 16; j++) {
         int32_t s = 0;
@@ -162,14 +162,21 @@ static __attribute__((noinline)) void dots16(const int8_t (*restrict c)[QB], con
     }
 }
 
-/* A block's 8 slices of 64 bytes as signed codes, element-wise over the stored vectors (vectorizes). */
-static __attribute__((noinline)) void unpack_block(const uint8_t *restrict p, int8_t (*restrict s)[64]) {
-    for (int i = 0; i < 4; i++)
-        for (int l = 0; l < 64; l++) {
-            const uint8_t v = p[64 * i + l];
-            s[i][l] = (int8_t)(((v & 15) | (((p[256 + l] >> (2 * i)) & 3) << 4)) - 32);
-            s[i + 4][l] = (int8_t)(((v >> 4) | (((p[320 + l] >> (2 * i)) & 3) << 4)) - 32);
+/* A block's codes u in channel order, 4 at a time as 32-bit words (one word holds k = 4 i .. 4 i + 3). */
+static __attribute__((noinline)) void unpack_block(const uint8_t *restrict p, uint8_t (*restrict c)[QB]) {
+    for (int j = 0; j < 16; j++) {
+        uint32_t h0, h1;
+        memcpy(&h0, p + 256 + 4 * j, 4);
+        memcpy(&h1, p + 320 + 4 * j, 4);
+        for (int i = 0; i < 4; i++) {
+            uint32_t w;
+            memcpy(&w, p + 64 * i + 4 * j, 4);
+            const uint32_t a = (w & 0x0f0f0f0fu) | (((h0 >> (2 * i)) & 0x03030303u) << 4);
+            const uint32_t z = ((w >> 4) & 0x0f0f0f0fu) | (((h1 >> (2 * i)) & 0x03030303u) << 4);
+            memcpy(&c[j][4 * i], &a, 4);
+            memcpy(&c[j][4 * i + 16], &z, 4);
         }
+    }
 }
 
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, float *out, const int MR_) {
@@ -177,18 +184,16 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     float f[MR][16];
     memset(f, 0, sizeof f);
     for (int64_t b = 0; b < KB; b++) {
-        const uint8_t *p = wp + b * VB;
-        int8_t s[8][64], c[16][QB]; /* slice i as stored (16 channels x 4 k), then channel j, k */
-        unpack_block(p, s);
-        for (int i = 0; i < 8; i++)
-            for (int j = 0; j < 16; j++) memcpy(&c[j][4 * i], &s[i][4 * j], 4);
+        uint8_t c[16][QB];
+        unpack_block(wp + b * VB, c);
         float dv[16];
         for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[(b / A->bpg) * 16 + j]);
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
             const float xd = A->xd[m * KB + b];
             int32_t t[16];
-            dots16((const int8_t(*)[QB])c, A->xq + m * K + b * QB, t);
+            dots16((const uint8_t(*)[QB])c, A->xq + m * K + b * QB, t);
+            for (int j = 0; j < 16; j++) t[j] += A->xo[m * KB + b];
             for (int j = 0; j < 16; j++) f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
         }
     }
