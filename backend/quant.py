@@ -173,9 +173,10 @@ class Int6Linear(Int8Linear):
     scales per group of LayerQuant.group_size; w = q * scales[n] (grouped: q * scales[k // G, n]).
     qweight stays as stored (uint8 (N, 3K/4)). On CPU the head is packed by
     kernels/cpu_linear.pack_int6: the integer-dot head on the 6-bit codes (kernels/cpu_head.c,
-    repacked once into its panels, which then replace qweight as for int8 heads) or, where that is off, the codes widened to int8 for the int8 kernels
-    (the lookup unpacks the gathered rows of qweight). On CUDA the codes are widened to int8
-    once, on the first call, for the W8A16 GEMM."""
+    repacked once into its panels, which then replace qweight as for int8 heads), or, where that
+    is off, the codes widened to int8 for the int8 kernels (the lookup unpacks the gathered rows
+    of qweight). On CUDA the codes are widened to int8 once (prepare_for_device, or the first
+    call) for the W8A16 GEMM."""
     method = "int6"
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
