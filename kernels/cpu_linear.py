@@ -27,7 +27,10 @@ Numerics, by engine dtype:
   quantized per row and block of 32) for every row count, so a row's result is the same alone,
   in a batch or in a prefill; the weight is repacked once (i8dot_pack.repack) and no weight-only
   copy is kept. Where the kernel cannot run (no native library, K or the group size not a
-  multiple of 32) the layer keeps its weight-only kernel.
+  multiple of 32) the layer keeps its weight-only kernel. An int6 head (pack_int6) runs
+  cpu_head.c on its 6-bit codes instead (W6A8, the same bits as its codes widened to int8
+  through the integer-dot kernel); LM heads of bfloat16 engines take this branch even in
+  weight-only engines (backend/quant.py head_activation_quant, TRITIUM_HEAD_DOT).
 """
 from __future__ import annotations
 
