@@ -11,14 +11,15 @@ import torch
 
 from ..kernels import ops
 from ..kernels.gemm_tuning import LARGE, ROW_BUCKETS
-from .quant import Fp8Linear, Int4Linear, Int8Linear
+from .quant import Fp8Linear, Int4Linear, Int6Linear, Int8Linear
 
 
 def _run(mod, x: torch.Tensor) -> None:
     if isinstance(mod, Int4Linear):
         ops.linear_w4a16(x, mod.qweight, mod.scales, mod.zeros, mod.group_size, mod.g_idx)
     elif isinstance(mod, Int8Linear) or mod.group_size is not None:
-        ops.linear_w8a16(x, mod.qweight, mod.scales, zeros=mod.zeros, group_size=mod.group_size)
+        q = mod.int8_codes() if isinstance(mod, Int6Linear) else mod.qweight  # int6: codes as stored on CPU
+        ops.linear_w8a16(x, q, mod.scales, zeros=mod.zeros, group_size=mod.group_size)
     else:
         ops.linear_fp8(x, mod.qweight, mod.scales)
 

@@ -6,7 +6,7 @@ Buffers are named as the engine stores them (tritium.kernels.quant_layouts):
     int8 / fp8 with LayerQuant.group_size: scales (K//G, N), zeros (K//G, N) when
           LayerQuant.asymmetric
     int4: qweight uint8 (N, K//2), scales/zeros (K//G, N), optional g_idx int32 (K,)
-    int6 (embedding / LM head): qweight uint8 (N, 3K//4) in the engine, int8 (N, K) in memory; scales (N,)
+    int6 (embedding / LM head): qweight uint8 (N, 3K//4) (as stored); scales (N,) or (K//G, N)
     bias (engine dtype, optional) for all.
 Scales and zeros keep the dtype the engine stores (float16 or bfloat16 since engine format 3,
 float32 in older and imported engines; DecoderLM.load_engine_weights): the CPU packing widens
@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tritium.kernels import ops
-from tritium.kernels.cpu_linear import ACTIVATION_QUANT
-from tritium.kernels.quant_layouts import unpack_int6
+from tritium.kernels import cpu_native, head_pack, ops
+from tritium.kernels.cpu_linear import ACTIVATION_QUANT, head_dot_enabled
+from tritium.kernels.quant_layouts import pack_int6, unpack_int6
 
 from .config import EngineConfig
 
@@ -36,6 +36,7 @@ from .config import EngineConfig
 class _QuantLinearBase(nn.Module):
     method = ""  # the LayerQuant method this class implements
     activation_quant = "none"  # "int8": W8A8 / W4A8 on CPU (set_activation_quant)
+    is_head = False  # the logits GEMM (DecoderLM sets it on its LM head): see head_activation_quant
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, layer_quant):
         super().__init__()
@@ -51,9 +52,20 @@ class _QuantLinearBase(nn.Module):
         if self._packed is None or len(key) != len(self._packed_key) or any(
                 a is not b for a, b in zip(key, self._packed_key)):
             self._packed = ops.pack_cpu_linear(self.method, self._buffers, self.dtype, self.group_size,
-                                               activation_quant=self.activation_quant)
+                                               activation_quant=self.head_activation_quant())
             self._packed_key = key
         return self._packed
+
+    def head_activation_quant(self) -> str:
+        """activation_quant as the CPU kernels take it: an int6 or grouped int8 LM head of a
+        bfloat16 engine runs integer-dot even in a weight-only engine (W6A8 / W8A8: the head's
+        quality cost measured in docs/quantization.md), unless TRITIUM_HEAD_DOT=0 (read when
+        the weight is packed); per-row int8 and int4 heads follow the engine's setting."""
+        if (self.is_head and self.activation_quant == "none" and self.dtype == torch.bfloat16
+                and (self.method == "int6" or (self.method == "int8" and self.group_size))
+                and head_dot_enabled()):
+            return "int8"
+        return self.activation_quant
 
     def prepare_for_device(self, device) -> None:
         """Called by the engine loader after a device move: convert to the kernel layout now."""
@@ -123,6 +135,30 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         _register_group_params(self, layer_quant, "int8")
 
+    _panels = None  # a CPU head's integer-dot weight once it holds the only copy of the codes
+
+    def _get_packed(self):
+        if self._panels is not None and self._packed is None:  # repacking (another mode): codes back
+            self._buffers["qweight"] = self._stored_codes(self._panels)
+            self._panels = None
+        p = super()._get_packed()
+        if self.is_head and p.kind in ("i8dot", "head6") and self._panels is None:
+            # The head's panels hold the same codes: the lookup (codes()) reads its rows there, so
+            # the matrix is held once; qweight stays an empty placeholder until a repack needs it.
+            self._panels = p.tensors[0]
+            self._buffers["qweight"] = self.qweight.new_empty((0,) + tuple(self.qweight.shape[1:]))
+            self._packed_key = tuple(self._buffers.values())
+        return p
+
+    def _stored_codes(self, panels) -> torch.Tensor:
+        return head_pack.i8dot_codes(panels).to(torch.int8)
+
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 codes of output rows `ids` (the embedding lookup)."""
+        if self._panels is not None:
+            return head_pack.i8dot_codes(self._panels, ids)
+        return self.qweight[ids]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
             return self._cpu(x)
@@ -134,19 +170,45 @@ class Int8Linear(_QuantLinearBase):
 class Int6Linear(Int8Linear):
     """The int6 embedding / LM head (LayerQuant "int6", kernels/quant_layouts.INT6_LAYOUT): the
     engine stores four 6-bit codes in three bytes with a bfloat16 scale per row, or float16
-    scales per group of LayerQuant.group_size (the grouped int8 layout's scales); at load
-    (from_engine) the codes are widened once to int8 (exact: -32..31), so the lookup, the CPU
-    kernels (the int8 GEMMs of every ISA path) and the CUDA W8A16 GEMM run the int8 layout on
-    the same values: w = q * scales[n] (grouped: q * scales[k // G, n])."""
+    scales per group of LayerQuant.group_size; w = q * scales[n] (grouped: q * scales[k // G, n]).
+    qweight stays as stored (uint8 (N, 3K/4)). On CPU the head is packed by
+    kernels/cpu_linear.pack_int6: the integer-dot head on the 6-bit codes (kernels/cpu_head.c,
+    repacked once into its panels, which then replace qweight as for int8 heads), or, where that
+    is off, the codes widened to int8 for the int8 kernels (the lookup unpacks the gathered rows
+    of qweight). On CUDA the codes are widened to int8 once (prepare_for_device, or the first
+    call) for the W8A16 GEMM."""
+    method = "int6"
 
     def __init__(self, in_features, out_features, bias, dtype, layer_quant=None):
         if in_features % 4:
             raise ValueError(f"int6 layer: in_features {in_features} must be a multiple of 4")
         super().__init__(in_features, out_features, bias, dtype, layer_quant)
+        self.register_buffer("qweight", torch.empty(out_features, 3 * in_features // 4, dtype=torch.uint8))
 
-    def from_engine(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
-        """An engine tensor as this module holds it: qweight unpacked to int8 codes (N, K)."""
-        return unpack_int6(t) if leaf == "qweight" and t.dtype == torch.uint8 else t
+    def _stored_codes(self, panels) -> torch.Tensor:
+        return pack_int6(head_pack.signed_codes(panels))
+
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return cpu_native.head6_rows(self._panels, ids)
+        q = self.qweight[ids]
+        return unpack_int6(q) if q.dtype == torch.uint8 else q
+
+    def int8_codes(self) -> torch.Tensor:
+        """The codes widened to int8 (N, K), from wherever this module holds them."""
+        if self._panels is not None:
+            return head_pack.signed_codes(self._panels)
+        return unpack_int6(self.qweight) if self.qweight.dtype == torch.uint8 else self.qweight
+
+    def prepare_for_device(self, device) -> None:
+        if torch.device(device).type != "cpu" and self.qweight.dtype == torch.uint8:
+            self._buffers["qweight"] = unpack_int6(self.qweight)  # the W8A16 GEMM's int8 codes
+        super().prepare_for_device(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.qweight.dtype == torch.uint8:
+            self._buffers["qweight"] = unpack_int6(self.qweight)
+        return super().forward(x)
 
 
 class Fp8Linear(_QuantLinearBase):

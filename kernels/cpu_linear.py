@@ -27,7 +27,10 @@ Numerics, by engine dtype:
   quantized per row and block of 32) for every row count, so a row's result is the same alone,
   in a batch or in a prefill; the weight is repacked once (i8dot_pack.repack) and no weight-only
   copy is kept. Where the kernel cannot run (no native library, K or the group size not a
-  multiple of 32) the layer keeps its weight-only kernel.
+  multiple of 32) the layer keeps its weight-only kernel. An int6 head (pack_int6) runs
+  cpu_head.c on its 6-bit codes instead (W6A8, the same bits as its codes widened to int8
+  through the integer-dot kernel); LM heads of bfloat16 engines take this branch even in
+  weight-only engines (backend/quant.py head_activation_quant, TRITIUM_HEAD_DOT).
 """
 from __future__ import annotations
 
@@ -39,9 +42,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import cpu_native
+from . import head_pack
 from . import i8dot_pack
 from .int8pack_guard import int8pack_mm_safe
-from .quant_layouts import dequantize_grouped, dequantize_int4, pack_int4 as pack_nibbles, unpack_int4
+from .quant_layouts import dequantize_grouped, dequantize_int4, pack_int4 as pack_nibbles, unpack_int4, unpack_int6
 
 # From this many rows on, quantized weights are dequantized to bfloat16 once per call and the
 # native bf16 GEMM runs (the conversion costs about as much as 10 rows of the fused kernels).
@@ -49,6 +53,7 @@ DEQUANT_MIN_ROWS = 64
 # Largest K for which oneDNN's pre-packed bf16 GEMM gave every row the same bits for every M
 # (1..512, SmolLM2 and test shapes, 1 and 2 threads); from K = 1088 on, rows differ from M = 2..23.
 ONEDNN_INVARIANT_MAX_K = 1024
+HEAD_DOT_ENV = "TRITIUM_HEAD_DOT"  # "0": LM heads of weight-only engines stay weight-only (backend/quant.py)
 ONEDNN_ENV = "TRITIUM_CPU_ONEDNN"  # "1": dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on oneDNN
 _scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's quantized layers
 
@@ -145,6 +150,26 @@ def pack_int8(qweight, scales, zeros, group_size, dtype: torch.dtype, activation
     if _native(k):
         return CpuLinear("int8_native", (qw, scales.float().contiguous()))
     return CpuLinear("int8pack", (qw, scales.to(torch.bfloat16), scales.float().contiguous()))
+
+
+def head_dot_enabled() -> bool:
+    """TRITIUM_HEAD_DOT (default 1): the int6 / grouped int8 LM heads of bfloat16 weight-only
+    engines run integer-dot (backend/quant.py head_activation_quant); 0 keeps them weight-only."""
+    v = os.environ.get(HEAD_DOT_ENV, "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"{HEAD_DOT_ENV} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def pack_int6(qweight, scales, group_size, dtype: torch.dtype, activation_quant: str = "none") -> CpuLinear:
+    """The int6 embedding / LM head (quant_layouts.INT6_LAYOUT, qweight the stored uint8 (N, 3K/4)):
+    the integer-dot head on its 6-bit codes (cpu_head.c, W6A8) with activation_quant "int8",
+    else the codes widened to int8 for the int8 kernels (weight-only, pack_int8)."""
+    codes = unpack_int6(qweight) if qweight.dtype == torch.uint8 else qweight
+    k = codes.shape[1]
+    if _i8dot_ok(k, group_size, activation_quant) and head_pack.repackable(k, group_size):
+        return CpuLinear("head6", (head_pack.repack6(codes, scales, group_size),))
+    return pack_int8(codes, scales, None, group_size, dtype, activation_quant)
 
 
 def int4_form(q: torch.Tensor, scales: torch.Tensor, zeros, group_size: int):
@@ -255,6 +280,8 @@ def run(x: torch.Tensor, p: CpuLinear, out_dtype: Optional[torch.dtype] = None) 
         return torch.nn.functional.linear(x.float(), p.tensors[0])
     if p.kind == "i8dot":
         return cpu_native.i8dot_gemm(x, p.tensors[0])
+    if p.kind == "head6":
+        return cpu_native.head6_gemm(x, p.tensors[0])
     if p.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p.tensors[0], None, "none", [], "")
     if p.kind == "bf16_native":

@@ -1,7 +1,8 @@
 """Native CPU kernels, built once with the system C compiler: the int8 GEMMs (cpu_gemm.c), the
 batch-invariant bfloat16 and int4 GEMMs (cpu_gemm_bf16.c), paged
 decode attention over a bfloat16 KV cache (cpu_decode_attention.c), the bfloat16 element-wise
-steps between a layer's GEMMs (cpu_glue.c), and the multi-LoRA delta (cpu_lora.c, lora_cpu.py).
+steps between a layer's GEMMs (cpu_glue.c), the multi-LoRA delta (cpu_lora.c, lora_cpu.py), and the
+integer-dot LM head on int6 codes (cpu_head.c, head_pack.py).
 
 The sources are compiled on first use for the instruction-set path this host runs best, or the
 one TRITIUM_CPU_ISA forces (avx512 / avx2 / generic, kernels/cpu_isa.py), into the Tritium cache
@@ -28,7 +29,7 @@ from . import cpu_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_gemm_w4.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
-                                                 "cpu_gemm_i8dot.c", "cpu_lora.c")]
+                                                 "cpu_gemm_i8dot.c", "cpu_lora.c", "cpu_head.c")]
 _HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -72,6 +73,10 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_i8dot_gemm.restype = ctypes.c_int
     lib.tritium_q8_quantize.argtypes = [p, i64, i64, p, p, p]
     lib.tritium_q8_quantize.restype = None
+    lib.tritium_head6_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]  # kernels/cpu_head.c
+    lib.tritium_head6_gemm.restype = ctypes.c_int
+    lib.tritium_head6_rows.argtypes = [p, p, i64, i64, p]
+    lib.tritium_head6_rows.restype = None
     lib.tritium_int8g_to_bf16.argtypes = [p, p, p, i64, i64, i64, p]
     lib.tritium_int8g_to_bf16.restype = None
     lib.tritium_int8_to_bf16.argtypes = [p, i64, p]
@@ -201,6 +206,32 @@ def i8dot_gemm(x: torch.Tensor, w) -> torch.Tensor:
     if rc != 0:
         raise MemoryError(f"i8dot_gemm: no memory for the quantized activations of {tuple(xb.shape)}")
     return y
+
+
+def head6_gemm(x: torch.Tensor, w) -> torch.Tensor:
+    """The int6 LM head, W6A8: x (M, K) @ W^T -> float32 (M, N), x quantized per row and block of
+    32 to int8, integer dot products on the 6-bit codes; w a head_pack.Head6Weight."""
+    n, k = w.shape
+    xb = _check(x, k)
+    assert w.codes.dtype == torch.uint8 and w.codes.is_contiguous() and w.codes.shape == ((n + 15) // 16, k // 32, 6, 16, 4)
+    assert w.d.dtype == torch.float16 and w.d.shape == (w.codes.shape[0], k // w.group_size, 16) and w.r.dtype == torch.float32
+    y = torch.empty(xb.shape[0], n, dtype=torch.float32)
+    rc = _lib().tritium_head6_gemm(xb.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.r.data_ptr(), y.data_ptr(),
+                                   xb.shape[0], n, k, w.group_size)
+    if rc != 0:
+        raise MemoryError(f"head6_gemm: no memory for the quantized activations of {tuple(xb.shape)}")
+    return y
+
+
+def head6_rows(w, ids: torch.Tensor) -> torch.Tensor:
+    """The signed int8 codes (T, K) of vocabulary rows `ids` (T,) of a head_pack.Head6Weight."""
+    n, k = w.shape
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"head6_rows: ids must lie in [0, {n})")
+    out = torch.empty(ids.shape[0], k, dtype=torch.int8)
+    _lib().tritium_head6_rows(w.codes.data_ptr(), ids.data_ptr(), ids.shape[0], k, out.data_ptr())
+    return out
 
 
 def pack_group_params(scales: torch.Tensor, zeros: Optional[torch.Tensor]) -> torch.Tensor:

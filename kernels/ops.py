@@ -163,7 +163,7 @@ def mla_attention(q, latent_cache, meta, scale, rank):
 def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, deterministic: bool = False,
                     activation_quant: str = "none"):
     """A linear layer's weight packed for its CPU kernel (a cpu_linear.CpuLinear, or None for a
-    dense weight that plain F.linear serves). method: 'none' | 'int8' | 'fp8' | 'int4';
+    dense weight that plain F.linear serves). method: 'none' | 'int8' | 'fp8' | 'int4' | 'int6';
     buffers: the layer's tensors by engine name (weight / qweight, scales, zeros, g_idx);
     dtype: the engine dtype; deterministic: never use oneDNN (see cpu_linear.py);
     activation_quant: 'int8' runs int8 / int4 weights on the integer-dot kernel (W8A8 / W4A8)."""
@@ -174,10 +174,12 @@ def pack_cpu_linear(method: str, buffers: dict, dtype, group_size=None, determin
                                      activation_quant)
     if method == "fp8":
         return _cpu_linear.pack_fp8(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size, dtype)
+    if method == "int6":
+        return _cpu_linear.pack_int6(buffers["qweight"], buffers["scales"], group_size, dtype, activation_quant)
     if method == "int4":
         return _cpu_linear.pack_int4(buffers["qweight"], buffers["scales"], buffers.get("zeros"), group_size,
                                      buffers.get("g_idx"), dtype, activation_quant)
-    raise ValueError(f"linear method {method!r}; allowed: none, int8, fp8, int4")
+    raise ValueError(f"linear method {method!r}; allowed: none, int8, fp8, int4, int6")
 
 
 def can_pack_dense_cpu(weight) -> bool:

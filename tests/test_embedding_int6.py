@@ -3,7 +3,8 @@ four 6-bit codes in three bytes with a bfloat16 scale per vocabulary row.
 
 Oracles: the layout's definition (w = q * scales[n], written here from the docs, not from the
 packer), torch float32 matmuls of the dequantized weight, and the per-row int8 engine that holds
-the same values (the runtime widens int6 codes to int8 at load, so its logits must be the same bits).
+the same values (its integer-dot head must give the int6 head's bits, its weight-only head those of
+the int6 head with TRITIUM_HEAD_DOT=0). The head kernel itself: tests/test_head_int6.py.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _int6_linear(n, k, dtype, group=None, seed=1):
         s = (torch.rand(k // group, n, generator=g) * 0.02 + 1e-3).half()
     lin = make_linear(k, n, False, dtype, LayerQuant("int6", group_size=group))
     packed = pack_int6(q)
-    lin._buffers["qweight"] = lin.from_engine("qweight", packed)  # as DecoderLM.load_engine_weights does
+    lin._buffers["qweight"] = packed  # as DecoderLM.load_engine_weights does: kept as stored
     lin._buffers["scales"] = s
     lin.prepare_for_device("cpu")
     full = s.float()[:, None] if group is None else s.float().t().repeat_interleave(group, dim=1)
@@ -129,10 +130,20 @@ def test_int6_engine_stores_the_layout_and_reports_its_bits(int6_engine):
     assert size["embed_tokens"]["weights"] == 1000 * 128
 
 
-def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, tmp_path):
+def _head_dot(model, mode: str) -> None:
+    """The embedding / LM head of `model` alone on the integer-dot kernels ("int8") or not."""
+    for mod in (model.embed_tokens, model.lm_head):
+        if mod is not None:
+            mod.activation_quant, mod._packed = mode, None
+
+
+def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, tmp_path, monkeypatch):
     """The same engine with the embedding / head stored as per-row int8 holding the unpacked
-    codes (the values the int6 layout defines) gives the same lookup and logits, bit for bit;
-    and the lookup / head agree with the float32 dequantized matrix."""
+    codes (the values the int6 layout defines): the same lookup; the int6 head on its 6-bit codes
+    (W6A8, the default of bfloat16 engines) gives the bits of the int8 engine's integer-dot head
+    (W8A8 on the same values: the same activation codes, exact integer sums, the same float32
+    steps), and with TRITIUM_HEAD_DOT=0 the bits of its weight-only head (the old widened path);
+    both agree with the float32 dequantized matrix."""
     with open(os.path.join(int6_engine, "engine.json")) as f:
         cfg = json.load(f)
     t = load_file(os.path.join(int6_engine, "rank0.safetensors"))
@@ -150,18 +161,30 @@ def test_int6_engine_equals_the_engine_of_its_dequantized_weights(int6_engine, t
     (ref_dir / "engine.json").write_text(json.dumps(cfg))
     _, m6, _ = load_engine(int6_engine, "cpu")
     _, m8, _ = load_engine(str(ref_dir), "cpu")
+    assert m6.embed_tokens.qweight.dtype == torch.uint8  # the stored codes, not widened
     ids = torch.tensor(IDS)
     assert torch.equal(m6.embed(ids), m8.embed(ids))
     emb = dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64)
     assert torch.equal(m6.embed(ids), emb[ids].to(torch.bfloat16))
     h = torch.randn(5, 128).to(torch.bfloat16)
-    assert torch.equal(m6.compute_logits(h), m8.compute_logits(h))
     hn = heads[-1]
     head = dequantize_int6(t[hn + ".qweight"], t[hn + ".scales"], 64)
     ref = h.float() @ head.t()
-    assert ((m6.compute_logits(h) - ref).norm() / ref.norm()).item() < 1e-2
-    # whole forward passes (prompt logits) agree too
     from simple_generate import prompt_logits
+    y6 = m6.compute_logits(h)
+    assert getattr(m6, hn)._get_packed().kind == "head6"
+    _head_dot(m8, "int8")
+    assert torch.equal(y6, m8.compute_logits(h))
+    assert ((y6 - ref).norm() / ref.norm()).item() < 2e-2
+    assert torch.equal(prompt_logits(m6, IDS), prompt_logits(m8, IDS))  # whole forward passes too
+    monkeypatch.setenv("TRITIUM_HEAD_DOT", "0")
+    _head_dot(m6, "none")
+    _head_dot(m8, "none")
+    y6w = m6.compute_logits(h)
+    assert getattr(m6, hn)._get_packed().kind != "head6"
+    assert torch.equal(y6w, m8.compute_logits(h))
+    assert ((y6w - ref).norm() / ref.norm()).item() < 1e-2
+    assert not torch.equal(y6w, y6)  # the two heads are different computations
     assert torch.equal(prompt_logits(m6, IDS), prompt_logits(m8, IDS))
 
 

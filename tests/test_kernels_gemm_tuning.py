@@ -129,9 +129,10 @@ def test_split_k_is_run_to_run_identical(monkeypatch):
 
 def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
     """The load-time warm-up asks the config cache for every (row bucket, N, K) of a model's
-    quantized linears (int4, int8, grouped int8, fp8), the keys that serving will ask for."""
+    quantized linears (int4, int8, grouped int8, fp8, the int6 head: its codes widened to int8),
+    the keys that serving will ask for."""
     from tritium.backend.gemm_warmup import warm_up_gemms
-    from tritium.backend.quant import Fp8Linear, Int4Linear, Int8Linear
+    from tritium.backend.quant import Fp8Linear, Int4Linear, Int6Linear, Int8Linear
     from types import SimpleNamespace as NS
     monkeypatch.setenv("TRITIUM_KERNELS", "triton")
     monkeypatch.setattr(gemm_triton, "CACHE", gemm_tuning.ConfigCache())
@@ -141,6 +142,7 @@ def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
         Int8Linear(32, 64, False, torch.float32, NS(group_size=16, asymmetric=True)),
         Fp8Linear(64, 16, False, torch.float32, NS(group_size=None)),
         Int4Linear(64, 48, False, torch.float32, NS(group_size=32, act_order=False)),  # same shape: once
+        Int6Linear(64, 40, False, torch.float32, NS(group_size=32)),  # qweight as stored: uint8 (40, 48)
     )
     for mod in model:
         for name, buf in mod.named_buffers():
@@ -151,7 +153,7 @@ def test_warm_up_visits_every_bucket_of_every_linear(monkeypatch):
             else:
                 buf.zero_()
     runs = warm_up_gemms(model, torch.float32, max_rows=80)
-    shapes = {("w4a16", 48, 64), ("w8a16", 32, 64), ("w8a16", 64, 32), ("fp8", 16, 64)}
+    shapes = {("w4a16", 48, 64), ("w8a16", 32, 64), ("w8a16", 64, 32), ("fp8", 16, 64), ("w8a16", 40, 64)}
     visited = {(key[0], key[2], key[3], key[4]) for key in gemm_triton.CACHE.visited}
     want = {(kern, b, n, k) for kern, n, k in shapes for b in ROW_BUCKETS}
     assert visited == want, sorted(want ^ visited)

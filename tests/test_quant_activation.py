@@ -105,8 +105,11 @@ def test_activation_quant_engine_matches_fake_quant_oracle(engines, method):
         getattr(model.layers[int(i)], lin).register_forward_hook(
             lambda _m, a, o, n=n: seen.__setitem__(n, (a[0].detach().clone(), o.detach().clone())))
     got = _logits(model, PROMPT)
-    kinds = {m._packed.kind for m in model.modules() if isinstance(m, (quant.Int8Linear, quant.Int4Linear))}
+    kinds = {m._packed.kind for m in model.modules() if isinstance(m, (quant.Int8Linear, quant.Int4Linear))
+             and m is not model.embed_tokens and m is not model.lm_head}
     assert kinds == {"i8dot"}, kinds
+    head = model.lm_head or model.embed_tokens
+    assert head._packed.kind == ("head6" if method == "int4-rtn" else "i8dot")  # int6 / int8 head
     dense = _dequantized_model(qdir)
     for n in names:
         _, i, lin = n.split(".")

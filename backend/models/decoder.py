@@ -75,6 +75,9 @@ class DecoderLM(nn.Module):
         self.packed_head: Optional[torch.Tensor] = None  # set by pack_for_cpu (tied head, CPU bf16)
         self.lm_head = None if m.tie_word_embeddings else make_linear(
             m.hidden_size, m.vocab_size, False, self.dtype, cfg.quantization.layers.get("lm_head"))
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if head is not None:
+            head.is_head = True  # its CPU kernel choice: backend/quant.py head_activation_quant
         # A centred head (LayerQuant.centred): logits = (h - head_input_mean) W^T + head_mean_logits.
         hq = cfg.quantization.layers.get("embed_tokens" if m.tie_word_embeddings else "lm_head")
         centred = hq is not None and hq.centred
@@ -142,8 +145,6 @@ class DecoderLM(nn.Module):
             cur = own[attr]
             mod_name, _, leaf = attr.rpartition(".")
             mod = self.get_submodule(mod_name) if mod_name else self
-            if hasattr(mod, "from_engine"):  # the int6 embedding: packed codes widened to int8
-                t = mod.from_engine(leaf, t)
             if cur is not None and tuple(cur.shape) != tuple(t.shape):
                 raise ValueError(f"engine weights: tensor {name!r} has shape {tuple(t.shape)}, "
                                  f"config implies {tuple(cur.shape)}")
@@ -210,7 +211,7 @@ class DecoderLM(nn.Module):
                 rows = rows + e.zeros[:, input_ids].t().float()[:, :, None]
             rows = rows.view(q.shape)
             return rows.to(self.dtype)
-        q = e.qweight[input_ids].float()
+        q = e.codes(input_ids).float()  # int8 / int6: the stored codes of the gathered rows
         if e.group_size:  # scales (hidden / G, vocab): each gathered row's groups
             g = e.group_size
             rows = (q.view(q.shape[0], -1, g) * e.scales[:, input_ids].t().float()[:, :, None]).view(q.shape)

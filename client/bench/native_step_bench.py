@@ -16,6 +16,10 @@ With --prefill N, also prompt tokens/s of --batch requests of N-token prompts sc
 With --native-threads M, also the native step on M torch threads (one parallel region for the
 whole step, kernels/cpu_decode_layer.c), interleaved: tokens/s and per CPU-second of the process
 (all its threads), and the wall-clock ratio to the native step on --threads.
+With --head (engines with an int6 / int8 head), also the same engine with its LM head on the old
+path (TRITIUM_HEAD_DOT=0: codes widened to int8, weight-only), native step on, interleaved, and
+the head's own time per call at --batch rows (best of 20 calls per round) on both heads: the
+head's share of a native decode step is head ms x steps/s.
 --deterministic: the engine option of that name. The memory-bandwidth limit is engine bytes /
 bandwidth (--bandwidth-gbs, or a float32 sum measured here): one decode step streams every
 weight once.
@@ -31,7 +35,7 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.native_step import ENV
 from tritium.backend.sampling_params import SamplingParams
-from tritium.kernels.cpu_linear import ONEDNN_ENV
+from tritium.kernels.cpu_linear import HEAD_DOT_ENV, ONEDNN_ENV
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -109,6 +113,8 @@ def main(argv=None) -> int:
                    help="also time a prefill of --batch prompts of this many tokens (default 0: off)")
     p.add_argument("--native-threads", type=int, default=0,
                    help="also time the native step on this many torch threads (default 0: off)")
+    p.add_argument("--head", action="store_true",
+                   help="int6 / int8 heads: also the old weight-only head (TRITIUM_HEAD_DOT=0), native step, and head ms per call")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="host memory bandwidth for the limit column (default: measured, a float32 sum)")
     args = p.parse_args(argv)
@@ -169,6 +175,8 @@ def main(argv=None) -> int:
                       flush=True)
                 if args.prefill:
                     _prefill(eng, dflt, args, batch, name)
+                if args.head:
+                    _head(eng, args, batch, name)
             eng.close()
             if dflt is not None:
                 dflt.close()
@@ -178,6 +186,50 @@ def main(argv=None) -> int:
         else:
             os.environ[ENV] = old
     return 0
+
+
+def _set_head(model, dot: str) -> str:
+    """TRITIUM_HEAD_DOT=dot for the model's head, repacked on its next call; returns its kind."""
+    os.environ[HEAD_DOT_ENV] = dot
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    head._packed = None
+    return head._get_packed().kind
+
+
+def _head(eng: LLMEngine, args, batch: int, name: str) -> None:
+    """Decode tok/s (native step) with the default head and TRITIUM_HEAD_DOT=0's, interleaved,
+    and each head's CPU ms per call at `batch` rows."""
+    model = eng.runner.model
+    if getattr(model.lm_head or model.embed_tokens, "method", None) not in ("int6", "int8"):
+        print(f"{name:28s} {batch:5d} --head: not an int6 / int8 head")
+        return
+    old = os.environ.get(HEAD_DOT_ENV)
+    best = {"1": [0.0, 0.0, float("inf")], "0": [0.0, 0.0, float("inf")]}
+    kinds = {}
+    h = torch.randn(batch, model.cfg.model.hidden_size).to(model.dtype)
+    try:
+        os.environ[ENV] = "1"
+        for r in range(args.rounds):
+            for dot in (("1", "0") if r % 2 == 0 else ("0", "1")):
+                kinds[dot] = _set_head(model, dot)
+                w, c = _decode_rate(eng, args.tokens, batch)
+                model.compute_logits(h)
+                c0 = time.process_time()
+                for _ in range(20):
+                    model.compute_logits(h)
+                ms = (time.process_time() - c0) / 20 * 1e3
+                b = best[dot]
+                best[dot] = [max(b[0], w), max(b[1], c), min(b[2], ms)]
+    finally:
+        _set_head(model, old or "1")
+        if old is None:
+            os.environ.pop(HEAD_DOT_ENV, None)
+        else:
+            os.environ[HEAD_DOT_ENV] = old
+    (w1, c1, m1), (w0, c0, m0) = best["1"], best["0"]
+    print(f"{name:28s} {batch:5d} head {kinds['1']}: {w1:.1f} tok/s, {c1:.1f} tok/CPU-s, head {m1:.2f} ms "
+          f"({m1 * c1 / batch / 10:.0f}% of a step); head {kinds['0']} (TRITIUM_HEAD_DOT=0): {w0:.1f} tok/s, "
+          f"{c0:.1f} tok/CPU-s, head {m0:.2f} ms ({m0 * c0 / batch / 10:.0f}%); ratio {c1 / c0:.2f} tok/CPU-s", flush=True)
 
 
 def _prefill(eng: LLMEngine, onednn, args, batch: int, name: str) -> None:
