@@ -2,11 +2,13 @@
 attention_cpu): a row's output bits do not depend on how many rows share the call, on where a
 prefill is cut into chunks, or on whether its keys were written in this step or an earlier one.
 Numerics are checked against the plain-torch references (gemm_ref, attention_ref, a float32
-matmul); fresh random inputs each run (the seed is printed on failure).
+matmul). Random inputs from a seed fixed per test id (so a run is reproducible and no test is
+flaky); TRITIUM_TEST_SEED=N shifts every seed to explore others (the seed is printed on failure).
 """
 from __future__ import annotations
 
-import random
+import os
+import zlib
 
 import pytest
 import torch
@@ -26,7 +28,8 @@ def _native(native_bf16):
 
 
 def _seed() -> int:
-    seed = random.randrange(1 << 30)
+    test_id = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    seed = (zlib.crc32(test_id.encode()) + int(os.environ.get("TRITIUM_TEST_SEED", "0"))) % (1 << 30)
     torch.manual_seed(seed)
     return seed
 
@@ -120,8 +123,13 @@ def test_bf16_quantized_linear_is_row_invariant_and_rounds_once(method, lq):
     y = lin(x)
     ref = x.float() @ _dequantized(lin).t()
     step = ref.abs() * 2 ** -7 + 1e-6  # one bf16 step (8 significant bits) of the result
+    mag = x.float().abs() @ _dequantized(lin).abs().t()
+    # + float32 accumulation in another order: |error| <= K u sum |x w| (u = 2^-24; Higham,
+    # "Accuracy and Stability of Numerical Algorithms", recursive summation), which is what
+    # decides where the terms cancel and the result is small
+    step = step + mag * k * 2 ** -24
     if method == "int4" or lq:  # + the weights' own bf16 rounding (half a step each, 2^-9)
-        step = step + (x.float().abs() @ _dequantized(lin).abs().t()) * 2 ** -9
+        step = step + mag * 2 ** -9
     assert ((y.float() - ref).abs() <= step).all(), f"seed={seed}"
     solo = _solo(lin, x)
     for m in (2, 7, 8, 33, x.shape[0]):
