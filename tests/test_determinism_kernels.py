@@ -7,12 +7,10 @@ flaky); TRITIUM_TEST_SEED=N shifts every seed to explore others (the seed is pri
 """
 from __future__ import annotations
 
-import os
-import zlib
-
 import pytest
 import torch
 
+from seeds import fixed_seed
 from tritium.kernels import cpu_linear, cpu_native
 from tritium.kernels.attention_cpu import paged_attention_cpu
 from tritium.kernels.attention_metadata import AttentionMetadata
@@ -28,8 +26,7 @@ def _native(native_bf16):
 
 
 def _seed() -> int:
-    test_id = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
-    seed = (zlib.crc32(test_id.encode()) + int(os.environ.get("TRITIUM_TEST_SEED", "0"))) % (1 << 30)
+    seed = fixed_seed()
     torch.manual_seed(seed)
     return seed
 
