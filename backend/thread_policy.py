@@ -100,8 +100,7 @@ class ThreadPolicy:
         if small_step_threads is None and threads > 1:
             # one tuner per size class: seconds per token fall with the step's size, so only steps
             # of like size are compared
-            self.tuners = {"small": ThreadTuner((1, threads))}
-            self.tuners.update({cls: ThreadTuner((threads, 1)) for cls in MID_CLASSES})
+            self.tuners = {cls: ThreadTuner((threads, 1)) for cls in ("small",) + MID_CLASSES}
         self._last = None  # (class, threads) of the step being run
 
     @staticmethod

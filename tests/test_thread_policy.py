@@ -74,8 +74,7 @@ def test_policy_classes_and_fixed_counts():
     assert [tuned.step_class(n) for n in (1, 3, 4, 7, 8, 15, 16, 32, 33)] == \
         ["small", "small", "mid4", "mid4", "mid8", "mid8", "mid16", "mid16", "big"]
     assert tuned.threads_for(MID_STEP_TOKENS + 1) == 2 and tuned.threads_for(4096) == 2  # big steps: every thread
-    assert tuned.threads_for(1) == 1  # small steps start on one thread
-    assert tuned.threads_for(SMALL_STEP_TOKENS) == 2  # mid steps start on every thread
+    assert tuned.threads_for(1) == 2 and tuned.threads_for(SMALL_STEP_TOKENS) == 2  # every class starts on all threads
     fixed = ThreadPolicy(2, 1)
     assert not fixed.tuners
     assert [fixed.threads_for(n) for n in (1, SMALL_STEP_TOKENS - 1, SMALL_STEP_TOKENS, 64)] == [1, 1, 2, 2]
