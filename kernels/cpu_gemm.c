@@ -270,13 +270,7 @@ static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, co
 }
 #endif
 
-#define DISPATCH(CALL, mr)                                   \
-    switch (mr) {                                            \
-    case 1: CALL(1); break; case 2: CALL(2); break;          \
-    case 3: CALL(3); break; case 4: CALL(4); break;          \
-    case 5: CALL(5); break; case 6: CALL(6); break;          \
-    case 7: CALL(7); break; default: CALL(8); break;         \
-    }
+#include "cpu_rows.h" /* DISPATCH */
 
 void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
                         int64_t M, int64_t N, int64_t K) {

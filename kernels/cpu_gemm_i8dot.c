@@ -311,13 +311,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 /* ---------------------------------------------------------------- the GEMM */
 
-#define DISPATCH(CALL, mr)                                   \
-    switch (mr) {                                            \
-    case 1: CALL(1); break; case 2: CALL(2); break;          \
-    case 3: CALL(3); break; case 4: CALL(4); break;          \
-    case 5: CALL(5); break; case 6: CALL(6); break;          \
-    case 7: CALL(7); break; default: CALL(8); break;         \
-    }
+#include "cpu_rows.h" /* DISPATCH */
 
 /* Panel p (16 channels) for all M rows, MR at a time, scaled by r into y. */
 static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,

@@ -201,13 +201,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 }
 #endif
 
-#define DISPATCH(CALL, mr)                                   \
-    switch (mr) {                                            \
-    case 1: CALL(1); break; case 2: CALL(2); break;          \
-    case 3: CALL(3); break; case 4: CALL(4); break;          \
-    case 5: CALL(5); break; case 6: CALL(6); break;          \
-    case 7: CALL(7); break; default: CALL(8); break;         \
-    }
+#include "cpu_rows.h" /* DISPATCH */
 
 /* x bfloat16 (M, K); w (P, K/32, 6, 16, 4) bytes, d float16 bits (P, K/G, 16), r float32 (N,),
  * P = ceil(N / 16); y float32 (M, N). The panels (vocabulary) are split over the OpenMP threads.
