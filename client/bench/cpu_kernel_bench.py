@@ -12,7 +12,6 @@ shape (`f32 torch`, the speed a float32 engine gets) and the ratio of each path 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
