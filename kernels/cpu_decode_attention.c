@@ -76,8 +76,11 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 }
         }
         for (int64_t r = 0; r < hq; r++) {
-            float mx = m[r];
-            for (int64_t j = 0; j < nj; j++) mx = s[r][j] > mx ? s[r][j] : mx;
+            __m512 vm = _mm512_set1_ps(m[r]); /* max in registers: its order does not change it */
+            for (int64_t j = 0; j < nj; j += 16)
+                vm = _mm512_mask_max_ps(vm, nj - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nj - j)) - 1), vm,
+                                        _mm512_loadu_ps(&s[r][j]));
+            const float mx = _mm512_reduce_max_ps(vm);
             const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
             __m512 vmx = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < nj; j += 16) {
@@ -161,6 +164,7 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
     }
     return t;
 }
+#include "cpu_attention_avx2.h"
 #else
 INLINE float dot_qk(const float *q, const uint16_t *k, int64_t D) {
     float acc[16] = {0};
@@ -183,7 +187,7 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
 #endif
 
 /* One decode row, every head, as the AVX-512 kernel: GQA groups read each key and value once. */
-static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
                        int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
     const int64_t grp = hq / hkv, row = hkv * D;
@@ -240,6 +244,18 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
     }
+}
+
+static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
+                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
+#if defined(TRITIUM_AVX2)
+    if (D % 8 == 0 && hkv * D <= MAXROWB) {
+        decode_row_blocked(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
+        return;
+    }
+#endif
+    decode_row_plain(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
 }
 #endif
 
