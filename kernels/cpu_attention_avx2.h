@@ -4,7 +4,7 @@
 #define TRITIUM_CPU_ATTENTION_AVX2_H
 
 /* The blocked row (D % 8 == 0, Hkv * D <= MAXROWB): a chunk's keys (then values), every KV
- * head, are widened to float32 once into kf (contiguous reads, prefetched PFD positions ahead)
+ * head, are widened to float32 once into kf (contiguous reads, prefetched ahead: widen_rows)
  * and shared by the query heads; four keys are scored at once (eight independent FMA chains), a
  * head's output accumulates in registers across the chunk's values, the running max is taken in
  * registers. Every score, softmax and output value is computed by the same operations in the
@@ -81,17 +81,22 @@ static void pv_block(float *o, const float *p, const float *vf, int64_t nj, int6
     }
 }
 #define PFD 8 /* positions the prefetch runs ahead */
-/* kf[j] = cache position j0 + j (every KV head, row values), widened to float32, for j < nj */
+INLINE void prefetch_row(const uint16_t *cache, const int32_t *table, int64_t pos, int64_t row, int64_t BS) {
+    const uint16_t *p = cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+    for (int64_t b = 0; b < row; b += 32) PREFETCH(p + b);
+}
+/* kf[j] = cache position j0 + j (every KV head, row values), widened to float32, for j < nj.
+ * Prefetches (positions < end): this cache PFD positions ahead where ahead > 0, and position
+ * pos + pf_ahead of pf_cache (the values while the keys are widened, the next chunk's keys while
+ * the values are), so each chunk's first positions are not read cold. */
 static void widen_rows(const uint16_t *cache, const int32_t *table, int64_t j0, int64_t nj, int64_t end,
-                       int64_t row, int64_t BS, float *kf) {
+                       int64_t row, int64_t BS, float *kf, int64_t ahead, const uint16_t *pf_cache,
+                       int64_t pf_ahead) {
     for (int64_t j = 0; j < nj; j++) {
         const int64_t pos = j0 + j;
         const uint16_t *kp = cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-        if (pos + PFD < end) {
-            const int64_t pf = pos + PFD;
-            const uint16_t *nk = cache + ((int64_t)table[pf / BS] * BS + pf % BS) * row;
-            for (int64_t b = 0; b < row; b += 32) PREFETCH(nk + b);
-        }
+        if (ahead && pos + ahead < end) prefetch_row(cache, table, pos + ahead, row, BS);
+        if (pos + pf_ahead < end) prefetch_row(pf_cache, table, pos + pf_ahead, row, BS);
         for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(kf + j * row + d, bf16x8_to_f32(kp + d));
     }
 }
@@ -108,44 +113,75 @@ INLINE float max_run(const float *s, int64_t n, float m) {
     return mx;
 }
 static __thread float kf_tls[CHUNK * MAXROWB]; /* one chunk of keys or values, float32 */
-static void decode_row_blocked(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                               const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
-                               int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
-    const int64_t grp = hq / hkv, row = hkv * D;
-    float qf[MAXQD], o[MAXQD], m[MAXH], l[MAXH], s[MAXH][CHUNK];
+#define TILE_FLOATS 65536 /* the running state of a tile's rows */
+#define TILE_MAX 16       /* rows per tile */
+static __thread float tile_tls[TILE_FLOATS];
+
+/* Rows per tile for these shapes: each row keeps q and o (Hq * D), its scores (Hq * CHUNK), m, l */
+static int64_t tile_rows(int64_t hq, int64_t D) {
+    const int64_t t = TILE_FLOATS / (2 * hq * D + hq * CHUNK + 2 * hq);
+    return t < 1 ? 1 : t > TILE_MAX ? TILE_MAX : t;
+}
+
+/* n rows of one sequence over keys [lo, len0 + k) for row k (a prompt's consecutive positions;
+ * n = 1: a decode row): each chunk's keys and values are widened once for every row of the tile.
+ * Row k goes through the chunks [lo, lo + CHUNK), ... up to its own length, each with the
+ * operations of a tile of one row, so its bits are those of the row alone. */
+static void decode_tile_blocked(const uint16_t *q, const int64_t *tok, int64_t n, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *table, int64_t lo, int64_t len0,
+                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
+                                uint16_t *out) {
+    const int64_t grp = hq / hkv, row = hkv * D, QD = hq * D, per = 2 * QD + hq * CHUNK + 2 * hq;
+    const int64_t end = len0 + n - 1;
     float *kf = kf_tls;
-    for (int64_t d = 0; d < hq * D; d++) {
-        qf[d] = bf16_to_f32(q[d]);
-        o[d] = 0.0f;
-    }
-    for (int64_t r = 0; r < hq; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-    for (int64_t j0 = lo; j0 < len; j0 += CHUNK) {
-        const int64_t nj = len - j0 < CHUNK ? len - j0 : CHUNK;
-        widen_rows(k_cache, table, j0, nj, len, row, BS, kf);
-        for (int64_t h = 0; h < hkv; h++) {
-            for (int64_t r = h * grp; r < (h + 1) * grp; r++) {
-                score_block(qf + r * D, kf + h * D, nj, D, row, scale, s[r]);
-                if (softcap > 0.0f)
-                    for (int64_t j = 0; j < nj; j++) s[r][j] = softcap * tanhf(s[r][j] / softcap);
-            }
+    for (int64_t t = 0; t < n; t++) {
+        float *qf = tile_tls + t * per, *o = qf + QD, *m = o + QD + hq * CHUNK, *l = m + hq;
+        const uint16_t *qt = q + tok[t] * QD;
+        for (int64_t d = 0; d < QD; d++) {
+            qf[d] = bf16_to_f32(qt[d]);
+            o[d] = 0.0f;
         }
         for (int64_t r = 0; r < hq; r++) {
-            const float mx = max_run(s[r], nj, m[r]);
-            const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
-            l[r] = l[r] * corr + exp_sub_sum(s[r], nj, mx);
-            m[r] = mx;
-            for (int64_t d = 0; d < D; d++) o[r * D + d] *= corr;
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
         }
-        widen_rows(v_cache, table, j0, nj, len, row, BS, kf);
-        for (int64_t h = 0; h < hkv; h++)
-            for (int64_t r = h * grp; r < (h + 1) * grp; r++) pv_block(o + r * D, s[r], kf + h * D, nj, D, row);
     }
-    for (int64_t r = 0; r < hq; r++) {
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
+    for (int64_t j0 = lo; j0 < end; j0 += CHUNK) {
+        const int64_t njmax = end - j0 < CHUNK ? end - j0 : CHUNK, t0 = j0 - len0 + 1 > 0 ? j0 - len0 + 1 : 0;
+        widen_rows(k_cache, table, j0, njmax, end, row, BS, kf, j0 == lo ? PFD : 0, v_cache, 0);
+        for (int64_t t = t0; t < n; t++) { /* rows t < t0 end before this chunk */
+            float *qf = tile_tls + t * per, *o = qf + QD, *s = o + QD, *m = s + hq * CHUNK, *l = m + hq;
+            const int64_t len = len0 + t, nj = len - j0 < CHUNK ? len - j0 : CHUNK;
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t r = h * grp; r < (h + 1) * grp; r++) {
+                    score_block(qf + r * D, kf + h * D, nj, D, row, scale, s + r * CHUNK);
+                    if (softcap > 0.0f)
+                        for (int64_t j = 0; j < nj; j++) s[r * CHUNK + j] = softcap * tanhf(s[r * CHUNK + j] / softcap);
+                }
+            for (int64_t r = 0; r < hq; r++) {
+                const float mx = max_run(s + r * CHUNK, nj, m[r]);
+                const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
+                l[r] = l[r] * corr + exp_sub_sum(s + r * CHUNK, nj, mx);
+                m[r] = mx;
+                for (int64_t d = 0; d < D; d++) o[r * D + d] *= corr;
+            }
+        }
+        widen_rows(v_cache, table, j0, njmax, end, row, BS, kf, 0, k_cache, CHUNK);
+        for (int64_t t = t0; t < n; t++) {
+            float *o = tile_tls + t * per + QD, *s = o + QD;
+            const int64_t len = len0 + t, nj = len - j0 < CHUNK ? len - j0 : CHUNK;
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t r = h * grp; r < (h + 1) * grp; r++)
+                    pv_block(o + r * D, s + r * CHUNK, kf + h * D, nj, D, row);
+        }
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const float *o = tile_tls + t * per + QD, *l = o + QD + hq * CHUNK + hq;
+        uint16_t *ot = out + tok[t] * QD;
+        for (int64_t r = 0; r < hq; r++) {
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int64_t d = 0; d < D; d++) ot[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
+        }
     }
 }
 #endif

@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_simd.h"
 
@@ -249,22 +250,41 @@ static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const u
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
                        int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
-#if defined(TRITIUM_AVX2)
-    if (D % 8 == 0 && hkv * D <= MAXROWB) {
-        decode_row_blocked(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
-        return;
-    }
-#endif
     decode_row_plain(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
 }
 #endif
 
-/* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]). */
+/* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]).
+ * The AVX2 blocked row takes tiles of rows: a run of rows of one sequence with one lo and lengths
+ * one apart (a prompt chunk's consecutive positions), up to tile_rows(), shares each chunk's
+ * widened keys and values; a row's bits do not depend on its tile (decode_tile_blocked). */
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
                                uint16_t *out) {
+#if defined(TRITIUM_AVX2)
+    if (D % 8 == 0 && hkv * D <= MAXROWB) {
+        const int64_t tmax = tile_rows(hq, D);
+        int64_t ntiles = 0;
+        int64_t *start = (int64_t *)malloc((size_t)(nrows + 1) * sizeof(int64_t));
+        if (start) {
+            for (int64_t i = 0; i < nrows; i++)
+                if (!(i > 0 && i - start[ntiles - 1] < tmax && seq[i] == seq[i - 1] && lo[i] == lo[i - 1] &&
+                      len[i] == len[i - 1] + 1))
+                    start[ntiles++] = i;
+            start[ntiles] = nrows;
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int64_t t = 0; t < ntiles; t++) {
+                const int64_t i = start[t];
+                decode_tile_blocked(q, tok + i, start[t + 1] - i, k_cache, v_cache, block_tables + seq[i] * table_stride,
+                                    lo[i], len[i], hq, hkv, D, BS, scale, softcap, out);
+            }
+            free(start);
+            return;
+        }
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < nrows; i++) {
         const int64_t off = tok[i] * hq * D;
