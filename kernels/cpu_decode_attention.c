@@ -15,7 +15,8 @@
  *
  * AVX512-BF16 scores keys with VDPBF16PS and exp512; AVX2 and the portable path convert q to
  * float32 once per row and widen each key and value to float32 (8 lanes with FMA on AVX2, 16
- * portable lanes elsewhere), with the same chunked online softmax (exp256 / exp_poly).
+ * portable lanes elsewhere), with the same chunked online softmax (exp256 / exp_poly). AVX2's
+ * blocked rows (cpu_attention_tile.h) take tiles of a prompt's rows (the same bits).
  *
  * Prefill rows use this kernel too (a query token at position p is a row over keys [lo, p]): a
  * row's result depends only on its query and its keys, in chunks of CHUNK counted from lo, never
@@ -165,7 +166,6 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
     }
     return t;
 }
-#include "cpu_attention_avx2.h"
 #else
 INLINE float dot_qk(const float *q, const uint16_t *k, int64_t D) {
     float acc[16] = {0};
@@ -186,6 +186,8 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
     return t;
 }
 #endif
+
+#include "cpu_attention_tile.h" /* the blocked rows: decode_tile_blocked */
 
 /* One decode row, every head, as the AVX-512 kernel: GQA groups read each key and value once. */
 static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -255,7 +257,7 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
 #endif
 
 /* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]).
- * The AVX2 blocked row takes tiles of rows: a run of rows of one sequence with one lo and lengths
+ * The AVX2 blocked rows take tiles of rows: a run of rows of one sequence with one lo and lengths
  * one apart (a prompt chunk's consecutive positions), up to tile_rows(), shares each chunk's
  * widened keys and values; a row's bits do not depend on its tile (decode_tile_blocked). */
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -31,7 +31,7 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_
                                                  "cpu_decode_layer.c",
                                                  "cpu_gemm_i8dot.c", "cpu_lora.c", "cpu_head.c")]
 _HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_rows.h",
-                                                   "cpu_attention_avx2.h")]
+                                                   "cpu_attention_tile.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 

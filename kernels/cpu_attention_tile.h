@@ -1,16 +1,18 @@
-/* The AVX2 blocked decode / prefill attention row of cpu_decode_attention.c (included there
- * after its AVX2 dot_qk / exp_sub_sum / axpy_v, inside the TRITIUM_AVX2 branch). */
-#ifndef TRITIUM_CPU_ATTENTION_AVX2_H
-#define TRITIUM_CPU_ATTENTION_AVX2_H
+/* The blocked paged-attention rows of cpu_decode_attention.c on the AVX2 path, D % 8 == 0
+ * (included there after its dot_qk / exp_sub_sum / axpy_v; the portable path keeps its one-row
+ * kernel: the same blocking in portable C took 1.19x its time on decode rows). A chunk's keys
+ * (then values), every KV head, are widened to float32 once into kf (contiguous reads, prefetched
+ * ahead: widen_rows) and shared by the query heads and by every row of a tile: a prompt's
+ * consecutive positions of one sequence (decode_tile_blocked). Four keys are scored at once
+ * (eight independent FMA chains), a head's output stays in registers across the chunk's values,
+ * the running max is taken in registers. Every score, softmax and output value is computed by
+ * the same operations in the same order as dot_qk / exp_sub_sum / axpy_v in decode_row_plain:
+ * the blocking changes which values are computed together, never a result's bits. */
+#ifndef TRITIUM_CPU_ATTENTION_TILE_H
+#define TRITIUM_CPU_ATTENTION_TILE_H
 
-/* The blocked row (D % 8 == 0, Hkv * D <= MAXROWB): a chunk's keys (then values), every KV
- * head, are widened to float32 once into kf (contiguous reads, prefetched ahead: widen_rows)
- * and shared by the query heads; four keys are scored at once (eight independent FMA chains), a
- * head's output accumulates in registers across the chunk's values, the running max is taken in
- * registers. Every score, softmax and output value is computed by the same operations in the
- * same order as dot_qk / exp_sub_sum / axpy_v in decode_row_plain: the blocking changes which
- * values are computed together, never a result's bits. */
 #define MAXROWB 1024 /* KV heads x head_dim of the blocked row */
+#if defined(TRITIUM_AVX2)
 /* t[k] = the hsum8 tree of a[k] (((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))) for four
  * vectors at once; out[k] = t[k] * scale */
 INLINE void hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d, float scale, float *out) {
@@ -80,6 +82,18 @@ static void pv_block(float *o, const float *p, const float *vf, int64_t nj, int6
         _mm256_storeu_ps(o + c, a);
     }
 }
+/* max(m, s[0 .. n - 1]) in registers (the order of a max does not change its value) */
+INLINE float max_run(const float *s, int64_t n, float m) {
+    __m256 v = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float mx = _mm_cvtss_f32(h);
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
 #define PFD 8 /* positions the prefetch runs ahead */
 INLINE void prefetch_row(const uint16_t *cache, const int32_t *table, int64_t pos, int64_t row, int64_t BS) {
     const uint16_t *p = cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
@@ -99,18 +113,6 @@ static void widen_rows(const uint16_t *cache, const int32_t *table, int64_t j0, 
         if (pos + pf_ahead < end) prefetch_row(pf_cache, table, pos + pf_ahead, row, BS);
         for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(kf + j * row + d, bf16x8_to_f32(kp + d));
     }
-}
-/* max(m, s[0 .. n - 1]) in registers (the order of a max does not change its value) */
-INLINE float max_run(const float *s, int64_t n, float m) {
-    __m256 v = _mm256_set1_ps(m);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    float mx = _mm_cvtss_f32(h);
-    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    return mx;
 }
 static __thread float kf_tls[CHUNK * MAXROWB]; /* one chunk of keys or values, float32 */
 #define TILE_FLOATS 65536 /* the running state of a tile's rows */
@@ -184,4 +186,5 @@ static void decode_tile_blocked(const uint16_t *q, const int64_t *tok, int64_t n
         }
     }
 }
+#endif /* TRITIUM_AVX2 */
 #endif
