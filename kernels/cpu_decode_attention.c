@@ -56,7 +56,38 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
     const int64_t row = hkv * D; /* elements of one cache slot: every KV head of one position */
     for (int64_t j0 = lo; j0 < len; j0 += CHUNK) {
         const int64_t nj = len - j0 < CHUNK ? len - j0 : CHUNK;
-        for (int64_t j = 0; j < nj; j++) {
+        int64_t j = 0;
+        /* 16 keys at once: one reduce16 gives their 16 sums, each in _mm512_reduce_add_ps's tree */
+        for (; j + 16 <= nj; j += 16) {
+            const uint16_t *kp[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t pos = j0 + j + t;
+                kp[t] = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+                if (pos + 16 < len) { /* the next block of keys, every head */
+                    const char *nk = (const char *)(k_cache + ((int64_t)table[(pos + 16) / BS] * BS + (pos + 16) % BS) * row);
+                    for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                }
+            }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g = 0; g < grp; g++) {
+                    const int64_t r = h * grp + g;
+                    __m512 acc[16];
+                    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < dp; c++)
+                        for (int t = 0; t < 16; t++)
+                            acc[t] = _mm512_dpbf16_ps(acc[t], qv[r * dp + c],
+                                                      (__m512bh)_mm512_maskz_loadu_epi16(
+                                                          c == dp - 1 ? mlast : 0xFFFFFFFFu,
+                                                          (const void *)(kp[t] + h * D + 32 * c)));
+                    /* lane 4q + i holds key 4i + q: back to key order, then scaled */
+                    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+                    _mm512_storeu_ps(&s[r][j], _mm512_mul_ps(_mm512_permutexvar_ps(idx, reduce16(acc)),
+                                                             _mm512_set1_ps(scale)));
+                    if (softcap > 0.0f)
+                        for (int t = 0; t < 16; t++) s[r][j + t] = softcap * tanhf(s[r][j + t] / softcap);
+                }
+        }
+        for (; j < nj; j++) {
             const int64_t pos = j0 + j;
             const uint16_t *kp = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
             if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
