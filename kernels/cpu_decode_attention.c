@@ -15,7 +15,8 @@
  *
  * AVX512-BF16 scores keys with VDPBF16PS and exp512; AVX2 and the portable path convert q to
  * float32 once per row and widen each key and value to float32 (8 lanes with FMA on AVX2, 16
- * portable lanes elsewhere), with the same chunked online softmax (exp256 / exp_poly).
+ * portable lanes elsewhere), with the same chunked online softmax (exp256 / exp_poly). AVX2's
+ * blocked rows (cpu_attention_tile.h) take tiles of a prompt's rows (the same bits).
  *
  * Prefill rows use this kernel too (a query token at position p is a row over keys [lo, p]): a
  * row's result depends only on its query and its keys, in chunks of CHUNK counted from lo, never
@@ -23,6 +24,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_simd.h"
 
@@ -54,7 +56,38 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
     const int64_t row = hkv * D; /* elements of one cache slot: every KV head of one position */
     for (int64_t j0 = lo; j0 < len; j0 += CHUNK) {
         const int64_t nj = len - j0 < CHUNK ? len - j0 : CHUNK;
-        for (int64_t j = 0; j < nj; j++) {
+        int64_t j = 0;
+        /* 16 keys at once: one reduce16 gives their 16 sums, each in _mm512_reduce_add_ps's tree */
+        for (; j + 16 <= nj; j += 16) {
+            const uint16_t *kp[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t pos = j0 + j + t;
+                kp[t] = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+                if (pos + 16 < len) { /* the next block of keys, every head */
+                    const char *nk = (const char *)(k_cache + ((int64_t)table[(pos + 16) / BS] * BS + (pos + 16) % BS) * row);
+                    for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                }
+            }
+            for (int64_t h = 0; h < hkv; h++)
+                for (int64_t g = 0; g < grp; g++) {
+                    const int64_t r = h * grp + g;
+                    __m512 acc[16];
+                    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < dp; c++)
+                        for (int t = 0; t < 16; t++)
+                            acc[t] = _mm512_dpbf16_ps(acc[t], qv[r * dp + c],
+                                                      (__m512bh)_mm512_maskz_loadu_epi16(
+                                                          c == dp - 1 ? mlast : 0xFFFFFFFFu,
+                                                          (const void *)(kp[t] + h * D + 32 * c)));
+                    /* lane 4q + i holds key 4i + q: back to key order, then scaled */
+                    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+                    _mm512_storeu_ps(&s[r][j], _mm512_mul_ps(_mm512_permutexvar_ps(idx, reduce16(acc)),
+                                                             _mm512_set1_ps(scale)));
+                    if (softcap > 0.0f)
+                        for (int t = 0; t < 16; t++) s[r][j + t] = softcap * tanhf(s[r][j + t] / softcap);
+                }
+        }
+        for (; j < nj; j++) {
             const int64_t pos = j0 + j;
             const uint16_t *kp = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
             if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
@@ -76,8 +109,11 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 }
         }
         for (int64_t r = 0; r < hq; r++) {
-            float mx = m[r];
-            for (int64_t j = 0; j < nj; j++) mx = s[r][j] > mx ? s[r][j] : mx;
+            __m512 vm = _mm512_set1_ps(m[r]); /* max in registers: its order does not change it */
+            for (int64_t j = 0; j < nj; j += 16)
+                vm = _mm512_mask_max_ps(vm, nj - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nj - j)) - 1), vm,
+                                        _mm512_loadu_ps(&s[r][j]));
+            const float mx = _mm512_reduce_max_ps(vm);
             const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
             __m512 vmx = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < nj; j += 16) {
@@ -182,8 +218,10 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
 }
 #endif
 
+#include "cpu_attention_tile.h" /* the blocked rows: decode_tile_blocked */
+
 /* One decode row, every head, as the AVX-512 kernel: GQA groups read each key and value once. */
-static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
                        int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
     const int64_t grp = hq / hkv, row = hkv * D;
@@ -241,14 +279,45 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
         for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
     }
 }
+
+static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
+                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
+    decode_row_plain(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
+}
 #endif
 
-/* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]). */
+/* rows: for each decode row i, q/out row tok[i], block-table row seq[i], keys [lo[i], len[i]).
+ * The AVX2 blocked rows take tiles of rows: a run of rows of one sequence with one lo and lengths
+ * one apart (a prompt chunk's consecutive positions), up to tile_rows(), shares each chunk's
+ * widened keys and values; a row's bits do not depend on its tile (decode_tile_blocked). */
 void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
                                uint16_t *out) {
+#if defined(TRITIUM_AVX2)
+    if (D % 8 == 0 && hkv * D <= MAXROWB) {
+        const int64_t tmax = tile_rows(hq, D);
+        int64_t ntiles = 0;
+        int64_t *start = (int64_t *)malloc((size_t)(nrows + 1) * sizeof(int64_t));
+        if (start) {
+            for (int64_t i = 0; i < nrows; i++)
+                if (!(i > 0 && i - start[ntiles - 1] < tmax && seq[i] == seq[i - 1] && lo[i] == lo[i - 1] &&
+                      len[i] == len[i - 1] + 1))
+                    start[ntiles++] = i;
+            start[ntiles] = nrows;
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int64_t t = 0; t < ntiles; t++) {
+                const int64_t i = start[t];
+                decode_tile_blocked(q, tok + i, start[t + 1] - i, k_cache, v_cache, block_tables + seq[i] * table_stride,
+                                    lo[i], len[i], hq, hkv, D, BS, scale, softcap, out);
+            }
+            free(start);
+            return;
+        }
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < nrows; i++) {
         const int64_t off = tok[i] * hq * D;

@@ -46,24 +46,6 @@ INLINE __m512bh load_bh(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
 }
 
-/* 16 horizontal sums at once, each in _mm512_reduce_add_ps's tree (GCC and clang: lane i + i+8,
- * then j + j+4, then (0+2, 1+3), then the two halves), so every sum has the bits of a separate
- * reduce: a[0..15] -> lane 4q + j holds the sum of a[4j + q] (a 4 x 4 transpose). */
-INLINE __m512 reduce16(const __m512 *a) {
-    __m512 c[8], e[4], g[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
-    for (int i = 0; i < 4; i++)
-        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
-    for (int i = 0; i < 2; i++)
-        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* out[r][c] = x[r] . w[c] over K for MR_ rows and NR_ channels (compile-time counts). pf: where
  * the weight streams (a few rows), the address of the lines to request for step 0 (one line per
  * channel and step, as bf16_row), else NULL. */

@@ -92,9 +92,14 @@ def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
     qkv = torch.randn(rows, (HQ + 2 * HKV) * D).bfloat16()
     tabs = rotary_tables(torch.arange(rows), rope_cos_sin_cache(rope_inv_freq(D, 10000.0), max(64, rows)), torch.bfloat16)
     slots = torch.arange(rows)
+    # one prompt of `rows` tokens, causal: row i attends to keys [0, i] (the prefill's rows)
+    ptab = torch.arange((rows + bs - 1) // bs, dtype=torch.int32).view(1, -1)
+    pr = torch.tensor([[i, 0, 0, i + 1] for i in range(rows)], dtype=torch.int64)
     return {
         f"decode attention rows={rows} ctx={ctx}":
             lambda: cpu_native.paged_decode_bf16(q, kc, vc, tables, r, D ** -0.5, out),
+        f"prefill attention causal T={rows}":
+            lambda: cpu_native.paged_decode_bf16(q, kc, vc, ptab, pr, D ** -0.5, out),
         f"add+rmsnorm T={rows}": lambda: cpu_native.add_rms_norm_bf16(x, w, 1e-5, res),
         f"silu*mul T={rows}": lambda: cpu_native.silu_mul_bf16(gu),
         f"rope+kv write T={rows}": lambda: cpu_native.rotary_kv_write_bf16(qkv, HQ, HKV, D, tabs, kc, vc, slots),
