@@ -34,6 +34,7 @@
 #define _GNU_SOURCE /* syscall() */
 #endif
 #include <limits.h>
+#include <stdlib.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -214,6 +215,34 @@ static void barrier(step_barrier_t *b, int nt) {
                      __ATOMIC_RELAXED);
 }
 
+/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1 when the library loads, =wall: the wall
+ * clock; off: one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
+ * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
+enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
+static int64_t prof_ns[OP_COUNT], prof_calls;
+
+static int prof_on = -1;
+static int64_t cpu_ns(void) { /* this thread's CPU time (the time another process held the core does
+                               * not count), or the wall clock with TRITIUM_STEP_PROFILE=wall */
+    struct timespec t;
+    clock_gettime(prof_on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int profiling(void) {
+    if (prof_on < 0) {
+        const char *e = getenv("TRITIUM_STEP_PROFILE");
+        prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
+    }
+    return prof_on;
+}
+
+/* out[OP_COUNT + 1]: the per-op sums and the count of steps since the last call, then reset. */
+void tritium_decode_layers_profile(int64_t *out) {
+    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[i], prof_ns[i] = 0;
+    out[OP_COUNT] = prof_calls, prof_calls = 0;
+}
+
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* Sizes of the scratch the caller passes, for T rows: float32 and bf16 element counts. */
@@ -259,36 +288,58 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t t0 = T * tid / nt, t1 = T * (tid + 1) / nt, nt_rows = t1 - t0;
     int64_t a0, a1;
     attention_share(lo, len, nrows, tid, nt, &a0, &a1);
+    const int prof = tid == 0 && profiling();
+    int64_t tp = prof ? cpu_ns() : 0;
+#define TICK(OP)                                                                                                     \
+    if (prof) {                                                                                                      \
+        const int64_t t_ = cpu_ns();                                                                                 \
+        prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
+    }
+#define BARRIER()                                                                                                    \
+    barrier(bar, nt);                                                                                                \
+    if (nt > 1) TICK(OP_WAIT)
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
         const uint16_t *res_in = has_residual || l ? residual + t0 * H : NULL;
         if (nt_rows)
             tritium_add_rms_norm_bf16(hidden + t0 * H, res_in, L->input_norm, eps, nt_rows, H, x + t0 * H,
                                       residual + t0 * H);
-        barrier(bar, nt);
+        TICK(OP_NORM1)
+        BARRIER()
         rc |= linear_part(&L->qkv, x, T, ws_f32, qkv, 1.0f, tid, nt);
-        barrier(bar, nt);
+        TICK(OP_QKV)
+        BARRIER()
         if (nt_rows)
             tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
-        barrier(bar, nt); /* attention rows read keys other threads may have just written */
+        TICK(OP_ROPE)
+        BARRIER() /* attention rows read keys other threads may have just written */
         if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
-        barrier(bar, nt);
+        TICK(OP_ATTN)
+        BARRIER()
         rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
-        barrier(bar, nt);
+        TICK(OP_O)
+        BARRIER()
         if (nt_rows)
             tritium_add_rms_norm_bf16(hidden + t0 * H, residual + t0 * H, L->post_attn_norm, eps, nt_rows, H,
                                       x + t0 * H, residual + t0 * H);
-        barrier(bar, nt);
+        TICK(OP_NORM2)
+        BARRIER()
         rc |= linear_part(&L->gate_up, x, T, ws_f32, gu, 1.0f, tid, nt);
-        barrier(bar, nt);
+        TICK(OP_GATE_UP)
+        BARRIER()
         if (nt_rows) tritium_silu_mul_bf16(gu + t0 * 2 * I, nt_rows, I, act + t0 * I);
-        barrier(bar, nt);
+        TICK(OP_SILU)
+        BARRIER()
         rc |= linear_part(&L->down, act, T, ws_f32, hidden, residual_mult, tid, nt);
-        barrier(bar, nt);
+        TICK(OP_DOWN)
+        BARRIER()
     }
+    if (prof) prof_calls++;
+#undef BARRIER
+#undef TICK
     return rc;
 }
 

@@ -80,8 +80,21 @@ def _lib():
         lib.tritium_decode_layers_bf16.argtypes = ([p, i64, i64, i64, i64, i64, i64, i64, f32, f32, f32, p, p, i64, p, p,
                                                      p, p, i64, p, i64, i64, p, p, i64])
         lib.tritium_decode_layers_bf16.restype = ctypes.c_int
+        lib.tritium_decode_layers_profile.argtypes = [p]
+        lib.tritium_decode_layers_profile.restype = None
         lib.tritium_decode_layers_ready = True
     return lib
+
+
+PROFILE_OPS = ("norm1", "qkv", "rope", "attention", "o", "norm2", "gate_up", "silu", "down", "barrier wait")
+
+
+def read_profile() -> Tuple[dict, int]:
+    """({op: seconds}, steps) of thread 0 in the native step since the last read, then reset;
+    all zero unless TRITIUM_STEP_PROFILE=1 was set when the kernels loaded."""
+    out = (ctypes.c_int64 * (len(PROFILE_OPS) + 1))()
+    _lib().tritium_decode_layers_profile(out)
+    return {op: out[i] / 1e9 for i, op in enumerate(PROFILE_OPS)}, out[len(PROFILE_OPS)]
 
 
 class DecodeLayers:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from tritium.kernels import cpu_native, ops
+from tritium.kernels import cpu_native, hugepages, ops
 from tritium.kernels.decode_layer import DecodeLayers, linear_supported
 
 NATIVE_STEP_MAX_ROWS = 32
@@ -91,11 +91,49 @@ def _probe(model):
     return getattr(model.layers[0], "qkv_proj", None)
 
 
+def _integer_weights(model) -> list:
+    """The integer-dot weights a decode step streams (kernels/i8dot_pack.I8DotWeight of the layers'
+    linears, the LM head's I8DotWeight or head_pack.Head6Weight), each once."""
+    out = {}
+    for layer in model.layers:
+        for name in _LINEARS:
+            p, _, _ = _packed(getattr(layer, name))
+            if p is not None and p.kind == "i8dot":
+                out[id(p.tensors[0])] = p.tensors[0]
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    p = head._get_packed() if head is not None and hasattr(head, "_get_packed") and \
+        head.qweight.device.type == "cpu" else None
+    if p is not None and p.kind in ("i8dot", "head6"):
+        out[id(p.tensors[0])] = p.tensors[0]
+    return list(out.values())
+
+
+def weights_to_huge_pages(model) -> int:
+    """Moves the integer-dot weights of `model` (layers and LM head) into one buffer on 2 MiB pages
+    (kernels/hugepages.py: one-row GEMVs read them about 1.5x faster there), swapping the views
+    into the weight objects in place, so every path (native step, per-op, head, embedding lookup)
+    reads the same values from the new place. Returns the bytes moved (0: nothing to move, or
+    huge pages off or refused)."""
+    ws = _integer_weights(model)
+    fields = [(w, f) for w in ws for f in ("codes", "d", "z", "r") if getattr(w, f, None) is not None]
+    moved = hugepages.to_huge_pages([getattr(w, f) for w, f in fields])
+    if moved is None:
+        return 0
+    for (w, f), v in zip(fields, moved):
+        setattr(w, f, v)
+    lib = cpu_native._lib()
+    if lib is not None:
+        lib.tritium_i8dot_huge_pages(1)
+    return sum(v.numel() * v.element_size() for v in moved)
+
+
 class NativeStep:
-    """A DecoderLM's layers as one native call; `get(model)` builds it once per model."""
+    """A DecoderLM's layers as one native call; `get(model)` builds it once per model (and moves
+    its integer-dot weights onto 2 MiB pages first: weights_to_huge_pages)."""
 
     def __init__(self, model):
         m = model.cfg.model
+        self.huge_page_bytes = weights_to_huge_pages(model)
         layers, self.lora_managers = [], set()
         for layer in model.layers:
             lins = []
