@@ -215,13 +215,13 @@ static void barrier(step_barrier_t *b, int nt) {
                      __ATOMIC_RELAXED);
 }
 
-/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1 when the library loads, =wall: the wall
- * clock; off: one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
+/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
+ * per step and one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
  * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
 enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
 static int64_t prof_ns[OP_COUNT], prof_calls;
 
-static int prof_on = -1;
+static int prof_on;
 static int64_t cpu_ns(void) { /* this thread's CPU time (the time another process held the core does
                                * not count), or the wall clock with TRITIUM_STEP_PROFILE=wall */
     struct timespec t;
@@ -229,11 +229,9 @@ static int64_t cpu_ns(void) { /* this thread's CPU time (the time another proces
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static int profiling(void) {
-    if (prof_on < 0) {
-        const char *e = getenv("TRITIUM_STEP_PROFILE");
-        prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
-    }
+static int profiling(void) { /* read at every step: a benchmark may switch it on after the load */
+    const char *e = getenv("TRITIUM_STEP_PROFILE");
+    prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
     return prof_on;
 }
 

@@ -2,7 +2,8 @@
 copies hold the same values where they should (one buffer, 2 MiB aligned, advised), the switch
 and its errors, and a W8A8 / W4A8 engine whose weights moved computes the same bits as before the
 move: its LM head (logits) and the per-op and native decode steps, on every CPU path (ids name
-it), with the AVX-512 kernels' huge-page prefetch distance in force.
+it), with the AVX-512 kernels' huge-page prefetch distance in force. And the per-op profile of the
+native step (client/bench/step_profile.py, TRITIUM_STEP_PROFILE) prints every op.
 
 Oracle: the same engine's outputs before the move (values only move in memory), whose kernels are
 tested against the torch references in test_kernels_i8dot.py / test_head_int6.py.
@@ -115,3 +116,21 @@ def test_prefetch_distance_changes_no_bits(cpu_path):
     finally:
         lib.tritium_i8dot_huge_pages(0)
     assert torch.equal(a, b), cpu_path
+
+
+def test_step_profile_prints_every_op(engine_dir, capsys, monkeypatch):
+    from tritium.client.bench import step_profile
+    from tritium.kernels.decode_layer import PROFILE_OPS
+    monkeypatch.delenv(step_profile.ENV, raising=False)
+    assert step_profile.main([engine_dir("w8a8"), "--tokens", "4", "--rounds", "1", "--bandwidth-gbs", "10"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln[:22].strip(): ln[22:].split() for ln in lines[2:-1]}
+    assert set(rows) == set(PROFILE_OPS) | {"head", "python and sampling", "step"}, lines
+    for op in ("qkv", "o", "gate_up", "down", "attention", "head", "step"):
+        assert float(rows[op][0]) > 0, (op, lines)  # the timer ran
+    for op in ("qkv", "gate_up", "head"):
+        assert float(rows[op][2]) > 0 and float(rows[op][4]) > 0, (op, lines)  # bytes, op / memory time
+    assert "limit" in lines[-1]
+    assert step_profile.ENV not in __import__("os").environ  # restored
+    with pytest.raises(SystemExit):
+        step_profile.main([engine_dir("w8a8"), "--tokens", "1"])

@@ -2,14 +2,14 @@
 prints figures.
 
     python -m tritium.client.bench.step_profile ENGINE_DIR [--batch 1] [--tokens 64] [--rounds 3]
-        [--threads 1] [--bandwidth-gbs G]
+        [--threads 1] [--bandwidth-gbs G] [--wall]
 
 Runs --batch greedy requests of --tokens decode tokens on the native decode step with its per-op
 timer on (TRITIUM_STEP_PROFILE=1, thread 0's CPU time per op inside kernels/cpu_decode_layer.c),
 and the LM head's (compute_logits, the calling thread's CPU time) and the whole step's (the
 process's CPU time divided by --threads) from Python: CPU time, so that other processes on a
-shared host do not count (--wall: wall-clock times instead, for two threads' barrier waits); the best round (least step
-time) is printed. Per op: milliseconds per step, the bytes it reads from memory per step (the
+shared host do not count (--wall: wall-clock times instead, for two threads' barrier waits); the
+best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from memory per step (the
 weights of that linear in all layers, the KV cache read by attention, the head's weights), the
 time those bytes take at the read bandwidth (--bandwidth-gbs, or the float32 sum of
 native_step_bench), and op time / memory time (1.0: the op runs at the bandwidth). "python and
@@ -22,18 +22,15 @@ import argparse
 import os
 import time
 
-import sys  # noqa: E402
+import torch
 
-# before the kernels load
-os.environ.setdefault("TRITIUM_STEP_PROFILE", "wall" if "--wall" in sys.argv else "1")
+from tritium.backend.engine import LLMEngine
+from tritium.backend.models.native_step import NativeStep
+from tritium.backend.sampling_params import SamplingParams
+from tritium.client.bench.native_step_bench import PROMPT, read_bandwidth_gbs
+from tritium.kernels.decode_layer import PROFILE_OPS, read_profile
 
-import torch  # noqa: E402
-
-from tritium.backend.engine import LLMEngine  # noqa: E402
-from tritium.backend.models.native_step import NativeStep  # noqa: E402
-from tritium.backend.sampling_params import SamplingParams  # noqa: E402
-from tritium.client.bench.native_step_bench import PROMPT, read_bandwidth_gbs  # noqa: E402
-from tritium.kernels.decode_layer import PROFILE_OPS, read_profile  # noqa: E402
+ENV = "TRITIUM_STEP_PROFILE"
 
 _LIN = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
 
@@ -117,7 +114,22 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, default=None)
     p.add_argument("--wall", action="store_true", help="wall-clock times (default: CPU time)")
     args = p.parse_args(argv)
+    if args.tokens < 2 or args.rounds < 1 or args.batch < 1 or args.threads < 1:
+        p.error("--tokens must be >= 2, --rounds, --batch and --threads >= 1")
+    saved, threads = os.environ.get(ENV), torch.get_num_threads()
+    os.environ[ENV] = "wall" if args.wall else "1"
     torch.set_num_threads(args.threads)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+
+
+def _main(args) -> int:
     bw = args.bandwidth_gbs or read_bandwidth_gbs()
     eng = LLMEngine(args.engine, enable_prefix_caching=False)
     profile(eng, 4, args.batch)  # warm-up, and NativeStep.get decides
