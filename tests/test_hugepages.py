@@ -1,8 +1,8 @@
 """Packed weights on 2 MiB pages (kernels/hugepages.py, native_step.weights_to_huge_pages): the
 copies hold the same values where they should (one buffer, 2 MiB aligned, advised), the switch
-and its errors, and a W8A8 / W4A8 engine whose weights moved computes the same bits as before the
-move: its LM head (logits) and the per-op and native decode steps, on every CPU path (ids name
-it), with the AVX-512 kernels' huge-page prefetch distance in force. And the per-op profile of the
+and its errors, and a W8A8 / W4A8 / bf16 engine whose weights moved computes the same bits as
+before the move: its LM head (logits) and the per-op and native decode steps, on every CPU path
+(ids name it), with the AVX-512 kernels' huge-page prefetch distance in force. And the per-op profile of the
 native step (client/bench/step_profile.py, TRITIUM_STEP_PROFILE) prints every op.
 
 Oracle: the same engine's outputs before the move (values only move in memory), whose kernels are
@@ -22,7 +22,8 @@ from test_native_step import SHAPES, _steps
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WEIGHTS = {"w8a8": dict(quantization="int8", group_size=32, activation_quant="int8", smoothquant=False),
-           "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False)}
+           "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False),
+           "bf16": dict(deterministic=True)}
 
 
 def test_copies_in_one_aligned_buffer(monkeypatch):
@@ -73,26 +74,28 @@ def engine_dir(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("weights", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("weights", ["w8a8", "w4a8", "bf16"])
 def test_engine_same_bits_after_the_move(engine_dir, weights, cpu_path, monkeypatch):
     monkeypatch.delenv(hugepages.ENV, raising=False)
     eng = LLMEngine(engine_dir(weights), num_kv_blocks=8, enable_prefix_caching=False)
     model = eng.runner.model
-    ws = native_step._integer_weights(model)
-    # every layer linear, and the int8 head (tied embedding) where the build made one
-    assert len(ws) >= 4 * len(model.layers), len(ws)
-    before = [{f: getattr(w, f).clone() for f in ("codes", "d", "z", "r") if getattr(w, f, None) is not None}
-              for w in ws]
+    fields = native_step._streamed_weights(model)
+    # every layer linear (i8dot: codes, d, r and z where asymmetric), and the head
+    assert len(fields) >= (3 if weights != "bf16" else 1) * 4 * len(model.layers) + 1, len(fields)
+    before = [native_step._get(h, f).clone() for h, f in fields]
+    ptrs = [native_step._get(h, f).data_ptr() for h, f in fields]
     h = torch.randn(3, model.cfg.model.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
     logits_before = model.compute_logits(h)
     monkeypatch.setenv(native_step.ENV, "0")
     ref = _steps(model, seed=4)  # the per-op path; builds the NativeStep, which moves the weights
     step = native_step.NativeStep.get(model)
     assert step is not None and step.huge_page_bytes > 0
-    for w, old in zip(ws, before):
-        for f, t in old.items():
-            assert torch.equal(getattr(w, f), t), (cpu_path, f)
-            assert getattr(w, f).data_ptr() != t.data_ptr()
+    base = native_step._get(*fields[0]).data_ptr()
+    assert base % hugepages.HUGE == 0
+    for (holder, f), old, ptr in zip(fields, before, ptrs):
+        now = native_step._get(holder, f)
+        assert torch.equal(now, old) and now.data_ptr() != ptr, (cpu_path, f)  # moved, same values
+        assert base <= now.data_ptr() < base + step.huge_page_bytes + hugepages.ALIGN * len(fields)
     assert torch.equal(model.compute_logits(h), logits_before), cpu_path
     monkeypatch.setenv(native_step.ENV, "1")
     got = _steps(model, seed=4)

@@ -91,36 +91,61 @@ def _probe(model):
     return getattr(model.layers[0], "qkv_proj", None)
 
 
-def _integer_weights(model) -> list:
-    """The integer-dot weights a decode step streams (kernels/i8dot_pack.I8DotWeight of the layers'
-    linears, the LM head's I8DotWeight or head_pack.Head6Weight), each once."""
-    out = {}
+def _streamed_weights(model) -> list:
+    """What a decode step streams, as (holder, field) pairs, each tensor once: the fields of the
+    integer-dot weights (kernels/i8dot_pack.I8DotWeight of the layers' linears, the LM head's
+    I8DotWeight or head_pack.Head6Weight) and the bf16 weights packed for the native GEMM (the
+    layers' and a tied head's packed copy; DenseLinear drops its own reference when it packs).
+    A holder is an object whose attribute `field` is the tensor, or a CpuLinear and the index in
+    its tensors. Weight-only int8 / int4 linears stay put: their packed tensors may share
+    storage with the module's buffers, and a copy would double them."""
+    out, seen = [], set()
+
+    def add(p):
+        if p is None or id(p) in seen:
+            return
+        seen.add(id(p))
+        if p.kind in ("i8dot", "head6"):
+            w = p.tensors[0]
+            out.extend((w, f) for f in ("codes", "d", "z", "r") if getattr(w, f, None) is not None)
+        elif p.kind == "bf16_native":
+            out.append((p, 0))
+
     for layer in model.layers:
         for name in _LINEARS:
-            p, _, _ = _packed(getattr(layer, name))
-            if p is not None and p.kind == "i8dot":
-                out[id(p.tensors[0])] = p.tensors[0]
+            add(_packed(getattr(layer, name))[0])
     head = model.lm_head if model.lm_head is not None else model.embed_tokens
-    p = head._get_packed() if head is not None and hasattr(head, "_get_packed") and \
-        head.qweight.device.type == "cpu" else None
-    if p is not None and p.kind in ("i8dot", "head6"):
-        out[id(p.tensors[0])] = p.tensors[0]
-    return list(out.values())
+    if head is not None and hasattr(head, "_get_packed") and head.qweight.device.type == "cpu":
+        add(head._get_packed())
+    elif head is not None and getattr(head, "packed_weight", None) is not None:
+        add(head.packed_weight)
+    add(getattr(model, "packed_head", None))
+    return out
+
+
+def _get(holder, field):
+    return holder.tensors[field] if isinstance(field, int) else getattr(holder, field)
+
+
+def _set(holder, field, value) -> None:
+    if isinstance(field, int):
+        holder.tensors = holder.tensors[:field] + (value,) + holder.tensors[field + 1:]
+    else:
+        setattr(holder, field, value)
 
 
 def weights_to_huge_pages(model) -> int:
-    """Moves the integer-dot weights of `model` (layers and LM head) into one buffer on 2 MiB pages
-    (kernels/hugepages.py: one-row GEMVs read them about 1.5x faster there), swapping the views
-    into the weight objects in place, so every path (native step, per-op, head, embedding lookup)
-    reads the same values from the new place. Returns the bytes moved (0: nothing to move, or
-    huge pages off or refused)."""
-    ws = _integer_weights(model)
-    fields = [(w, f) for w in ws for f in ("codes", "d", "z", "r") if getattr(w, f, None) is not None]
-    moved = hugepages.to_huge_pages([getattr(w, f) for w, f in fields])
+    """Moves the weights a decode step streams (_streamed_weights) into one buffer on 2 MiB pages
+    (kernels/hugepages.py: one-row GEMVs read them up to about 1.5x faster there), swapping the
+    views in place, so every path (native step, per-op, head, embedding lookup) reads the same
+    values from the new place. Returns the bytes moved (0: nothing to move, or huge pages off or
+    refused)."""
+    fields = _streamed_weights(model)
+    moved = hugepages.to_huge_pages([_get(h, f) for h, f in fields])
     if moved is None:
         return 0
-    for (w, f), v in zip(fields, moved):
-        setattr(w, f, v)
+    for (h, f), v in zip(fields, moved):
+        _set(h, f, v)
     lib = cpu_native._lib()
     if lib is not None:
         lib.tritium_i8dot_huge_pages(1)
@@ -129,7 +154,7 @@ def weights_to_huge_pages(model) -> int:
 
 class NativeStep:
     """A DecoderLM's layers as one native call; `get(model)` builds it once per model (and moves
-    its integer-dot weights onto 2 MiB pages first: weights_to_huge_pages)."""
+    the weights a step streams onto 2 MiB pages first: weights_to_huge_pages)."""
 
     def __init__(self, model):
         m = model.cfg.model
