@@ -157,5 +157,6 @@ class DecodeLayers:
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
             f32.data_ptr(), b16.data_ptr(), threads)
         if rc != 0:
-            raise MemoryError(f"native decode step: no memory for the integer-dot activations of {t} rows")
+            raise MemoryError(f"native decode step: no memory for the scratch (integer-dot activations, "
+                              f"per-thread buffers) of {t} rows")
         return h, r
