@@ -12,7 +12,7 @@ shared host do not count (--wall: wall-clock times instead, for two threads' bar
 best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from memory per step (the
 weights of that linear in all layers, the KV cache read by attention, the head's weights), the
 time those bytes take at the read bandwidth (--bandwidth-gbs, or the float32 sum of
-native_step_bench), and op time / memory time (1.0: the op runs at the bandwidth). "python and
+native_step_bench on 2 MiB pages, as the weights lie), and op time / memory time (1.0: the op runs at the bandwidth). "python and
 sampling" is the step less the native layers and the head (embedding, final norm, sampling,
 scheduler and bookkeeping).
 """
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    bw = args.bandwidth_gbs or read_bandwidth_gbs()
+    # the weights lie on 2 MiB pages (native_step.weights_to_huge_pages) unless TRITIUM_HUGE_PAGES=0
+    bw = args.bandwidth_gbs or read_bandwidth_gbs(huge=True) or read_bandwidth_gbs()
     eng = LLMEngine(args.engine, enable_prefix_caching=False)
     profile(eng, 4, args.batch)  # warm-up, and NativeStep.get decides
     model = eng.runner.model
@@ -141,8 +142,10 @@ def _main(args) -> int:
     ctx = len(eng.tokenizer.encode(PROMPT)) + args.tokens / 2 if hasattr(eng, "tokenizer") else args.tokens
     kv = int(args.batch * ctx * m.num_kv_heads * m.head_dim * 2 * 2 * len(model.layers))
     nbytes = dict(lin, attention=kv, head=head_bytes(model))
+    huge = NativeStep.get(model).huge_page_bytes
     print(f"{os.path.basename(args.engine.rstrip('/'))}: batch {args.batch}, {args.tokens} tokens, best of "
-          f"{args.rounds}, {args.threads} thread(s), read bandwidth {bw:.1f} GB/s; {1 / best['step']:.1f} steps/s")
+          f"{args.rounds}, {args.threads} thread(s), read bandwidth {bw:.1f} GB/s; {1 / best['step']:.1f} steps/s; "
+          f"weights on 2 MiB pages {huge / 1e6:.0f} MB")
     print(f"{'op':22s} {'ms/step':>8s} {'share':>6s} {'MB read':>8s} {'ms at bw':>8s} {'op/bw':>6s}")
     for op in PROFILE_OPS + ("head", "python and sampling", "step"):
         ms = best[op] * 1e3
