@@ -5,9 +5,9 @@ A decode step streams every weight once. On 4 KiB pages a core's hardware prefet
 every page boundary and every 4 KiB costs a TLB miss, so a one-row GEMV reads its weights at about
 two thirds of the speed it reaches on 2 MiB pages (client/bench/gemv_bench.py --huge-pages).
 Linux's default THP mode (`madvise`) gives huge pages only to memory that asks for them, and
-torch's allocator does not ask; so `to_huge_pages` copies the tensors into one 2 MiB-aligned
-buffer, `madvise(MADV_HUGEPAGE)` first, and returns views of it (the caller swaps them in; the
-old tensors are freed when nothing else holds them). Values, shapes and dtypes are unchanged:
+torch's allocator does not ask; so `empty_views` / `to_huge_pages` lay tensors out in one 2 MiB-
+aligned buffer, `madvise(MADV_HUGEPAGE)` before it is written, and return views of it (the caller
+swaps them in; the old tensors are freed when nothing else holds them). Values, shapes and dtypes are unchanged:
 only where the bytes live.
 
 TRITIUM_HUGE_PAGES: unset or 1 on, 0 off (the weights stay where they are). Elsewhere than
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,29 +48,40 @@ def _madvise_huge(addr: int, length: int) -> bool:
     return fn(addr, length, _MADV_HUGEPAGE) == 0
 
 
-def to_huge_pages(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-    """Copies of `tensors` (CPU) in one buffer advised for 2 MiB pages, in order, each starting on
-    a 64-byte boundary; None where off (TRITIUM_HUGE_PAGES=0), not Linux, madvise refused, or no
-    tensors. The views keep the buffer alive."""
-    if not tensors or not enabled():
+def empty_views(specs: Sequence[Tuple[torch.Size, torch.dtype]]) -> Optional[List[torch.Tensor]]:
+    """Uninitialised contiguous tensors of the given (shape, dtype)s, in order in one buffer advised
+    for 2 MiB pages, each starting on a 64-byte boundary; None where off (TRITIUM_HUGE_PAGES=0), not
+    Linux, madvise refused, or no specs. The views keep the buffer alive; its pages are taken as
+    they are first written, so a caller that fills one view, then drops the tensor it copied,
+    holds about one copy of the weights at any time, not two."""
+    if not specs or not enabled():
         return None
-    if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError("to_huge_pages: CPU tensors only")
     offsets, total = [], 0
-    for t in tensors:
+    for shape, dtype in specs:
         offsets.append(total)
-        total += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        total += (n + ALIGN - 1) // ALIGN * ALIGN
     span = (total + HUGE - 1) // HUGE * HUGE
     buf = torch.empty(span + HUGE, dtype=torch.uint8)  # large: mapped, not yet touched
     start = (-buf.data_ptr()) % HUGE
     if not _madvise_huge(buf.data_ptr() + start, span):
         return None
     out = []
-    for t, off in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
-        v = buf[start + off:start + off + n].view(t.dtype).view(t.shape)
-        v.copy_(t)
-        out.append(v)
+    for (shape, dtype), off in zip(specs, offsets):
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[start + off:start + off + n].view(dtype).view(shape))
+    return out
+
+
+def to_huge_pages(tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    """Copies of `tensors` (CPU) in one buffer advised for 2 MiB pages (empty_views); None where
+    empty_views gives none."""
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("to_huge_pages: CPU tensors only")
+    out = empty_views([(t.shape, t.dtype) for t in tensors])
+    if out is not None:
+        for v, t in zip(out, tensors):
+            v.copy_(t)
     return out
 
 

@@ -10,6 +10,9 @@ tested against the torch references in test_kernels_i8dot.py / test_head_int6.py
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -84,6 +87,7 @@ def test_engine_same_bits_after_the_move(engine_dir, weights, cpu_path, monkeypa
     assert len(fields) >= (3 if weights != "bf16" else 1) * 4 * len(model.layers) + 1, len(fields)
     before = [native_step._get(h, f).clone() for h, f in fields]
     ptrs = [native_step._get(h, f).data_ptr() for h, f in fields]
+    old_refs = [weakref.ref(native_step._get(h, f)) for h, f in fields]
     h = torch.randn(3, model.cfg.model.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
     logits_before = model.compute_logits(h)
     monkeypatch.setenv(native_step.ENV, "0")
@@ -96,6 +100,8 @@ def test_engine_same_bits_after_the_move(engine_dir, weights, cpu_path, monkeypa
         now = native_step._get(holder, f)
         assert torch.equal(now, old) and now.data_ptr() != ptr, (cpu_path, f)  # moved, same values
         assert base <= now.data_ptr() < base + step.huge_page_bytes + hugepages.ALIGN * len(fields)
+    gc.collect()
+    assert all(r() is None for r in old_refs), "the moved weights' old tensors are still held"
     assert torch.equal(model.compute_logits(h), logits_before), cpu_path
     monkeypatch.setenv(native_step.ENV, "1")
     got = _steps(model, seed=4)

@@ -141,10 +141,11 @@ def weights_to_huge_pages(model) -> int:
     values from the new place. Returns the bytes moved (0: nothing to move, or huge pages off or
     refused)."""
     fields = _streamed_weights(model)
-    moved = hugepages.to_huge_pages([_get(h, f) for h, f in fields])
+    moved = hugepages.empty_views([(_get(h, f).shape, _get(h, f).dtype) for h, f in fields])
     if moved is None:
         return 0
-    for (h, f), v in zip(fields, moved):
+    for (h, f), v in zip(fields, moved):  # one tensor at a time: the old one is freed as it is swapped out
+        v.copy_(_get(h, f))
         _set(h, f, v)
     lib = cpu_native._lib()
     if lib is not None:
