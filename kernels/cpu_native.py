@@ -14,6 +14,7 @@ tested against are gemm_ref.w8a16_gemm_ref and attention_ref.paged_attention_ref
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -116,6 +117,27 @@ def has_bf16_dot() -> bool:
 def reset() -> None:
     """Forget the loaded path so the next call selects again (tests that force TRITIUM_CPU_ISA)."""
     _lib.cache_clear()
+
+
+@contextlib.contextmanager
+def paths_restored():
+    """For code that forces paths in turn (benchmarks): on leaving, TRITIUM_CPU_ISA is what it
+    was before and the next call selects the path again."""
+    saved = os.environ.get(cpu_isa.ENV)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_isa.ENV, None)
+        else:
+            os.environ[cpu_isa.ENV] = saved
+        reset()
+
+
+def use_path(path: str) -> None:
+    """Force path `path` (TRITIUM_CPU_ISA) for the following calls; inside paths_restored()."""
+    os.environ[cpu_isa.ENV] = path
+    reset()
 
 
 def supports(in_features: int) -> bool:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tp_utils import assert_vocab_shards
 from tritium.backend.config import LayerQuant
 from tritium.backend.loader import load_engine
 from tritium.backend.models.linear import make_linear
@@ -237,15 +238,7 @@ def test_tensor_parallel_shards_the_int6_embedding_by_vocabulary(tiny_checkpoint
     out = str(tmp_path / "tp")
     build_engine(BuildOptions(source=src, output=out, dtype="bfloat16", quantization="int4-rtn",
                               group_size=32, tensor_parallel_size=2, progress=False, eval_tokens=0))
-    full = load_file(os.path.join(int6_engine, "rank0.safetensors"))
-    deq = dequantize_int6(full["embed_tokens.qweight"], full["embed_tokens.scales"], 64)
-    with open(os.path.join(out, "engine.json")) as f:
-        layout = json.load(f)["tensor_parallel"]
-    for r in range(2):
-        t = load_file(os.path.join(out, f"rank{r}.safetensors"))
-        v0, v1 = layout["ranks"][r]["vocab"]
-        assert t["embed_tokens.scales"].shape == (2, v1 - v0)
-        assert torch.equal(dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64), deq[v0:v1])
+    assert_vocab_shards(int6_engine, out, lambda t: dequantize_int6(t["embed_tokens.qweight"], t["embed_tokens.scales"], 64))
 
 
 @pytest.mark.parametrize("group", [None, 32])

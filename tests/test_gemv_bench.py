@@ -4,6 +4,7 @@ refused."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -31,3 +32,21 @@ def test_gemv_bench_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         gemv_bench.main(["--pages", "1g"])
     assert "--pages" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("before", [None, "generic"], ids=["unset", "forced-generic"])
+def test_benchmarks_forcing_paths_restore_the_callers_path(monkeypatch, capsys, before):
+    """gemv_bench forces every path in turn (cpu_native.use_path); afterwards TRITIUM_CPU_ISA and
+    the loaded path are the caller's again (cpu_native.paths_restored)."""
+    from tritium.kernels import cpu_native
+    if before is None:
+        monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_isa.ENV, before)
+    cpu_native.reset()
+    expected = cpu_native.isa()
+    assert gemv_bench.main(["--layers", "1", "--rounds", "1", "--rows", "1", "--kinds", "bf16"]) == 0
+    capsys.readouterr()
+    assert os.environ.get(cpu_isa.ENV) == before
+    assert cpu_native.isa() == expected
+    cpu_native.reset()

@@ -95,12 +95,12 @@ def _steps(model, ids, n):
 
 
 def test_deepseek_v3_on_the_triton_side_equals_the_cpu_path(tiny_checkpoint, tiny_engine, monkeypatch):
-    """A tiny DeepSeek-V3 (tests/test_models_mla.py) with every op on the Triton side (interpreter),
+    """A tiny DeepSeek-V3 (tests/deepseek_models.py) with every op on the Triton side (interpreter),
     attention through mla_triton (prefill and decode): the CPU path's greedy tokens and logits within 1e-5."""
-    import test_models_mla
+    from deepseek_models import with_bias
     from tritium.backend.loader import load_engine
     from tritium.kernels import mla_triton
-    test_models_mla._with_bias(tiny_checkpoint("deepseek_v3"))
+    with_bias(tiny_checkpoint("deepseek_v3"))
     _, model, _ = load_engine(tiny_engine("deepseek_v3"), "cpu")
     ids = [5, 17, 923, 44, 300, 2, 81]
     monkeypatch.setenv("TRITIUM_KERNELS", "reference")

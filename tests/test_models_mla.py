@@ -4,84 +4,27 @@ random checkpoints: fp32 logits within 1e-4 relative (L2) error and greedy token
 `generate`; the routers against transformers' own router modules; the latent cache's size per
 token (the build report and the runner's pool) equal to (kv_lora_rank + qk_rope_head_dim) x dtype
 bytes per layer; a decode step that never forms per-head K or V (every intermediate tensor
-watched); batched == alone with chunked prefill, preemption and prefix reuse; TP = 2 == TP = 1;
-int8 / int4 (RTN) experts; configs the engine cannot honour refused naming the field."""
+watched); batched == alone with chunked prefill, preemption and prefix reuse. TP, quantized
+experts, refusals and serving: tests/test_models_mla_serving.py; the checkpoints:
+tests/deepseek_models.py."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-import tiny_models
+from deepseek_models import FAMILIES, V2, V3, ds_checkpoint, ds_engine  # noqa: F401 (fixtures)
 from hf_oracle import PROMPTS, hf_model, rel_err
 from simple_generate import generate_simple, prompt_logits
 from test_models_engine import MODES, alone, run_staggered, workload
-from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
 from tritium.backend.engine import LLMEngine
 from tritium.backend.loader import load_engine
 from tritium.backend.sampling_params import SamplingParams
-from tritium.builder.convert import CheckpointError
 from tritium.builder.hf_loader import model_config_from_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-_V3 = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-           num_hidden_layers=3, num_attention_heads=4, vocab_size=1000, max_position_embeddings=256,
-           n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
-           n_shared_experts=1, kv_lora_rank=40, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-           v_head_dim=32, routed_scaling_factor=2.5, tie_word_embeddings=False)
-_V2 = dict(model_type="deepseek_v2", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-           num_hidden_layers=2, num_attention_heads=4, vocab_size=1000, max_position_embeddings=256,
-           n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=2,
-           kv_lora_rank=40, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=32,
-           routed_scaling_factor=1.5, tie_word_embeddings=False)
-tiny_models.FAMILIES.update({
-    # V3: q_lora_rank set, a dense first layer, 1 shared expert, sigmoid scores with a correction
-    # bias (set below), top-3 among the 2 best of 4 groups, routed_scaling_factor 2.5
-    "deepseek_v3": _V3,
-    # ... with YaRN (factor 4, mscale != mscale_all_dim: attention factor and softmax-scale correction)
-    "deepseek_v3_yarn": dict(_V3, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                                       original_max_position_embeddings=64, beta_fast=32,
-                                                       beta_slow=1, mscale=1.0, mscale_all_dim=0.8)),
-    # V2-Lite's layout: q_proj (no q_lora_rank), softmax greedy top-2, 2 shared experts
-    "deepseek_v2": _V2,
-    # V2's group_limited_greedy: top-2 among the 2 best of 4 groups (by their best expert)
-    "deepseek_v2_grouped": dict(_V2, topk_method="group_limited_greedy", n_group=4, topk_group=2),
-})
-FAMILIES = ["deepseek_v3", "deepseek_v3_yarn", "deepseek_v2", "deepseek_v2_grouped"]
-
-
-def _with_bias(path: str) -> str:
-    """transformers initializes e_score_correction_bias to zeros; a random one makes the choice
-    differ from the weights (set in the checkpoint itself, so both sides read it)."""
-    f = os.path.join(path, "model.safetensors")
-    t = load_file(f)
-    names = [k for k in t if k.endswith("e_score_correction_bias")]
-    if names and all(not t[k].any() for k in names):
-        g = torch.Generator().manual_seed(3)
-        for k in names:
-            t[k] = torch.randn(t[k].shape, generator=g) * 0.3
-        save_file(t, f, metadata={"format": "pt"})
-    return path
-
-
-@pytest.fixture(scope="module")
-def ds_checkpoint(tiny_checkpoint):
-    return lambda family, **over: _with_bias(tiny_checkpoint(family, **over))
-
-
-@pytest.fixture(scope="module")
-def ds_engine(ds_checkpoint, tiny_engine):
-    def make(family, dtype="float32", **kw):
-        ds_checkpoint(family)  # the bias in place before the (cached) build reads the checkpoint
-        return tiny_engine(family, dtype, **kw)
-    return make
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,7 +135,7 @@ def test_routers_match_transformers_router_modules(method):
 def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq(over, dense):
     """Dense where i < first_k_dense_replace or i % moe_layer_freq != 0 (DeepSeek's rule; with
     moe_layer_freq 1 also transformers' layer types)."""
-    m = model_config_from_hf(dict(_V3, **over))
+    m = model_config_from_hf(dict(V3, **over))
     assert m.dense_layers == dense
     assert m.shared_expert_intermediate_size == 32 and m.router_topk == "noaux_tc" and m.router_scoring == "sigmoid"
 
@@ -321,134 +264,3 @@ def test_ngram_speculation_equals_plain_greedy(ds_engine):
     for (prompt, max_tokens), out in zip(reqs, outs):
         assert out.outputs[0].token_ids == alone(engine, prompt, max_tokens)
     assert engine.stats()["spec_proposed_tokens"] > 0
-
-
-@pytest.mark.usefixtures("tp_timeout")
-def test_tp2_heads_and_experts_split_equals_tp1(ds_engine):
-    """TP = 2 (MLA heads split by head: q / q_b_proj rows, kv_b_proj rows, o_proj columns; the
-    latent replicated; experts and shared experts split by columns; routers replicated) == TP = 1,
-    for DeepSeek-V3 (q_b_proj; V2-Lite's q_proj takes the same row split)."""
-    from safetensors import safe_open
-    family = "deepseek_v3"
-    prompts = [PROMPTS[0], PROMPTS[1]]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        path = ds_engine(family, "float32", **({"tensor_parallel_size": 2} if tp == 2 else {}))
-        kw = {"threads_per_rank": 1} if tp == 2 else {}
-        with LLMEngine(path, device="cpu", num_kv_blocks=64, **kw) as e:
-            logs = record_logits(e)
-            outs = e.generate(prompt_token_ids=prompts, params=greedy)
-            runs.append(([o.outputs[0].token_ids for o in outs], logs))
-        if tp == 2:
-            assert not wait_no_workers(path), "a worker outlived close()"
-            with safe_open(f"{path}/rank1.safetensors", "pt") as f:
-                assert tuple(f.get_tensor("layers.1.kv_b_proj.weight").shape) == (2 * (16 + 32), 40)
-                assert tuple(f.get_tensor("layers.1.o_proj.weight").shape) == (64, 2 * 32)
-                assert tuple(f.get_tensor("layers.1.kv_a_proj.weight").shape) == (48, 64)
-    (tok1, log1), (tok2, log2) = runs
-    assert tok2 == tok1
-    assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
-
-
-@pytest.mark.parametrize("method", ["int8", "int4-rtn", "int4-gptq", "fp8"])
-def test_quantized_experts_serve_their_dequantized_weights(method, ds_engine):
-    """A V3 engine with int8 / int4 (RTN, or GPTQ per expert on the tokens its sigmoid,
-    group-limited router sends it) / fp8 experts (and o_proj / dense MLP quantized; the MLA
-    projections float): the logits equal those of the engine holding the dequantized experts."""
-    import dataclasses
-    from test_models_moe import _dequantized
-    from tritium.backend.models.decoder import DecoderLM
-    path = ds_engine("deepseek_v3", quantization=method, eval_tokens=0, calibration_samples=4)
-    cfg, model, _ = load_engine(path, "cpu")
-    tensors = load_file(f"{path}/rank0.safetensors")
-    kind = method.split("-")[0]
-    assert cfg.quantization.layers["layers.1.experts.gate_up"].method == kind
-    assert "layers.1.experts.down_weight" not in tensors and "layers.0.gate_up_proj.qweight" in tensors
-    assert "layers.1.kv_b_proj.weight" in tensors and "layers.1.qkv_proj" not in cfg.quantization.layers
-    deq = _dequantized(cfg, tensors)
-    layers = {k: v for k, v in cfg.quantization.layers.items() if ".experts." not in k}
-    ref_model = DecoderLM(dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, layers=layers)))
-    ref_model.load_engine_weights({**{k: v for k, v in tensors.items() if ".experts." not in k},
-                                   **{k: v for k, v in deq.items() if ".experts." in k}})
-    # the dense linears' activations as the engine's (int8 / int4 builds: W8A8 / W4A8 by default)
-    from tritium.backend.quant import set_activation_quant
-    set_activation_quant(ref_model, cfg.activation_quant)
-    for ids in PROMPTS[:2]:
-        got, ref = prompt_logits(model, ids), prompt_logits(ref_model.eval(), ids)
-        assert rel_err(got, ref) < 1e-5, (method, rel_err(got, ref))
-
-
-CLI = [sys.executable, "-m", "tritium.client.cli"]
-BAD = {"v3 scoring_func": (_V3, dict(scoring_func="softmax"), ["scoring_func", "'softmax'", "sigmoid"]),
-       "v3 topk_method": (_V3, dict(topk_method="greedy"), ["topk_method", "'greedy'", "noaux_tc"]),
-       "v2 topk_method": (_V2, dict(topk_method="noaux_tc"), ["topk_method", "'noaux_tc'", "group_limited_greedy"]),
-       "v2 norm_topk_prob": (_V2, dict(norm_topk_prob=True), ["norm_topk_prob"]),
-       "n_group": (_V3, dict(n_group=3), ["n_group 3"]),
-       "attention_bias": (_V3, dict(attention_bias=True), ["attention_bias"]),
-       "rope_interleave": (_V3, dict(rope_interleave=False), ["rope_interleave", "False"])}
-
-
-@pytest.mark.parametrize("case", list(BAD))
-def test_unhonourable_config_is_refused_naming_it(case):
-    base, edit, needles = BAD[case]
-    with pytest.raises(CheckpointError) as e:
-        model_config_from_hf(dict(base, **edit))
-    assert all(n in str(e.value) for n in needles), str(e.value)
-
-
-def test_cli_build_refusal_is_one_line_exit_2(ds_checkpoint, tmp_path):
-    src = ds_checkpoint("deepseek_v3")
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src, dst)
-    cfg = json.load(open(f"{src}/config.json"))
-    (dst / "config.json").write_text(json.dumps(dict(cfg, topk_method="greedy")))
-    r = subprocess.run(CLI + ["build", str(dst), "-o", str(tmp_path / "e")], capture_output=True, text=True)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "topk_method 'greedy'" in r.stderr and not (tmp_path / "e" / "engine.json").exists(), r.stderr
-
-
-def test_quantized_kv_cache_refused_before_any_work(ds_checkpoint, tmp_path):
-    from tritium.builder.build import BuildOptions, build_engine
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the latent cache"):
-        build_engine(BuildOptions(source=ds_checkpoint("deepseek_v3"), output=str(tmp_path / "e"),
-                                  kv_cache_dtype="int8", progress=False))
-    assert not (tmp_path / "e").exists()
-
-
-@pytest.mark.parametrize("field,value,needle", [("router_topk", "top2", "model.router_topk 'top2'"),
-                                                ("n_group", 3, "model.n_group 3"),
-                                                ("head_dim", 20, "head_dim 20"),
-                                                ("v_head_dim", 0, "model.v_head_dim"),
-                                                ("kv_lora_rank", -8, "model.kv_lora_rank must be an integer >= 0")])
-def test_engine_json_mla_fields_checked_at_load(field, value, needle, ds_engine):
-    from tritium.backend.config import EngineConfig, EngineFormatError
-    d = json.load(open(f"{ds_engine('deepseek_v3')}/engine.json"))
-    d["model"][field] = value
-    with pytest.raises(EngineFormatError) as e:
-        EngineConfig.from_dict(d)
-    assert needle in str(e.value), str(e.value)
-
-
-def test_deepseek_v3_serves_through_tritonserver(ds_engine, tmp_path):
-    """A DeepSeek-V3 engine behind the real tritonserver: greedy tokens over gRPC equal the
-    in-process engine's, for a prompt and then a second one sharing its prefix (latent blocks reused)."""
-    from tritium.builder.repository import write_repository
-    from tritium.client.serve.server import TritonServer, prepare_backend_dir
-    from tritium.client.triton_client import TritiumClient
-    path = ds_engine("deepseek_v3")
-    repo = str(tmp_path / "repo")
-    write_repository(repo, "ds", path, engine_params={"num_kv_blocks": "64", "num_threads": "1",
-                                                     "small_step_threads": "1"})
-    srv = TritonServer(repo, log_file=str(tmp_path / "server.log"), load_models=["ds"],
-                       backend_dir=prepare_backend_dir(str(tmp_path / "backends")))
-    srv.start(timeout=300)
-    try:
-        client = TritiumClient(srv.grpc_url, protocol="grpc", model="ds", timeout=120)
-        ref_engine = LLMEngine(path, device="cpu", num_kv_blocks=64)
-        for text in ("Latent attention caches one row", "Latent attention caches one row per token"):
-            ref = ref_engine.generate([text], SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0))[0]
-            got = client.generate(text, max_tokens=8, min_tokens=8, temperature=0.0)
-            assert got.token_ids == ref.outputs[0].token_ids, text
-    finally:
-        srv.stop()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from test_gguf_types import roundtrip, write_gguf
 
 from simple_generate import prompt_logits
+from tp_utils import assert_vocab_shards
 from tritium.backend.config import ENGINE_FORMAT_VERSION, LayerQuant
 from tritium.backend.loader import load_engine
 from tritium.backend.models.linear import make_linear
@@ -304,16 +305,8 @@ def test_tensor_parallel_shards_the_grouped_embedding_by_vocabulary(gguf_src, in
     out = str(tmp_path / "tp")
     build_engine(BuildOptions(source=gguf_src, output=out, dtype="bfloat16", quantization="int8",
                               tensor_parallel_size=2, progress=False, eval_tokens=0))
-    full = load_file(os.path.join(int8_engine, "rank0.safetensors"))
-    deq = dequantize_grouped(full["embed_tokens.qweight"], full["embed_tokens.scales"], None, 32)
-    with open(os.path.join(out, "engine.json")) as f:
-        layout = json.load(f)["tensor_parallel"]
-    for r in range(2):
-        t = load_file(os.path.join(out, f"rank{r}.safetensors"))
-        v0, v1 = layout["ranks"][r]["vocab"]
-        assert t["embed_tokens.scales"].shape == (2, v1 - v0)
-        part = dequantize_grouped(t["embed_tokens.qweight"], t["embed_tokens.scales"], None, 32)
-        assert torch.equal(part, deq[v0:v1])
+    assert_vocab_shards(int8_engine, out, lambda t: dequantize_grouped(t["embed_tokens.qweight"],
+                                                                         t["embed_tokens.scales"], None, 32))
 
 
 def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_path):

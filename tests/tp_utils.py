@@ -60,3 +60,23 @@ def wait_no_workers(needle: str, timeout: float = 20.0) -> List[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+def assert_vocab_shards(full_dir: str, tp_dir: str, dequantize) -> None:
+    """A tensor-parallel engine's ranks hold the embedding's vocabulary rows of the one-rank
+    engine: dequantize(tensors) of each rank equals the full engine's rows [v0, v1) of its layout,
+    and the scales are split by column (vocabulary) with their group rows whole."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    full = load_file(os.path.join(full_dir, "rank0.safetensors"))
+    deq = dequantize(full)
+    with open(os.path.join(tp_dir, "engine.json")) as f:
+        ranks = json.load(f)["tensor_parallel"]["ranks"]
+    assert len(ranks) >= 2
+    for r, rank in enumerate(ranks):
+        t = load_file(os.path.join(tp_dir, f"rank{r}.safetensors"))
+        v0, v1 = rank["vocab"]
+        assert t["embed_tokens.scales"].shape == (full["embed_tokens.scales"].shape[0], v1 - v0)
+        assert torch.equal(dequantize(t), deq[v0:v1])

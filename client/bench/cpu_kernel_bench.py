@@ -12,7 +12,6 @@ shape (`f32 torch`, the speed a float32 engine gets) and the ratio of each path 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -103,8 +102,7 @@ def _other_cases(rows: int, ctx: int) -> Dict[str, Callable]:
 
 
 def _use(path: str) -> None:
-    os.environ[cpu_isa.ENV] = path
-    cpu_native.reset()
+    cpu_native.use_path(path)
     assert cpu_native.isa() == path
 
 
@@ -145,15 +143,8 @@ def main(argv=None) -> int:
     bad = [x for x in paths if x not in cpu_isa.runnable()]
     if bad:
         p.error(f"--paths: this CPU cannot run {', '.join(bad)}; allowed here: {', '.join(cpu_isa.runnable())}")
-    saved = os.environ.get(cpu_isa.ENV)
-    try:
+    with cpu_native.paths_restored():
         res = run(paths, args.rounds, args.rows)
-    finally:
-        if saved is None:
-            os.environ.pop(cpu_isa.ENV, None)
-        else:
-            os.environ[cpu_isa.ENV] = saved
-        cpu_native.reset()
     cols = paths + ["f32 torch", "bf16 torch", "bf16 oneDNN"]
     print(f"threads={torch.get_num_threads()}  median us per call  (x: f32 torch time / path time; "
           f"in the oneDNN column: {paths[0]} time / oneDNN time)")

@@ -114,8 +114,7 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
     best: Dict = {}
     for _ in range(rounds):
         for path in paths:
-            os.environ[cpu_isa.ENV] = path
-            cpu_native.reset()
+            cpu_native.use_path(path)
             lib = cpu_native._lib()
             for kind in kinds:
                 for pg in pages:
@@ -154,15 +153,8 @@ def main(argv=None) -> int:
         p.error(f"--paths: this CPU cannot run {', '.join(bad)}; allowed here: {', '.join(cpu_isa.runnable())}")
     if args.layers < 1 or args.rounds < 1 or min(args.rows) < 1:
         p.error("--layers, --rounds and --rows must be >= 1")
-    saved = os.environ.get(cpu_isa.ENV)
-    try:
+    with cpu_native.paths_restored():
         best = run(paths, args.kinds, args.rows, args.layers, args.rounds, tuple(args.pages))
-    finally:
-        if saved is None:
-            os.environ.pop(cpu_isa.ENV, None)
-        else:
-            os.environ[cpu_isa.ENV] = saved
-        cpu_native.reset()
     print(f"threads={os.environ.get('OMP_NUM_THREADS', 'all')} layers={args.layers} best of {args.rounds} rounds; "
           f"GB/s of weight bytes")
     head = "".join(f"{f'{n}x{k}':>11s}" for n, k in SHAPES)
