@@ -9,12 +9,12 @@ timer on (TRITIUM_STEP_PROFILE=1, thread 0's CPU time per op inside kernels/cpu_
 and the LM head's (compute_logits, the calling thread's CPU time) and the whole step's (the
 process's CPU time divided by --threads) from Python: CPU time, so that other processes on a
 shared host do not count (--wall: wall-clock times instead, for two threads' barrier waits); the
-best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from memory per step (the
-weights of that linear in all layers, the KV cache read by attention, the head's weights), the
-time those bytes take at the read bandwidth (--bandwidth-gbs, or the float32 sum of
-native_step_bench on 2 MiB pages, as the weights lie), and op time / memory time (1.0: the op runs at the bandwidth). "python and
-sampling" is the step less the native layers and the head (embedding, final norm, sampling,
-scheduler and bookkeeping).
+best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from
+memory per step (the weights of that linear in all layers, the KV cache read by attention, the
+head's weights), the time those bytes take at the read bandwidth (--bandwidth-gbs, or the
+float32 sum of native_step_bench on 2 MiB pages, as the weights lie), and op time / memory time
+(1.0: the op runs at the bandwidth). "python and sampling" is the step less the native layers
+and the head (embedding, final norm, sampling, scheduler and bookkeeping).
 """
 from __future__ import annotations
 
