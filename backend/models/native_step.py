@@ -14,6 +14,8 @@ fine. A step also needs at
 most NATIVE_STEP_MAX_ROWS rows and no LoRA adapter in use. Otherwise the per-op path runs.
 TRITIUM_NATIVE_STEP=0 turns the native call off. On several torch threads the call is one
 parallel region (kernels/cpu_decode_layer.c); the bits do not depend on the thread count.
+Building a model's NativeStep first moves the weights a decode step streams onto 2 MiB pages
+(weights_to_huge_pages, kernels/hugepages.py; TRITIUM_HUGE_PAGES=0 leaves them where they are).
 """
 from __future__ import annotations
 
