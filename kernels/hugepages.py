@@ -36,9 +36,19 @@ def enabled() -> bool:
     return v in ("1", "true", "on")
 
 
+def thp_mode() -> Optional[str]:
+    """The kernel's transparent huge page mode (always / madvise / never), None where it does not say."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else None
+
+
 def _madvise_huge(addr: int, length: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+    if not sys.platform.startswith("linux") or thp_mode() == "never":
+        return False  # THP never: madvise still says yes, but no page would be huge
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:

@@ -47,6 +47,12 @@ def test_copies_in_one_aligned_buffer(monkeypatch):
     assert all(e <= s for e, s in zip(ends, [b.data_ptr() for b in out[1:]]))  # in order, no overlap
 
 
+def test_thp_never_moves_nothing(monkeypatch):
+    assert hugepages.thp_mode() in ("always", "madvise", "never", None)
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    assert hugepages.to_huge_pages([torch.ones(4)]) is None
+
+
 def test_switch_and_errors(monkeypatch):
     t = [torch.ones(4)]
     monkeypatch.setenv(hugepages.ENV, "0")
