@@ -296,8 +296,10 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
     }
 #define BARRIER()                                                                                                    \
-    barrier(bar, nt);                                                                                                \
-    if (nt > 1) TICK(OP_WAIT)
+    {                                                                                                                \
+        barrier(bar, nt);                                                                                            \
+        if (nt > 1) TICK(OP_WAIT)                                                                                    \
+    }
     /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
      * buffers (priv: x, act, a residual scratch), so the linears that follow read them without
      * waiting for the others: 6 barriers a layer instead of 9. Only thread 0 writes the shared
