@@ -25,7 +25,8 @@
  * parallel region: the threads split each GEMM's output channels (in units of 32, so every
  * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
  * not depend on the thread count) and meet at a barrier between ops (it spins, then sleeps);
- * the small ops (norms, rotary, SiLU) split the rows, attention its rows by keys to read. A fork/join
+ * each thread runs the norms and SiLU on every row itself, rotary splits the rows, attention its
+ * rows by keys to read. A fork/join
  * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
  * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
@@ -34,6 +35,7 @@
 #define _GNU_SOURCE /* syscall() */
 #endif
 #include <limits.h>
+#include <stdlib.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -214,6 +216,32 @@ static void barrier(step_barrier_t *b, int nt) {
                      __ATOMIC_RELAXED);
 }
 
+/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
+ * per step and one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
+ * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
+enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
+static int64_t prof_ns[OP_COUNT], prof_calls;
+
+static int prof_on;
+static int64_t cpu_ns(void) { /* this thread's CPU time (the time another process held the core does
+                               * not count), or the wall clock with TRITIUM_STEP_PROFILE=wall */
+    struct timespec t;
+    clock_gettime(prof_on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int profiling(void) { /* read at every step: a benchmark may switch it on after the load */
+    const char *e = getenv("TRITIUM_STEP_PROFILE");
+    prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
+    return prof_on;
+}
+
+/* out[OP_COUNT + 1]: the per-op sums and the count of steps since the last call, then reset. */
+void tritium_decode_layers_profile(int64_t *out) {
+    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[i], prof_ns[i] = 0;
+    out[OP_COUNT] = prof_calls, prof_calls = 0;
+}
+
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* Sizes of the scratch the caller passes, for T rows: float32 and bf16 element counts. */
@@ -248,7 +276,8 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                          uint16_t *hidden, uint16_t *residual, int64_t has_residual, const uint16_t *cos,
                          const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
-                         uint16_t *ws_bf16, int tid, int nt, step_barrier_t *bar) {
+                         uint16_t *ws_bf16, uint16_t *priv, uint16_t *res_alt, int tid, int nt,
+                         step_barrier_t *bar) {
     const int64_t nqkv = (hq + 2 * hkv) * D;
     uint16_t *x = ws_bf16, *qkv = x + T * H, *q = qkv + T * nqkv, *attn = q + T * hq * D, *gu = attn + T * hq * D,
              *act = gu + T * 2 * I;
@@ -259,36 +288,70 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t t0 = T * tid / nt, t1 = T * (tid + 1) / nt, nt_rows = t1 - t0;
     int64_t a0, a1;
     attention_share(lo, len, nrows, tid, nt, &a0, &a1);
+    const int prof = tid == 0 && profiling();
+    int64_t tp = prof ? cpu_ns() : 0;
+#define TICK(OP)                                                                                                     \
+    if (prof) {                                                                                                      \
+        const int64_t t_ = cpu_ns();                                                                                 \
+        prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
+    }
+#define BARRIER()                                                                                                    \
+    {                                                                                                                \
+        barrier(bar, nt);                                                                                            \
+        if (nt > 1) TICK(OP_WAIT)                                                                                    \
+    }
+    /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
+     * buffers (priv: x, act, a residual scratch), so the linears that follow read them without
+     * waiting for the others: 6 barriers a layer instead of 9. Only thread 0 writes the shared
+     * residual, alternating between `residual` and res_alt (norm1 reads ra, writes rb; norm2 reads
+     * rb, writes ra), so no thread reads rows another is writing; after each layer it is back in
+     * `residual`. The same kernel on the same row gives the same bits on every thread. */
+    const int red = nt > 1;
+    uint16_t *xm = red ? priv : x, *actm = red ? priv + T * H : act, *rs = red ? priv + T * (H + I) : NULL;
+    uint16_t *ra = residual, *rb = red ? res_alt : residual;
+    const int64_t n0 = red ? 0 : t0, nn = red ? T : nt_rows;
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
-        const uint16_t *res_in = has_residual || l ? residual + t0 * H : NULL;
-        if (nt_rows)
-            tritium_add_rms_norm_bf16(hidden + t0 * H, res_in, L->input_norm, eps, nt_rows, H, x + t0 * H,
-                                      residual + t0 * H);
-        barrier(bar, nt);
-        rc |= linear_part(&L->qkv, x, T, ws_f32, qkv, 1.0f, tid, nt);
-        barrier(bar, nt);
+        const uint16_t *res_in = has_residual || l ? ra + n0 * H : NULL;
+        if (nn)
+            tritium_add_rms_norm_bf16(hidden + n0 * H, res_in, L->input_norm, eps, nn, H, xm + n0 * H,
+                                      red && tid ? rs : rb + n0 * H);
+        TICK(OP_NORM1)
+        if (!red) BARRIER()
+        rc |= linear_part(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt);
+        TICK(OP_QKV)
+        BARRIER()
         if (nt_rows)
             tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
-        barrier(bar, nt); /* attention rows read keys other threads may have just written */
+        TICK(OP_ROPE)
+        BARRIER() /* attention rows read keys other threads may have just written */
         if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
-        barrier(bar, nt);
+        TICK(OP_ATTN)
+        BARRIER()
         rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
-        barrier(bar, nt);
-        if (nt_rows)
-            tritium_add_rms_norm_bf16(hidden + t0 * H, residual + t0 * H, L->post_attn_norm, eps, nt_rows, H,
-                                      x + t0 * H, residual + t0 * H);
-        barrier(bar, nt);
-        rc |= linear_part(&L->gate_up, x, T, ws_f32, gu, 1.0f, tid, nt);
-        barrier(bar, nt);
-        if (nt_rows) tritium_silu_mul_bf16(gu + t0 * 2 * I, nt_rows, I, act + t0 * I);
-        barrier(bar, nt);
-        rc |= linear_part(&L->down, act, T, ws_f32, hidden, residual_mult, tid, nt);
-        barrier(bar, nt);
+        TICK(OP_O)
+        BARRIER()
+        if (nn)
+            tritium_add_rms_norm_bf16(hidden + n0 * H, rb + n0 * H, L->post_attn_norm, eps, nn, H, xm + n0 * H,
+                                      red && tid ? rs : ra + n0 * H);
+        TICK(OP_NORM2)
+        if (!red) BARRIER()
+        rc |= linear_part(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt);
+        TICK(OP_GATE_UP)
+        BARRIER()
+        if (nn) tritium_silu_mul_bf16(gu + n0 * 2 * I, nn, I, actm + n0 * I);
+        TICK(OP_SILU)
+        if (!red) BARRIER()
+        rc |= linear_part(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt);
+        TICK(OP_DOWN)
+        BARRIER()
     }
+    if (prof) prof_calls++;
+#undef BARRIER
+#undef TICK
     return rc;
 }
 
@@ -307,23 +370,29 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
                                int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
     step_barrier_t bar = {0, 0, 0};
     int rc = 0;
-#define LAYERS(TID, NT)                                                                                              \
+#define LAYERS(TID, NT, PRIV, ALT)                                                                                   \
     layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
-                  has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, TID, \
-                  NT, &bar)
+                  has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, PRIV, \
+                  ALT, TID, NT, &bar)
 #ifdef _OPENMP
     if (threads > 1 && !omp_in_parallel()) {
+        /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
+        const int64_t per = T * (2 * H + I);
+        uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
+        if (!mem) return -1;
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
         {
             /* this thread's own ICV: the kernels' parallel regions nested in this one get one
              * thread (torch's OpenMP runtime allows nested teams) */
             omp_set_num_threads(1);
-            rc |= LAYERS(omp_get_thread_num(), omp_get_num_threads());
+            const int tid = omp_get_thread_num();
+            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads);
         }
+        free(mem);
         return rc ? -1 : 0;
     }
 #endif
     (void)threads;
-    return LAYERS(0, 1) ? -1 : 0;
+    return LAYERS(0, 1, NULL, NULL) ? -1 : 0;
 #undef LAYERS
 }

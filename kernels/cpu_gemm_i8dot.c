@@ -38,6 +38,7 @@
 #ifndef PFB
 #define PFB 8192 /* bytes of weight requested ahead of the block read, into L2 (hint T1) */
 #endif
+#define PFB_HUGE 2048 /* the same on 2 MiB pages, AVX-512 int8, 1-2 rows (tritium_i8dot_huge_pages) */
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -130,6 +131,26 @@ void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, fl
 
 /* ---------------------------------------------------------------- per-path panel kernels */
 
+/* How far ahead the panels ask for weight lines. On 4 KiB pages the hardware prefetchers stop at
+ * every page, and 8 KB ahead measured best on both paths; on 2 MiB pages (kernels/hugepages.py)
+ * they run on, and the AVX-512 int8 loop at 1-2 rows read fastest asking 2 KB ahead (8 KB: 0.75x
+ * of that), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the
+ * work per byte; 0.85x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
+ * Speed only: the results do not depend on it. */
+#if defined(I8DOT_AVX512)
+static int64_t pf_bytes = PFB;
+#endif
+
+/* on != 0: the packed weights the kernels will read lie on 2 MiB pages (the process's choice,
+ * made once at load by kernels/hugepages.py's caller). */
+void tritium_i8dot_huge_pages(int64_t on) {
+#if defined(I8DOT_AVX512)
+    pf_bytes = on ? PFB_HUGE : PFB;
+#else
+    (void)on;
+#endif
+}
+
 /* Per call, per row m and block b: xq codes, xd scale, xz = xd S (S the block's code sum), xo =
  * -off S (off: the offset of the path's unsigned weight codes, 0 where the path uses signed codes). */
 typedef struct {
@@ -149,7 +170,7 @@ INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
  * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S. */
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                   float *out, const int BITS, const int MR_) {
-    const int64_t K = A->K, KB = K / QB;
+    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
     __m512 f[MR];
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
@@ -157,11 +178,11 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
             const uint8_t *p = wp + b * 256;
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
                 u[i] = _mm512_and_si512(v, m4);

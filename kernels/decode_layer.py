@@ -80,8 +80,21 @@ def _lib():
         lib.tritium_decode_layers_bf16.argtypes = ([p, i64, i64, i64, i64, i64, i64, i64, f32, f32, f32, p, p, i64, p, p,
                                                      p, p, i64, p, i64, i64, p, p, i64])
         lib.tritium_decode_layers_bf16.restype = ctypes.c_int
+        lib.tritium_decode_layers_profile.argtypes = [p]
+        lib.tritium_decode_layers_profile.restype = None
         lib.tritium_decode_layers_ready = True
     return lib
+
+
+PROFILE_OPS = ("norm1", "qkv", "rope", "attention", "o", "norm2", "gate_up", "silu", "down", "barrier wait")
+
+
+def read_profile() -> Tuple[dict, int]:
+    """({op: seconds}, steps) of thread 0 in the native step since the last read, then reset;
+    all zero unless TRITIUM_STEP_PROFILE=1 was set when the kernels loaded."""
+    out = (ctypes.c_int64 * (len(PROFILE_OPS) + 1))()
+    _lib().tritium_decode_layers_profile(out)
+    return {op: out[i] / 1e9 for i, op in enumerate(PROFILE_OPS)}, out[len(PROFILE_OPS)]
 
 
 class DecodeLayers:
@@ -144,5 +157,6 @@ class DecodeLayers:
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
             f32.data_ptr(), b16.data_ptr(), threads)
         if rc != 0:
-            raise MemoryError(f"native decode step: no memory for the integer-dot activations of {t} rows")
+            raise MemoryError(f"native decode step: no memory for the scratch (integer-dot activations, "
+                              f"per-thread buffers) of {t} rows")
         return h, r

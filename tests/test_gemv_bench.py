@@ -1,5 +1,6 @@
 """The streaming GEMM benchmark (client/bench/gemv_bench.py) runs on every path this host runs and
-prints one row per path, kind and row count with finite rates; bad arguments are refused."""
+prints one row per path, kind, page placement and row count with finite rates; bad arguments are
+refused."""
 from __future__ import annotations
 
 import math
@@ -16,10 +17,11 @@ def test_gemv_bench_prints_a_row_per_path_kind_and_rows(capsys):
     assert gemv_bench.main(["--layers", "1", "--rounds", "1", "--rows", "1", "2", "--kinds", "bf16", "w4a8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [ln.split() for ln in lines[2:]]
-    assert len(rows) == len(paths) * 2 * 2, lines
-    assert {(r[0], r[1], r[2]) for r in rows} == {(p, k, m) for p in paths for k in ("bf16", "w4a8") for m in ("1", "2")}
+    assert len(rows) == len(paths) * 2 * 2 * 2, lines
+    assert {(r[0], r[1], r[2], r[3]) for r in rows} == {(p, k, pg, m) for p in paths for k in ("bf16", "w4a8")
+                                                         for pg in ("4k", "huge") for m in ("1", "2")}
     for r in rows:
-        vals = [float(v) for v in r[3:]]
+        vals = [float(v) for v in r[4:]]
         assert len(vals) == len(gemv_bench.SHAPES) + 3 and all(math.isfinite(v) and v > 0 for v in vals), r
 
 
@@ -27,6 +29,9 @@ def test_gemv_bench_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         gemv_bench.main(["--layers", "0"])
     assert "--layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gemv_bench.main(["--pages", "1g"])
+    assert "--pages" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("before", [None, "generic"], ids=["unset", "forced-generic"])

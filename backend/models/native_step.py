@@ -14,6 +14,8 @@ fine. A step also needs at
 most NATIVE_STEP_MAX_ROWS rows and no LoRA adapter in use. Otherwise the per-op path runs.
 TRITIUM_NATIVE_STEP=0 turns the native call off. On several torch threads the call is one
 parallel region (kernels/cpu_decode_layer.c); the bits do not depend on the thread count.
+Building a model's NativeStep first moves the weights a decode step streams onto 2 MiB pages
+(weights_to_huge_pages, kernels/hugepages.py; TRITIUM_HUGE_PAGES=0 leaves them where they are).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from tritium.kernels import cpu_native, ops
+from tritium.kernels import cpu_native, hugepages, ops
 from tritium.kernels.decode_layer import DecodeLayers, linear_supported
 
 NATIVE_STEP_MAX_ROWS = 32
@@ -91,11 +93,75 @@ def _probe(model):
     return getattr(model.layers[0], "qkv_proj", None)
 
 
+def _streamed_weights(model) -> list:
+    """What a decode step streams, as (holder, field) pairs, each tensor once: the fields of the
+    integer-dot weights (kernels/i8dot_pack.I8DotWeight of the layers' linears, the LM head's
+    I8DotWeight or head_pack.Head6Weight) and the bf16 weights packed for the native GEMM (the
+    layers' and a tied head's packed copy; DenseLinear drops its own reference when it packs).
+    A holder is an object whose attribute `field` is the tensor, or a CpuLinear and the index in
+    its tensors. Weight-only int8 / int4 linears stay put: their packed tensors may share
+    storage with the module's buffers, and a copy would double them."""
+    out, seen = [], set()
+
+    def add(p):
+        if p is None or id(p) in seen:
+            return
+        seen.add(id(p))
+        if p.kind in ("i8dot", "head6"):
+            w = p.tensors[0]
+            out.extend((w, f) for f in ("codes", "d", "z", "r") if getattr(w, f, None) is not None)
+        elif p.kind == "bf16_native":
+            out.append((p, 0))
+
+    for layer in model.layers:
+        for name in _LINEARS:
+            add(_packed(getattr(layer, name))[0])
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    if head is not None and hasattr(head, "_get_packed") and head.qweight.device.type == "cpu":
+        add(head._get_packed())
+    elif head is not None and getattr(head, "packed_weight", None) is not None:
+        add(head.packed_weight)
+    add(getattr(model, "packed_head", None))
+    return out
+
+
+def _get(holder, field):
+    return holder.tensors[field] if isinstance(field, int) else getattr(holder, field)
+
+
+def _set(holder, field, value) -> None:
+    if isinstance(field, int):
+        holder.tensors = holder.tensors[:field] + (value,) + holder.tensors[field + 1:]
+    else:
+        setattr(holder, field, value)
+
+
+def weights_to_huge_pages(model) -> int:
+    """Moves the weights a decode step streams (_streamed_weights) into one buffer on 2 MiB pages
+    (kernels/hugepages.py: one-row GEMVs read them up to about 1.5x faster there), swapping the
+    views in place, so every path (native step, per-op, head, embedding lookup) reads the same
+    values from the new place. Returns the bytes moved (0: nothing to move, or huge pages off or
+    refused)."""
+    fields = _streamed_weights(model)
+    moved = hugepages.empty_views([(_get(h, f).shape, _get(h, f).dtype) for h, f in fields])
+    if moved is None:
+        return 0
+    for (h, f), v in zip(fields, moved):  # one tensor at a time: the old one is freed as it is swapped out
+        v.copy_(_get(h, f))
+        _set(h, f, v)
+    lib = cpu_native._lib()
+    if lib is not None:
+        lib.tritium_i8dot_huge_pages(1)
+    return sum(v.numel() * v.element_size() for v in moved)
+
+
 class NativeStep:
-    """A DecoderLM's layers as one native call; `get(model)` builds it once per model."""
+    """A DecoderLM's layers as one native call; `get(model)` builds it once per model (and moves
+    the weights a step streams onto 2 MiB pages first: weights_to_huge_pages)."""
 
     def __init__(self, model):
         m = model.cfg.model
+        self.huge_page_bytes = weights_to_huge_pages(model)
         layers, self.lora_managers = [], set()
         for layer in model.layers:
             lins = []

@@ -2,7 +2,7 @@
 the same bytes: a benchmark that prints figures.
 
     python -m tritium.client.bench.gemv_bench [--paths avx512 avx2] [--rows 1 2 4] [--layers 30]
-        [--kinds bf16 w8a8 w4a8] [--rounds 5]
+        [--kinds bf16 w8a8 w4a8] [--rounds 5] [--pages 4k huge]
 
 SmolLM2-135M's linears (gate_up 3072x576, gate or up 1536x576, down 576x1536, q / o 576x576, k / v
 192x576), --layers distinct copies of each (30 layers: 212 MB of bf16 weights, more than any L3
@@ -13,7 +13,9 @@ round runs every path (forced with TRITIUM_CPU_ISA), kind and row count in turn,
 of the same bytes in the same order (a small C loop XOR-ing 64-byte words, asking for the lines
 16 KB ahead as the GEMMs do); prints each shape's best GB/s of weight bytes (codes, scales and
 zeros for the integer kinds), all shapes together, the read's best, and the ratio GEMM / read
-(1.0: the GEMM streams at read speed).
+(1.0: the GEMM streams at read speed). --pages: where the weights lie, 4k (torch's allocations,
+4 KiB pages where THP is `madvise`) and / or huge (one buffer on 2 MiB pages, kernels/hugepages.py,
+the integer-dot kernels told so: tritium_i8dot_huge_pages), each placement timed in every round.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from tritium.kernels import cpu_isa, cpu_native
+from tritium.kernels import cpu_isa, cpu_native, hugepages
 from tritium.kernels import i8dot_pack as ip
 
 SHAPES = ((3072, 576), (1536, 576), (576, 1536), (576, 576), (192, 576))
@@ -54,8 +56,9 @@ def _reader(path: str):
     return lib.gemv_bench_read
 
 
-def _weights(kind: str, layers: int) -> List[List[Tuple]]:
-    """[layer][shape] -> (tensors to stream, call args after x and before y, N, K, bytes)."""
+def _weights(kind: str, layers: int, huge: bool = False) -> List[List[Tuple]]:
+    """[layer][shape] -> (tensors to stream, call args after x and before y, N, K, bytes); huge:
+    all of them in one buffer on 2 MiB pages."""
     out = []
     base = []
     for n, k in SHAPES:
@@ -67,14 +70,20 @@ def _weights(kind: str, layers: int) -> List[List[Tuple]]:
             w = ip.repack(torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 50 + 1e-3,
                           torch.randn(k // 32, n) / 50, 32, bits)
             base.append((n, k, w))
+    flat = [t for _ in range(layers) for _, _, w in base
+            for t in ((w,) if kind == "bf16" else (w.codes, w.d, w.z, w.r))]
+    moved = hugepages.to_huge_pages(flat) if huge else [t.clone() for t in flat]
+    if moved is None:
+        raise SystemExit("--pages huge: this host gives no huge pages (not Linux, THP never, or TRITIUM_HUGE_PAGES=0)")
+    it = iter(moved)
     for _ in range(layers):
         row = []
         for n, k, w in base:
             if kind == "bf16":
-                t = w.clone()
+                t = next(it)
                 row.append(((t,), (t.data_ptr(),), n, k, t.numel() * 2))
             else:
-                c, d, z, r = w.codes.clone(), w.d.clone(), w.z.clone(), w.r.clone()
+                c, d, z, r = next(it), next(it), next(it), next(it)
                 row.append(((c, d, z, r), (c.data_ptr(), d.data_ptr(), z.data_ptr(), r.data_ptr()), n, k,
                             sum(t.numel() * t.element_size() for t in (c, d, z, r))))
         out.append(row)
@@ -96,8 +105,9 @@ def _round(lib, kind: str, m: int, ws, x, y) -> List[float]:
     return acc
 
 
-def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds: int) -> Dict:
-    ws = {kind: _weights(kind, layers) for kind in kinds}
+def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds: int,
+        pages: Tuple[str, ...] = ("4k",)) -> Dict:
+    ws = {(kind, pg): _weights(kind, layers, pg == "huge") for kind in kinds for pg in pages}
     x = torch.randn(max(rows), max(k for _, k in SHAPES)).bfloat16()
     y = torch.empty(max(rows), max(n for n, _ in SHAPES))
     read = _reader(cpu_isa.runnable()[0])
@@ -107,17 +117,22 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
             cpu_native.use_path(path)
             lib = cpu_native._lib()
             for kind in kinds:
-                for m in rows:
-                    t = _round(lib, kind, m, ws[kind], x, y)
-                    b = best.setdefault((path, kind, m), [float("inf")] * len(SHAPES))
-                    best[(path, kind, m)] = [min(a, c) for a, c in zip(b, t)]
+                for pg in pages:
+                    lib.tritium_i8dot_huge_pages(int(pg == "huge"))
+                    for m in rows:
+                        t = _round(lib, kind, m, ws[(kind, pg)], x, y)
+                        b = best.setdefault((path, kind, pg, m), [float("inf")] * len(SHAPES))
+                        best[(path, kind, pg, m)] = [min(a, c) for a, c in zip(b, t)]
+                lib.tritium_i8dot_huge_pages(0)
         for kind in kinds:
-            t0 = time.perf_counter()
-            for row in ws[kind]:
-                for w in row:
-                    for t in w[0]:
-                        read(t.data_ptr(), t.numel() * t.element_size() // 64 * 8)
-            best[("read", kind)] = min(best.get(("read", kind), float("inf")), time.perf_counter() - t0)
+            for pg in pages:
+                t0 = time.perf_counter()
+                for row in ws[(kind, pg)]:
+                    for w in row:
+                        for t in w[0]:
+                            read(t.data_ptr(), t.numel() * t.element_size() // 64 * 8)
+                key = ("read", kind, pg)
+                best[key] = min(best.get(key, float("inf")), time.perf_counter() - t0)
     return best
 
 
@@ -129,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows per call (default 1 2 4)")
     p.add_argument("--layers", type=int, default=30, help="distinct copies of each weight (default 30)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pages", nargs="+", choices=("4k", "huge"), default=["4k", "huge"],
+                   help="where the weights lie: torch's allocations (4k) and / or 2 MiB pages (huge); default both")
     args = p.parse_args(argv)
     paths = args.paths or cpu_isa.runnable()
     bad = [x for x in paths if x not in cpu_isa.runnable()]
@@ -137,20 +154,21 @@ def main(argv=None) -> int:
     if args.layers < 1 or args.rounds < 1 or min(args.rows) < 1:
         p.error("--layers, --rounds and --rows must be >= 1")
     with cpu_native.paths_restored():
-        best = run(paths, args.kinds, args.rows, args.layers, args.rounds)
+        best = run(paths, args.kinds, args.rows, args.layers, args.rounds, tuple(args.pages))
     print(f"threads={os.environ.get('OMP_NUM_THREADS', 'all')} layers={args.layers} best of {args.rounds} rounds; "
           f"GB/s of weight bytes")
     head = "".join(f"{f'{n}x{k}':>11s}" for n, k in SHAPES)
-    print(f"{'path':8s}{'kind':6s}{'rows':>5s}{head}{'all':>8s}{'read':>8s}{'/read':>7s}")
+    print(f"{'path':8s}{'kind':6s}{'pages':6s}{'rows':>5s}{head}{'all':>8s}{'read':>8s}{'/read':>7s}")
     for kind in args.kinds:
         nbytes = [w[4] * args.layers for w in _weights(kind, 1)[0]]
-        rd = sum(nbytes) / best[("read", kind)] / 1e9
-        for path in paths:
-            for m in args.rows:
-                t = best[(path, kind, m)]
-                per = "".join(f"{b / s / 1e9:11.1f}" for b, s in zip(nbytes, t))
-                tot = sum(nbytes) / sum(t) / 1e9
-                print(f"{path:8s}{kind:6s}{m:5d}{per}{tot:8.1f}{rd:8.1f}{tot / rd:7.2f}")
+        for pg in args.pages:
+            rd = sum(nbytes) / best[("read", kind, pg)] / 1e9
+            for path in paths:
+                for m in args.rows:
+                    t = best[(path, kind, pg, m)]
+                    per = "".join(f"{b / s / 1e9:11.1f}" for b, s in zip(nbytes, t))
+                    tot = sum(nbytes) / sum(t) / 1e9
+                    print(f"{path:8s}{kind:6s}{pg:6s}{m:5d}{per}{tot:8.1f}{rd:8.1f}{tot / rd:7.2f}")
     return 0
 
 

@@ -1,0 +1,163 @@
+"""Where a decode step's time goes, op by op, against the bytes each op reads: a benchmark that
+prints figures.
+
+    python -m tritium.client.bench.step_profile ENGINE_DIR [--batch 1] [--tokens 64] [--rounds 3]
+        [--threads 1] [--bandwidth-gbs G] [--wall]
+
+Runs --batch greedy requests of --tokens decode tokens on the native decode step with its per-op
+timer on (TRITIUM_STEP_PROFILE=1, thread 0's CPU time per op inside kernels/cpu_decode_layer.c),
+and the LM head's (compute_logits, the calling thread's CPU time) and the whole step's (the
+process's CPU time divided by --threads) from Python: CPU time, so that other processes on a
+shared host do not count (--wall: wall-clock times instead, for two threads' barrier waits); the
+best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from
+memory per step (the weights of that linear in all layers, the KV cache read by attention, the
+head's weights), the time those bytes take at the read bandwidth (--bandwidth-gbs, or the
+float32 sum of native_step_bench on 2 MiB pages, as the weights lie), and op time / memory time
+(1.0: the op runs at the bandwidth). "python and sampling" is the step less the native layers
+and the head (embedding, final norm, sampling, scheduler and bookkeeping).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from tritium.backend.engine import LLMEngine
+from tritium.backend.models.native_step import NativeStep
+from tritium.backend.sampling_params import SamplingParams
+from tritium.client.bench.native_step_bench import PROMPT, read_bandwidth_gbs
+from tritium.kernels.decode_layer import PROFILE_OPS, read_profile
+
+ENV = "TRITIUM_STEP_PROFILE"
+
+_LIN = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down"}
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors a packed linear holds (codes, scales, zeros, ...)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
+
+
+def linear_bytes(model) -> dict:
+    """Weight bytes per linear kind (qkv, o, gate_up, down) over all layers."""
+    from tritium.backend.models.native_step import _packed
+    out = {k: 0 for k in _LIN}
+    names = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+    for layer in model.layers:
+        for k, name in names.items():
+            p, bias, _ = _packed(getattr(layer, name))
+            out[k] += _tensor_bytes(p.tensors) + (_tensor_bytes(bias) if bias is not None else 0)
+    return out
+
+
+def head_bytes(model) -> int:
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    if head is None:
+        return _tensor_bytes(model.packed_head)
+    if hasattr(head, "_get_packed"):
+        return _tensor_bytes(head._get_packed().tensors)
+    return _tensor_bytes(head.weight)
+
+
+def profile(eng: LLMEngine, tokens: int, batch: int, wall: bool = False) -> dict:
+    """One round: per-op seconds per step (the native ops, head, the whole step)."""
+    clock = time.perf_counter if wall else time.thread_time
+    step_clock = time.perf_counter if wall else (lambda: time.process_time() / torch.get_num_threads())
+    model = eng.runner.model
+    head_s = [0.0]
+    logits = model.compute_logits
+
+    def timed(h):
+        t = clock()
+        out = logits(h)
+        head_s[0] += clock() - t
+        return out
+
+    model.compute_logits = timed
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"p{time.monotonic_ns()}-{i}", prompt=PROMPT, params=params)
+    eng.step()
+    read_profile()
+    head_s[0], steps, t0 = 0.0, 0, step_clock()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    elapsed = step_clock() - t0
+    ops, native_steps = read_profile()
+    del model.compute_logits
+    if native_steps != steps:
+        raise SystemExit(f"the native step ran {native_steps} of {steps} steps (TRITIUM_STEP_PROFILE set late, or "
+                         f"refused: {model.__dict__.get('native_step_refusal')})")
+    out = {op: s / steps for op, s in ops.items()}
+    out["head"] = head_s[0] / steps
+    out["step"] = elapsed / steps
+    out["python and sampling"] = out["step"] - out["head"] - sum(ops.values()) / steps
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("engine")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bandwidth-gbs", type=float, default=None)
+    p.add_argument("--wall", action="store_true", help="wall-clock times (default: CPU time)")
+    args = p.parse_args(argv)
+    if args.tokens < 2 or args.rounds < 1 or args.batch < 1 or args.threads < 1:
+        p.error("--tokens must be >= 2, --rounds, --batch and --threads >= 1")
+    saved, threads = os.environ.get(ENV), torch.get_num_threads()
+    os.environ[ENV] = "wall" if args.wall else "1"
+    torch.set_num_threads(args.threads)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+
+
+def _main(args) -> int:
+    # the weights lie on 2 MiB pages (native_step.weights_to_huge_pages) unless TRITIUM_HUGE_PAGES=0
+    bw = args.bandwidth_gbs or read_bandwidth_gbs(huge=True) or read_bandwidth_gbs()
+    eng = LLMEngine(args.engine, enable_prefix_caching=False)
+    profile(eng, 4, args.batch)  # warm-up, and NativeStep.get decides
+    model = eng.runner.model
+    if NativeStep.get(model) is None:
+        raise SystemExit(f"no native step: {model.__dict__.get('native_step_refusal')}")
+    best = min((profile(eng, args.tokens, args.batch, args.wall) for _ in range(args.rounds)), key=lambda r: r["step"])
+    lin, m = linear_bytes(model), model.cfg.model
+    ctx = len(eng.tokenizer.encode(PROMPT)) + args.tokens / 2 if hasattr(eng, "tokenizer") else args.tokens
+    kv = int(args.batch * ctx * m.num_kv_heads * m.head_dim * 2 * 2 * len(model.layers))
+    nbytes = dict(lin, attention=kv, head=head_bytes(model))
+    huge = NativeStep.get(model).huge_page_bytes
+    print(f"{os.path.basename(args.engine.rstrip('/'))}: batch {args.batch}, {args.tokens} tokens, best of "
+          f"{args.rounds}, {args.threads} thread(s), read bandwidth {bw:.1f} GB/s; {1 / best['step']:.1f} steps/s; "
+          f"weights on 2 MiB pages {huge / 1e6:.0f} MB")
+    print(f"{'op':22s} {'ms/step':>8s} {'share':>6s} {'MB read':>8s} {'ms at bw':>8s} {'op/bw':>6s}")
+    for op in PROFILE_OPS + ("head", "python and sampling", "step"):
+        ms = best[op] * 1e3
+        b = nbytes.get(op)
+        at = b / bw / 1e6 if b else None
+        print(f"{op:22s} {ms:8.3f} {best[op] / best['step']:6.1%} "
+              f"{(f'{b / 1e6:8.2f}' if b else '       -')} {(f'{at:8.3f}' if at else '       -')} "
+              f"{(f'{ms / at:6.2f}' if at else '     -')}")
+    total = sum(nbytes.values())
+    print(f"bytes per step {total / 1e6:.1f} MB: limit {bw * 1e9 / total:.1f} steps/s at {bw:.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
