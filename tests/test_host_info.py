@@ -25,6 +25,22 @@ def test_host_report_names_model_isa_cores_and_bandwidth():
     assert "memory" not in host_info.host_report(1, 0)  # 0 skips the measurement
 
 
+def test_read_bandwidth_is_the_faster_page_placement(monkeypatch):
+    """read_gbs is the faster of the 4 KiB and the 2 MiB-page read (the host's limit); with huge
+    pages off (TRITIUM_HUGE_PAGES=0) only the 4 KiB read is taken and the line says nothing of pages."""
+    from tritium.kernels import hugepages
+    mem = host_info.memory_bandwidth(1, 8)
+    assert mem["read_gbs_4k"] > 0
+    if hugepages.thp_mode() in ("always", "madvise"):
+        assert mem["read_gbs_huge"] and mem["read_gbs_huge"] > 0
+        assert "on 4 KiB pages" in host_info.format_host(dict(host_info.host_report(1, 0), memory=mem))
+    assert mem["read_gbs"] == max(mem["read_gbs_4k"], mem["read_gbs_huge"] or 0.0)
+    monkeypatch.setenv(hugepages.ENV, "0")
+    off = host_info.memory_bandwidth(1, 8)
+    assert off["read_gbs_huge"] is None and off["read_gbs"] == off["read_gbs_4k"]
+    assert "pages" not in host_info.format_host(dict(host_info.host_report(1, 0), memory=off))
+
+
 def test_forced_path_is_reported(monkeypatch):
     monkeypatch.setenv(cpu_isa.ENV, "generic")  # every host runs the portable path
     cpu_native.reset()
