@@ -9,10 +9,10 @@ the server's host (it reads /proc):
     python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --model smollm2
 
 The stub's threads are told apart by the names the backend gives them (tritium-loop: the engine
-step; tritium-deliver: responses; tritium-stats: cancellation and metrics); the stub's main
-thread runs execute() and the IPC with tritonserver; its unnamed threads are torch's OpenMP
-workers (step work) and the stub's own helpers. Serve with `small_step_threads` 1 to keep the
-step on one named thread. Linux only; CPU times come in clock ticks (10 ms), so use a few hundred
+step, and the OpenMP workers it starts, which inherit its name; tritium-deliver: responses;
+tritium-stats: cancellation and metrics); the stub's main thread runs execute() and the IPC with
+tritonserver; its unnamed threads are the stub's own helpers (and OpenMP workers started before
+the engine loop, if any). Linux only; CPU times come in clock ticks (10 ms), so use a few hundred
 tokens a round.
 """
 from __future__ import annotations
