@@ -173,3 +173,31 @@ def test_decode_delta_joins_to_full_decode():
             pieces.append(decode_delta(tok, sent[-NUM_CONTEXT_IDS:], [i], final=k == len(ids) - 1))
             sent.append(i)
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_response_arrays_build_only_the_requested_outputs():
+    """Every output of the contract (OUTPUTS) with its Triton type and batch dimension 1; with
+    names, only those; per-stream constants are passed through as given."""
+    from tritium.backend.triton_backend.contract import response_arrays
+    kinds = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32}
+    full = response_arrays(text="é!", new_ids=[5, 6], finish_reason=None, cum_log_prob=None, log_probs=[],
+                           num_input_tokens=7, num_output_tokens=2, batch_index=1, sequence_index=0,
+                           context_ids=[3])
+    specs = {s.name: s for s in OUTPUTS}
+    assert set(full) == set(specs) - {"logprobs_detail"}  # logprobs_detail only when given
+    for name, a in full.items():
+        assert a.dtype == kinds[specs[name].data_type] and a.shape[0] == 1, name
+    assert full["text_output"][0, 0].decode("utf-8") == "é!" and full["finish_reason"][0, 0] == b""
+    assert full["output_ids"].tolist() == [[5, 6]] and full["context_ids"].tolist() == [[3]]
+    assert full["output_log_probs"].shape == (1, 0) and full["cum_log_probs"].tolist() == [[0.0]]
+    assert [full[k].tolist() for k in ("num_input_tokens", "num_output_tokens", "batch_index", "sequence_index")] \
+        == [[[7]], [[2]], [[1]], [[0]]]
+    const = np.array([[7]], dtype=np.int32)
+    some = response_arrays(text="x", new_ids=[], finish_reason="stop", cum_log_prob=-1.5, log_probs=[-0.5],
+                           num_input_tokens=7, num_output_tokens=3, batch_index=0, sequence_index=0,
+                           context_ids=[], logprobs_detail="[]",
+                           names={"output_ids", "finish_reason", "num_input_tokens", "cum_log_probs"},
+                           constants={"num_input_tokens": const})
+    assert set(some) == {"output_ids", "finish_reason", "num_input_tokens", "cum_log_probs"}
+    assert some["output_ids"].shape == (1, 0) and some["finish_reason"][0, 0] == b"stop"
+    assert some["num_input_tokens"] is const and some["cum_log_probs"].tolist() == [[-1.5]]

@@ -116,28 +116,56 @@ def token_logprobs(logprobs, token_ids: List[int]) -> List[float]:
     return out
 
 
+def _i32(value: int) -> np.ndarray:
+    return np.array([[value]], dtype=np.int32)
+
+
+def _row_i32(values: List[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int32).reshape(1, -1)
+
+
+_EMPTY_I32 = np.zeros((1, 0), dtype=np.int32)
+_EMPTY_F32 = np.zeros((1, 0), dtype=np.float32)
+_NO_FINISH = np.array([[b""]], dtype=np.object_)  # these three are shared by every response: never written
+
+
 def response_arrays(text: str, new_ids: List[int], finish_reason: Optional[str], cum_log_prob: Optional[float],
                     log_probs: List[float], num_input_tokens: int, num_output_tokens: int, batch_index: int,
                     sequence_index: int, context_ids: List[int],
-                    logprobs_detail: Optional[str] = None) -> Dict[str, np.ndarray]:
+                    logprobs_detail: Optional[str] = None, names=None,
+                    constants: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
     """numpy arrays (batch dimension 1) for one response, keyed by output name.
 
-    logprobs_detail (a JSON string) is sent only when given, so a repository written before it
-    existed keeps working for every request that does not ask for logprobs.
+    names: the outputs to build (None: all of them); the others are not computed. constants:
+    arrays already built for num_input_tokens / batch_index / sequence_index (they do not change
+    over a stream; RowStream keeps them). logprobs_detail (a JSON string) is sent only when given,
+    so a repository written before it existed keeps working for every request that does not ask
+    for logprobs. Responses are built once per token, so every output costs only what it needs.
     """
-    arrays = {
-        "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
-        "output_ids": np.array([new_ids], dtype=np.int32).reshape(1, -1),
-        "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
-        "cum_log_probs": np.array([[cum_log_prob if cum_log_prob is not None else 0.0]], dtype=np.float32),
-        "output_log_probs": np.array([log_probs], dtype=np.float32).reshape(1, -1),
-        "num_input_tokens": np.array([[num_input_tokens]], dtype=np.int32),
-        "num_output_tokens": np.array([[num_output_tokens]], dtype=np.int32),
-        "batch_index": np.array([[batch_index]], dtype=np.int32),
-        "sequence_index": np.array([[sequence_index]], dtype=np.int32),
-        "context_ids": np.array([context_ids], dtype=np.int32).reshape(1, -1),
-    }
-    if logprobs_detail is not None:
+    def want(name: str) -> bool:
+        return names is None or name in names
+
+    const = constants or {}
+    arrays = {}
+    if want("text_output"):
+        arrays["text_output"] = np.array([[text.encode("utf-8")]], dtype=np.object_)
+    if want("output_ids"):
+        arrays["output_ids"] = _row_i32(new_ids) if new_ids else _EMPTY_I32
+    if want("finish_reason"):
+        arrays["finish_reason"] = np.array([[finish_reason.encode()]], dtype=np.object_) if finish_reason \
+            else _NO_FINISH
+    if want("cum_log_probs"):
+        arrays["cum_log_probs"] = np.array([[cum_log_prob if cum_log_prob is not None else 0.0]], dtype=np.float32)
+    if want("output_log_probs"):
+        arrays["output_log_probs"] = np.array(log_probs, dtype=np.float32).reshape(1, -1) if log_probs \
+            else _EMPTY_F32
+    for name, value in (("num_input_tokens", num_input_tokens), ("num_output_tokens", num_output_tokens),
+                        ("batch_index", batch_index), ("sequence_index", sequence_index)):
+        if want(name):
+            arrays[name] = const[name] if name in const else _i32(value)
+    if want("context_ids"):
+        arrays["context_ids"] = _row_i32(context_ids) if context_ids else _EMPTY_I32
+    if logprobs_detail is not None and want("logprobs_detail"):
         arrays["logprobs_detail"] = np.array([[logprobs_detail.encode("utf-8")]], dtype=np.object_)
     return arrays
 

@@ -80,6 +80,7 @@ class TritiumMetrics:
         self._pending_times = []      # (arrival, token times) of finished sequences
         self._pending_prompt = 0
         self._pending_generated = 0
+        self._gauge_values = {}       # id(gauge) -> the value last set
 
     def observe_token_times(self, arrival: float, token_times: list) -> None:
         """Queue one finished sequence's TTFT, inter-token gaps and end-to-end latency (sent by flush)."""
@@ -111,18 +112,24 @@ class TritiumMetrics:
                     self.itl.observe(max(b - a, 0.0))
                 self.e2e.observe(max(tt[-1] - arrival, 0.0))
 
+    def _set(self, gauge, value: float) -> None:
+        """Set a gauge when its value changed (each set is an IPC round trip to the server)."""
+        if self._gauge_values.get(id(gauge)) != value:
+            gauge.set(value)
+            self._gauge_values[id(gauge)] = value
+
     def update_engine_stats(self, stats: dict) -> None:
         """Copy engine.stats() into the gauges; turn the cumulative preemption count into a counter."""
         with self._lock:
             for s in ("used", "free", "cached"):
-                self.kv[s].set(float(stats.get(f"kv_blocks_{s}", 0)))
-            self.requests["running"].set(float(stats.get("num_running", 0)))
-            self.requests["waiting"].set(float(stats.get("num_waiting", 0)))
+                self._set(self.kv[s], float(stats.get(f"kv_blocks_{s}", 0)))
+            self._set(self.requests["running"], float(stats.get("num_running", 0)))
+            self._set(self.requests["waiting"], float(stats.get("num_waiting", 0)))
             total = int(stats.get("preemptions", 0))
             if total > self._preemptions_seen:
                 self.preemptions.increment(total - self._preemptions_seen)
                 self._preemptions_seen = total
-            self.healthy.set(1.0 if stats.get("healthy", True) else 0.0)
+            self._set(self.healthy, 1.0 if stats.get("healthy", True) else 0.0)
             rejected = int(stats.get("rejected", 0))
             if rejected > self._rejected_seen:
                 self.rejected.increment(rejected - self._rejected_seen)

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import List, Optional
 
+import numpy as np
+
 from tritium.backend.errors import to_wire
 from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, logprobs_detail, response_arrays, token_logprobs
 
@@ -29,7 +31,8 @@ class RequestState:
         self.outputs = names or None   # None: every output
 
     def send(self, arrays: dict, stream_done: bool) -> None:
-        """One response; the final flag when this was the last open stream."""
+        """One response of `arrays` (built for self.outputs only: response_arrays(names=...));
+        the final flag when this was the last open stream."""
         pb = self.pb
         with self.lock:
             if self.closed:
@@ -37,9 +40,10 @@ class RequestState:
             if stream_done:
                 self.remaining -= 1
             final = self.remaining == 0
-            tensors = [pb.Tensor(k, v) for k, v in arrays.items() if self.outputs is None or k in self.outputs]
-            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-            self.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
+            tensor = pb.Tensor
+            tensors = [tensor(k, v) for k, v in arrays.items()]
+            self.sender.send(pb.InferenceResponse(output_tensors=tensors),
+                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             self.closed = final
 
     def is_cancelled(self) -> bool:
@@ -85,6 +89,11 @@ class RowStream:
         self.done = [False] * n
         self.token_times = [[] for _ in range(n)]
         self.over = False
+        # Outputs that do not change over a stream, built once per sample (responses go out per token).
+        names = state.outputs
+        self.constants = [{k: np.array([[v]], dtype=np.int32)
+                           for k, v in (("num_input_tokens", self.num_input), ("batch_index", row), ("sequence_index", i))
+                           if names is None or k in names} for i in range(n)]
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else ""
@@ -160,5 +169,6 @@ class RowStream:
             text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
             cum_log_prob=cum, log_probs=new_lps, num_input_tokens=self.num_input,
             num_output_tokens=len(c.token_ids), batch_index=self.row, sequence_index=c.index,
-            context_ids=prev_ids[-NUM_CONTEXT_IDS:], logprobs_detail=detail)
+            context_ids=prev_ids[-NUM_CONTEXT_IDS:], logprobs_detail=detail, names=self.state.outputs,
+            constants=self.constants[c.index])
         self.state.send(arrays, stream_done=finished)

@@ -1,0 +1,197 @@
+"""Where a served token's CPU goes: per-thread CPU of tritonserver, the model's backend stub and
+this client over single streams, in ms per token. A benchmark that prints figures.
+
+On a 2-core host the engine step runs on both cores, so every CPU-microsecond that the stub's
+delivery and housekeeping threads, tritonserver and the client spend per token is taken from the
+step: their sum is the server's per-token overhead against the same engine in-process. Run it on
+the server's host (it reads /proc):
+
+    python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --model smollm2
+
+The stub's threads are told apart by the names the backend gives them (tritium-loop: the engine
+step, and the OpenMP workers it starts, which inherit its name; tritium-deliver: responses;
+tritium-stats: cancellation and metrics); the stub's main thread runs execute() and the IPC with
+tritonserver; its unnamed threads are the stub's own helpers (and OpenMP workers started before
+the engine loop, if any). Linux only; CPU times come in clock ticks (10 ms), so use a few hundred
+tokens a round.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+from typing import Dict, Optional
+
+import numpy as np
+
+ROLES = ("tritium-loop", "stub unnamed", "tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")
+OVERHEAD = ("tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")  # beside the step
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def find_processes(grpc_port: int, model: str) -> Dict[str, int]:
+    """{"server": tritonserver's pid, "stub": the stub of `model`} from /proc."""
+    server = stub = None
+    stubs = []
+    pat = re.compile(rf"/{re.escape(model)}/\d+/model\.py ")
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        cmd = _cmdline(int(p))
+        if "triton_python_backend_stub" in cmd and pat.search(cmd + " "):
+            stubs.append(int(p))
+        elif "tritonserver " in cmd and f"--grpc-port={grpc_port} " in cmd + " ":
+            server = int(p)
+    if server is None:
+        raise OSError(f"--url: no tritonserver with --grpc-port={grpc_port} runs on this host")
+    for s in stubs:
+        if _ppid(s) == server:
+            stub = s
+    if stub is None:
+        raise ValueError(f"--model {model}: tritonserver {server} runs no Python backend stub for it")
+    return {"server": server, "stub": stub}
+
+
+def thread_cpu(procs: Dict[str, int]) -> Dict[str, float]:
+    """CPU seconds so far per role (ROLES), summed over the threads of each."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(ROLES, 0.0)
+    for kind, pid in dict(procs, client=os.getpid()).items():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    st = f.read()
+            except OSError:  # the thread ended
+                continue
+            name = st[st.index("(") + 1:st.rindex(")")]
+            fields = st[st.rindex(")") + 2:].split()
+            cpu = (int(fields[11]) + int(fields[12])) / hz
+            if kind == "stub":
+                role = name if name in ROLES else "stub main" if int(tid) == pid else "stub unnamed"
+            else:
+                role = "tritonserver" if kind == "server" else "client"
+            out[role] += cpu
+    return out
+
+
+class _Stream:
+    def __init__(self, url: str, model: str, outputs: Optional[list]):
+        import tritonclient.grpc as grpcclient
+        self.g, self.model, self.outputs = grpcclient, model, outputs
+        self.client = grpcclient.InferenceServerClient(url)
+        self.done, self.error, self.responses = threading.Event(), None, 0
+        self.client.start_stream(callback=self._on)
+
+    def _on(self, result, error) -> None:
+        if error is not None:
+            self.error = str(error)
+            self.done.set()
+            return
+        resp = result.get_response()
+        if resp.outputs:
+            self.responses += 1
+        final = resp.parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            self.done.set()
+
+    def run(self, tokens: int) -> int:
+        g = self.g
+        arrays = {"text_input": ("BYTES", np.array([[b"Passage CPU: the river runs past the old mill and"]],
+                                                    dtype=np.object_)),
+                  "max_tokens": ("INT32", np.array([[tokens]], dtype=np.int32)),
+                  "stream": ("BOOL", np.array([[True]], dtype=np.bool_)),
+                  "temperature": ("FP32", np.array([[0.0]], dtype=np.float32)),
+                  "sampling_parameters": ("BYTES", np.array([[b'{"ignore_eos": true}']], dtype=np.object_))}
+        inputs = []
+        for name, (dtype, arr) in arrays.items():
+            inp = g.InferInput(name, list(arr.shape), dtype)
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        outs = [g.InferRequestedOutput(n) for n in self.outputs] if self.outputs else None
+        self.done.clear()
+        self.responses = 0
+        self.client.async_stream_infer(self.model, inputs, outputs=outs, enable_empty_final_response=True)
+        if not self.done.wait(600):
+            raise TimeoutError("no final response within 600 s")
+        if self.error:
+            raise RuntimeError(f"the server failed the request: {self.error}")
+        return self.responses
+
+    def close(self) -> None:
+        self.client.stop_stream(cancel_requests=False)
+        self.client.close()
+
+
+def measure(url: str, model: str, tokens: int, rounds: int, outputs: Optional[list]) -> dict:
+    procs = find_processes(int(url.rsplit(":", 1)[1]), model)
+    stream = _Stream(url, model, outputs)
+    try:
+        stream.run(8)  # warm-up
+        rows = []
+        for _ in range(rounds):
+            before, t0 = thread_cpu(procs), time.perf_counter()
+            responses = stream.run(tokens)
+            wall, after = time.perf_counter() - t0, thread_cpu(procs)
+            ms = {r: 1000 * (after[r] - before[r]) / tokens for r in ROLES}
+            ms["overhead"] = sum(ms[r] for r in OVERHEAD)
+            rows.append({"tok_s": tokens / wall, "responses": responses, "ms_per_token": ms})
+    finally:
+        stream.close()
+    return {"url": url, "model": model, "tokens": tokens, "outputs": outputs or "all", "processes": procs,
+            "rounds": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tritium.client.bench.server_cpu_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="127.0.0.1:8001", help="tritonserver's gRPC HOST:PORT, on this host")
+    ap.add_argument("--model", default="smollm2", help="the tritium model (not its ensemble or BLS)")
+    ap.add_argument("--tokens", type=int, default=384, help="tokens per single stream (default 384)")
+    ap.add_argument("--rounds", type=int, default=3, help="single streams measured (default 3)")
+    ap.add_argument("--outputs", default="all", help="outputs the client requests: all, or a comma list")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    a = ap.parse_args(argv)
+    for flag, v, low in (("--tokens", a.tokens, 16), ("--rounds", a.rounds, 1)):
+        if v < low:
+            print(f"{flag} must be >= {low}, got {v}", file=sys.stderr)
+            return 2
+    if ":" not in a.url or not a.url.rsplit(":", 1)[1].isdigit():
+        print(f"--url must be HOST:PORT, got {a.url!r}", file=sys.stderr)
+        return 2
+    if not sys.platform.startswith("linux"):
+        print("server_cpu_bench reads /proc: Linux only", file=sys.stderr)
+        return 2
+    outputs = None if a.outputs == "all" else [s for s in a.outputs.split(",") if s]
+    try:
+        res = measure(a.url, a.model, a.tokens, a.rounds, outputs)
+    except (OSError, ValueError) as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(f"{a.model} at {a.url}: {a.tokens} tokens a stream, outputs {res['outputs']}; CPU ms per token")
+    print("round  tok/s  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
+    for i, row in enumerate(res["rounds"]):
+        ms = row["ms_per_token"]
+        print(f"{i:5d} {row['tok_s']:6.1f}  " + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
