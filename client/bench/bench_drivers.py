@@ -18,6 +18,9 @@ import numpy as np
 
 from tritium.client.bench.bench_workload import BenchRequest
 
+# The outputs the Triton driver asks for (a client that streams text and counts its tokens)
+REQUESTED_OUTPUTS = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens")
+
 now = time.perf_counter
 
 
@@ -80,6 +83,9 @@ class _TritonSession:
         import tritonclient.grpc as grpcclient
         self.drv, self.grpc = drv, grpcclient
         self.client = grpcclient.InferenceServerClient(drv.url)
+        # What a streaming client reads: the text, and the counts the benchmark checks (the other
+        # outputs of the contract, e.g. log probs and context ids, are not asked for).
+        self._outputs = [grpcclient.InferRequestedOutput(n) for n in REQUESTED_OUTPUTS]
         self.events: "queue.Queue" = queue.Queue()
         # The callback only stamps the arrival time; decoding happens in the worker thread.
         self.client.start_stream(callback=lambda result, error: self.events.put((now(), result, error)))
@@ -103,7 +109,7 @@ class _TritonSession:
         res = RequestResult(req.index, req.max_tokens, now())
         try:
             self.client.async_stream_infer(self.drv.model, self._inputs(req), request_id=request_id,
-                                           enable_empty_final_response=True)
+                                           outputs=self._outputs, enable_empty_final_response=True)
             while True:
                 t, result, error = self.events.get(timeout=self.drv.timeout)
                 if error is not None:
