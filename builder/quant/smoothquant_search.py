@@ -41,9 +41,10 @@ def fake_quant_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.float().view(m, k // QBLOCK, QBLOCK) * d[:, :, None]).view(m, k)
 
 
-def candidate_error(x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], lq, method: str) -> float:
-    """err(c) of the module doc for input factors s (K,) (None: unsmoothed)."""
-    ref = x @ w.t()
+def candidate_error(x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], lq, method: str,
+                    ref: Optional[torch.Tensor] = None) -> float:
+    """err(c) of the module doc for input factors s (K,) (None: unsmoothed); ref: X W^T if known."""
+    ref = x @ w.t() if ref is None else ref
     ws, xs = (w, x) if s is None else (w * s, x / s)
     _, deq = quantize_weight(ws, lq, method, None)
     return float((fake_quant_activations(xs) @ deq.float().t() - ref).pow(2).sum())
@@ -60,10 +61,10 @@ def choose_alphas(cfg, lins: Sequence[str], weights: Dict[str, torch.Tensor], x_
         if w.shape[1] % QBLOCK:
             out[lin] = {"alpha": None, "errors": {}}
             continue
-        errors = {}
+        errors, ref = {}, x @ w.t()
         for a in candidates:
             s = None if a is None else input_factors(cfg, lin, linear_factors(cfg, lin, w, x_amax[lin], a))
-            errors[a] = candidate_error(x, w, s, plan_of[lin], method)
+            errors[a] = candidate_error(x, w, s, plan_of[lin], method, ref)
         best = min(candidates, key=lambda a: (errors[a], candidates.index(a)))
         out[lin] = {"alpha": best, "errors": errors}
     return out
