@@ -178,6 +178,7 @@ def test_layer_rows_are_batch_invariant(cpu_path):
     (["--no-smoothquant"], "need --activation-quant int8"),
     (["--activation-quant", "int8", "--quantization", "fp8"], "needs --quantization int8, int4"),
     (["--activation-quant", "int8", "--quantization", "int8", "--smoothquant-alpha", "1.5"], "must be a number in \\[0, 1\\] or auto"),
+    (["--quantization", "int8", "--smoothquant-alpha", "half"], "--smoothquant-alpha must be a number in \\[0, 1\\] or auto, got 'half'"),
 ])
 def test_bad_flags_fail_before_work(tiny_checkpoint, tmp_path, capsys, argv, message):
     from tritium.client.cli.main import main

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -82,7 +82,7 @@ class QuantOptions:
     # made by hand stays weight-only unless asked.
     activation_quant: str = "none"
     smoothquant: Optional[bool] = None
-    smoothquant_alpha: Optional[float] = None
+    smoothquant_alpha: Optional[Union[float, str]] = None  # a number in [0, 1] or "auto"; None: DEFAULT_ALPHA
 
     def __post_init__(self):
         self.activation_quant = resolve_activation_quant(self.activation_quant, self.quantization)
