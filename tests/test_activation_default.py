@@ -75,8 +75,8 @@ def test_resolution_table():
 @pytest.mark.parametrize("method", ["int8", "int4-rtn"])
 def test_default_build_is_integer_dot(build, method):
     """A default int8 / int4 build: engine.json and build_report.json say int8 activations, the
-    console line names W8A8 / W4A8 and SmoothQuant's settings (int8 weights: alpha per linear by
-    the calibration error; int4: off, and why), and the loaded engine's linears run the integer-dot kernel."""
+    console line names W8A8 / W4A8 and SmoothQuant's settings (int8 weights: alpha 0.5 on every
+    linear, the LM head centred; int4: off, and why), and the loaded engine's linears run the integer-dot kernel."""
     out, err = build("--quantization", method)
     raw, report = _json(out, "engine.json"), _json(out, "build_report.json")
     n_lin = 4 * raw["model"]["num_layers"]
@@ -84,14 +84,12 @@ def test_default_build_is_integer_dot(build, method):
     qr = report["quantization_report"]
     assert qr["activation_quant"] == "int8"
     if method == "int8":
-        sq = raw["quantization"]["smoothquant"]
-        counts = sq["alpha_counts"]
-        assert sq["alpha"] == "auto" and sum(counts.values()) == n_lin and sq["linears"] == n_lin - counts.get("none", 0)
-        assert qr["smoothquant"]["alpha"] == "auto" and qr["smoothquant"]["linears"] == sq["linears"]
-        assert 0 < qr["smoothquant"]["calibration_error_vs_unsmoothed"] <= 1
-        assert re.search(r"activations: int8 .*\(W8A8; GPUs run weight-only\); SmoothQuant alpha per linear by "
-                         rf"calibration error \(.*; {counts.get('none', 0)} left unsmoothed\); engine option "
-                         r"activation_quant=none", err), err
+        assert raw["quantization"]["smoothquant"] == {"alpha": 0.5, "linears": n_lin}
+        assert qr["smoothquant"]["alpha"] == 0.5 and qr["smoothquant"]["linears"] == n_lin
+        head = "embed_tokens" if raw["model"]["tie_word_embeddings"] else "lm_head"
+        assert raw["quantization"]["layers"][head]["centred"] and qr["layers"][head]["head"]
+        assert re.search(rf"activations: int8 .*\(W8A8; GPUs run weight-only\); SmoothQuant alpha 0.5 on {n_lin} "
+                         rf"linears; engine option activation_quant=none", err), err
     else:
         assert raw["quantization"]["smoothquant"] == {}
         assert qr["smoothquant"].startswith("off (int4 weights")

@@ -191,8 +191,8 @@ def test_default_integer_dot_build_at_tp2_equals_tp1(tiny_checkpoint, tmp_path, 
     assert cfgs[1].activation_quant == cfgs[2].activation_quant == "int8"
     assert cfgs[1].quantization.smoothquant == cfgs[2].quantization.smoothquant
     sq = cfgs[1].quantization.smoothquant
-    if method == "int8":  # alpha per linear by the calibration error; the head centred (vocab-split mean logits)
-        assert sq["alpha"] == "auto" and sum(sq["alpha_counts"].values()) == 4 * cfgs[1].model.num_layers
+    if method == "int8":  # alpha 0.5 on every linear; the head centred (its mean logits split by vocabulary)
+        assert sq == {"alpha": 0.5, "linears": 4 * cfgs[1].model.num_layers}
         head = "embed_tokens" if cfgs[1].model.tie_word_embeddings else "lm_head"
         assert cfgs[1].quantization.layers[head].centred and cfgs[2].quantization.layers[head].centred
     else:

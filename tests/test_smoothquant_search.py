@@ -1,7 +1,7 @@
 """SmoothQuant's per-linear strength chosen by the calibration error (builder/quant/smoothquant_search.py,
 docs/quantization.md#integer-dot-w8a8--w4a8): a linear whose inputs carry outlier channels is
 smoothed and its W8A8 error drops; a linear without them, whose weights sit on a source grid, is
-not made worse than unsmoothed; end to end on tiny models the default build's W8A8 logits are
+not made worse than unsmoothed; end to end on tiny models an `auto` build's W8A8 logits are
 closer to the float model's than an unsmoothed build's when outliers are injected, and no further
 from them when none are. Errors are measured here from the definitions (activations rounded to
 bfloat16 then to int8 per row and block of 32, amax / 127; the build's own weight rounding)."""
@@ -112,7 +112,7 @@ def _w8a8_logit_error(src, cfg, tensors, **kw) -> tuple:
 @pytest.mark.skipif(not cpu_native.available(),
                     reason="native CPU kernels unavailable (TRITIUM_NATIVE_CPU=0 or no compiler): no W8A8 to score")
 @pytest.mark.parametrize("outliers", [True, False])
-def test_default_build_against_unsmoothed_end_to_end(float_model, outliers):
+def test_auto_build_against_unsmoothed_end_to_end(float_model, outliers):
     src, cfg, tensors = float_model
     tensors = dict(tensors)
     if outliers:  # a few large channels into every qkv_proj / gate_up_proj input
@@ -121,7 +121,7 @@ def test_default_build_against_unsmoothed_end_to_end(float_model, outliers):
                 t = tensors[f"layers.{i}.{norm}"].clone()
                 t[[7, 50]] *= 40.0
                 tensors[f"layers.{i}.{norm}"] = t
-    auto, report = _w8a8_logit_error(src, cfg, tensors)  # the default: --smoothquant-alpha auto
+    auto, report = _w8a8_logit_error(src, cfg, tensors, smoothquant_alpha="auto")
     off, _ = _w8a8_logit_error(src, cfg, tensors, smoothquant=False)
     sq = report["smoothquant"]
     assert sq["alpha"] == "auto" and sum(sq["alpha_counts"].values()) == 4 * cfg.model.num_layers

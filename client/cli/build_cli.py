@@ -68,8 +68,8 @@ def register(sub) -> None:
                         "imported pre-quantized checkpoints). GPUs run weight-only either way. The backend parameter "
                         "/ engine option activation_quant overrides it at run time")
     s.add_argument("--smoothquant-alpha", type=_alpha, default=None, metavar="A",
-                   help="int8 activations: SmoothQuant's migration strength, a number in [0, 1] for every linear, or "
-                        "auto (default): per linear the least W8A8 output error on the calibration set among "
+                   help="int8 activations: SmoothQuant's migration strength, a number in [0, 1] for every linear "
+                        "(default 0.5), or auto: per linear the least W8A8 output error on the calibration set among "
                         "unsmoothed, 0.25, 0.5, 0.75 and 0.9; given, SmoothQuant also runs for int4 weights (off for "
                         "them by default)")
     s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
