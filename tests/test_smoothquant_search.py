@@ -131,3 +131,26 @@ def test_auto_build_against_unsmoothed_end_to_end(float_model, outliers):
         assert auto < 0.8 * off, (auto, off)
     else:
         assert auto <= 1.05 * off, (auto, off)
+
+
+def test_console_line_of_an_auto_build():
+    from tritium.builder.report import activation_line
+    report = {"activation_quant": "int8", "quantization": "int8",
+              "quantization_report": {"method": "int8", "smoothquant": {
+                  "alpha": "auto", "linears": 3, "alpha_counts": {"none": 2, "0.9": 2, "0.5": 1}}}}
+    line = activation_line(report)
+    assert "(W8A8; GPUs run weight-only); SmoothQuant alpha per linear by calibration error (0.5 x1, 0.9 x2; " \
+           "2 left unsmoothed)" in line, line
+
+
+def test_which_builds_centre_their_head():
+    """int8 weights with int8 activations centre the LM head where a tokenizer gives the calibration
+    mean; an explicit choice, weight-only builds and int4 builds keep theirs (None: quant_head's default)."""
+    from tritium.builder.quant.quant_head import centred_head
+    from tritium.builder.quant.quant_pipeline import QuantOptions
+    tok = object()
+    assert centred_head(QuantOptions(quantization="int8", activation_quant="int8"), tok) is True
+    assert centred_head(QuantOptions(quantization="int8", activation_quant="int8"), None) is False
+    assert centred_head(QuantOptions(quantization="int8", activation_quant="int8", head_centring=False), tok) is False
+    assert centred_head(QuantOptions(quantization="int8", activation_quant="none"), tok) is None
+    assert centred_head(QuantOptions(quantization="int4-rtn", activation_quant="int8"), tok) is None
