@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from safetensors.torch import save_file
@@ -64,7 +64,7 @@ class BuildOptions:
     # methods Tritium quantizes, else none (smoothquant.resolve_activation_quant)
     activation_quant: str = "auto"
     smoothquant: Optional[bool] = None  # False: --no-smoothquant; None: smoothquant.smoothquant_applies
-    smoothquant_alpha: Optional[float] = None  # None: smoothquant.DEFAULT_ALPHA
+    smoothquant_alpha: Optional[Union[float, str]] = None  # None: smoothquant.DEFAULT_ALPHA ("auto")
     progress: bool = True
 
     def validate(self) -> None:

@@ -72,8 +72,14 @@ def activation_line(report: dict) -> str:
     qr = report.get("quantization_report") or {}
     kind = "W8A8" if qr.get("method", report.get("quantization")) == "int8" else "W4A8"
     sq = qr.get("smoothquant")
-    sq_text = (f"SmoothQuant alpha {sq['alpha']} on {sq['linears']} linears" if isinstance(sq, dict)
-               else f"SmoothQuant {sq or 'off'}")
+    if isinstance(sq, dict) and sq.get("alpha") == "auto":
+        counts = sq.get("alpha_counts") or {}
+        picked = ", ".join(f"{a} x{n}" for a, n in sorted(counts.items()) if a != "none")
+        sq_text = (f"SmoothQuant alpha per linear by calibration error ({picked or 'none smoothed'}; "
+                   f"{counts.get('none', 0)} left unsmoothed)")
+    else:
+        sq_text = (f"SmoothQuant alpha {sq['alpha']} on {sq['linears']} linears" if isinstance(sq, dict)
+                   else f"SmoothQuant {sq or 'off'}")
     return (f"activations: int8 per row and block of 32, integer dot products on CPU ({kind}; GPUs run "
             f"weight-only); {sq_text}; engine option activation_quant=none gives the weight-only numerics")
 

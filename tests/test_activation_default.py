@@ -76,7 +76,7 @@ def test_resolution_table():
 def test_default_build_is_integer_dot(build, method):
     """A default int8 / int4 build: engine.json and build_report.json say int8 activations, the
     console line names W8A8 / W4A8 and SmoothQuant's settings (int8 weights: alpha 0.5 on every
-    linear; int4: off, and why), and the loaded engine's linears run the integer-dot kernel."""
+    linear, the LM head centred; int4: off, and why), and the loaded engine's linears run the integer-dot kernel."""
     out, err = build("--quantization", method)
     raw, report = _json(out, "engine.json"), _json(out, "build_report.json")
     n_lin = 4 * raw["model"]["num_layers"]
@@ -86,6 +86,8 @@ def test_default_build_is_integer_dot(build, method):
     if method == "int8":
         assert raw["quantization"]["smoothquant"] == {"alpha": 0.5, "linears": n_lin}
         assert qr["smoothquant"]["alpha"] == 0.5 and qr["smoothquant"]["linears"] == n_lin
+        head = "embed_tokens" if raw["model"]["tie_word_embeddings"] else "lm_head"
+        assert raw["quantization"]["layers"][head]["centred"] and qr["layers"][head]["head"]
         assert re.search(rf"activations: int8 .*\(W8A8; GPUs run weight-only\); SmoothQuant alpha 0.5 on {n_lin} "
                          rf"linears; engine option activation_quant=none", err), err
     else:
@@ -231,7 +233,7 @@ def test_smoothquant_is_exact_in_float_for_every_dense_family(tiny_engine, famil
     from tritium.builder import calibration as calib
     from tritium.builder.quant import quant_pipeline as qp
     from tritium.builder.quant.quant_plan import plan_layers
-    from tritium.builder.quant.smoothquant import smooth_engine_tensors
+    from tritium.builder.quant.smoothquant_search import smooth_engine_tensors
     fdir = tiny_engine(family)
     cfg, fmodel, _ = load_engine(fdir, "cpu")
     tensors = load_file(os.path.join(fdir, cfg.weights_file(0)))

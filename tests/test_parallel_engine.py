@@ -173,7 +173,7 @@ def test_int4_gptq_act_order_at_tp2_equals_tp1(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("method", ["int8", "int4-rtn"])
 def test_default_integer_dot_build_at_tp2_equals_tp1(tiny_checkpoint, tmp_path, method):
-    """The default int8 / int4 build (--activation-quant auto: W8A8 after SmoothQuant / W4A8) at
+    """The default int8 / int4 build (--activation-quant auto: W8A8 after SmoothQuant, head centred / W4A8) at
     TP = 2: SmoothQuant runs on the whole model before the split, both builds record the same
     activations and factors, and the TP = 2 engine gives TP = 1's tokens up to near-ties (the
     criterion of the act-order test above: row-parallel partial sums round differently, which may
@@ -189,8 +189,14 @@ def test_default_integer_dot_build_at_tp2_equals_tp1(tiny_checkpoint, tmp_path, 
                                   group_size=32, calibration_samples=4, eval_tokens=0, tensor_parallel_size=n))
     cfgs = {n: EngineConfig.load(d) for n, d in dirs.items()}
     assert cfgs[1].activation_quant == cfgs[2].activation_quant == "int8"
-    assert cfgs[1].quantization.smoothquant == cfgs[2].quantization.smoothquant == (
-        {"alpha": 0.5, "linears": 4 * cfgs[1].model.num_layers} if method == "int8" else {})
+    assert cfgs[1].quantization.smoothquant == cfgs[2].quantization.smoothquant
+    sq = cfgs[1].quantization.smoothquant
+    if method == "int8":  # alpha 0.5 on every linear; the head centred (its mean logits split by vocabulary)
+        assert sq == {"alpha": 0.5, "linears": 4 * cfgs[1].model.num_layers}
+        head = "embed_tokens" if cfgs[1].model.tie_word_embeddings else "lm_head"
+        assert cfgs[1].quantization.layers[head].centred and cfgs[2].quantization.layers[head].centred
+    else:
+        assert sq == {}
     with LLMEngine(dirs[1], device="cpu", num_kv_blocks=64) as e1:
         tok1, log1 = greedy_with_logits(e1)
     with open_tp(dirs[2], num_kv_blocks=64) as e2:

@@ -50,7 +50,7 @@ def _input_amax(model, lin_name: str, layer: int = 0):
 def test_smoothquant_is_exact_and_balances_ranges(engines):
     """In float, smoothing changes nothing but the split of each channel's range between x and W;
     with alpha = 0.5 the paper's factors make max|X'_j| = max|W'_j| = sqrt(max|X_j| max|W_j|)."""
-    from tritium.builder.quant.smoothquant import smooth_engine_tensors
+    from tritium.builder.quant.smoothquant_search import smooth_engine_tensors
     from tritium.builder.quant import quant_pipeline as qp
     from tritium.builder import calibration as calib
     from tritium.builder.quant.quant_plan import plan_layers
@@ -94,7 +94,13 @@ def test_activation_quant_engine_matches_fake_quant_oracle(engines, method):
         raw = json.load(f)
     # SmoothQuant by default for int8 weights only (smoothquant.smoothquant_applies)
     assert raw["activation_quant"] == "int8"
-    assert raw["quantization"]["smoothquant"] == ({"alpha": 0.5, "linears": 4 * raw["model"]["num_layers"]} if method == "int8" else {})
+    sq = raw["quantization"]["smoothquant"]
+    if method == "int8":  # alpha 0.5 on every linear, the LM head centred
+        assert sq == {"alpha": 0.5, "linears": 4 * raw["model"]["num_layers"]}
+        head = "embed_tokens" if raw["model"]["tie_word_embeddings"] else "lm_head"
+        assert raw["quantization"]["layers"][head]["centred"], "int8 W8A8 builds centre their LM head"
+    else:
+        assert sq == {}
     cfg, model, _ = load_engine(qdir, "cpu")
     names = [n for n, lq in EngineConfig.load(qdir).quantization.layers.items()
              if lq.method in ("int8", "int4") and n.startswith("layers.")]
@@ -170,7 +176,8 @@ def test_layer_rows_are_batch_invariant(cpu_path):
 @pytest.mark.parametrize("argv, message", [
     (["--no-smoothquant"], "need --activation-quant int8"),
     (["--activation-quant", "int8", "--quantization", "fp8"], "needs --quantization int8, int4"),
-    (["--activation-quant", "int8", "--quantization", "int8", "--smoothquant-alpha", "1.5"], "must be in \\[0, 1\\]"),
+    (["--activation-quant", "int8", "--quantization", "int8", "--smoothquant-alpha", "1.5"], "must be a number in \\[0, 1\\] or auto"),
+    (["--quantization", "int8", "--smoothquant-alpha", "half"], "--smoothquant-alpha must be a number in \\[0, 1\\] or auto, got 'half'"),
 ])
 def test_bad_flags_fail_before_work(tiny_checkpoint, tmp_path, capsys, argv, message):
     from tritium.client.cli.main import main

@@ -58,6 +58,18 @@ def head_name(plan: dict, tied: bool) -> Optional[str]:
     return name if lq is not None and lq.method in ("int8", "int6", "int4") else None
 
 
+def centred_head(o, tokenizer) -> Optional[bool]:
+    """Whether a build (QuantOptions o) centres its LM head. --quantization int8 with int8
+    activations does by default where a tokenizer gives the calibration text's mean: the final
+    hidden states' few large, nearly constant channels would otherwise set the step of their
+    blocks of 32 when the head quantizes its input to int8 (on the budget mix, docs/quantization.md,
+    centring cut the W8A8 engine's mean KL by 15-26%). None: quantize_embeddings'
+    default (CENTRED_BY_DEFAULT)."""
+    if o.head_centring is not None or o.quantization != "int8" or o.activation_quant != "int8":
+        return o.head_centring
+    return tokenizer is not None
+
+
 @torch.no_grad()
 def collect_head_stats(runner) -> dict:
     """Final-norm outputs of the calibration set (the LM head's inputs), from a LayerwiseRunner
@@ -113,7 +125,8 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
         entry = {"method": lq.method, "head": name == head}
         # the calibrated roundings below are per-row (int6: GPTQ also with groups): a grouped int8
         # embedding is rounded to nearest
-        stats = head_stats if name == head and (six or not lq.group_size) else None
+        # centring needs only the statistics' mean and works on any rounding
+        stats = head_stats if name == head and (six or not lq.group_size or centre) else None
         # what is quantized (W, or W * s after AWQ's scales), and the Hessian of the inputs it sees
         wq, h_in = w, (stats["H"] if stats is not None else None)
         if stats is not None and method == "int4-gptq" and not lq.group_size:
@@ -141,7 +154,7 @@ def quantize_embeddings(new: dict, plan: dict, method: str, tied: bool,
             q = int8_codes(wq, s).to(torch.int8)
             entry["clipped_rows"] = int((s < int8_row_scales(wq) * 0.9999).sum())
             in_scale = scale
-        elif lq.group_size and stats is not None and method == "int4-gptq":  # six: see stats above
+        elif lq.group_size and six and stats is not None and method == "int4-gptq":
             q, s = gptq_int6_grouped(w, stats["H"], lq.group_size, int6_scales(w, lq.group_size))
             entry["rounding"] = (f"GPTQ error feedback (act-order, static groups of {lq.group_size}) "
                                  "under the final hidden states' Hessian")

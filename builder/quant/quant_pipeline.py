@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -35,14 +35,15 @@ from ..heldout_eval import evaluate_held_out
 from ..layer_progress import LayerProgress
 from ..source_tokenizer import load_source_tokenizer  # noqa: F401  (re-exported: quant_auto, tests)
 from .quant_eval import evaluate
-from .quant_head import collect_head_stats, head_name, quantize_embeddings
+from .quant_head import centred_head, collect_head_stats, head_name, quantize_embeddings
 from .quant_layers import LINEARS, quantize_layer
 from .quant_moe import moe_plan, quantize_experts
 from .quantize_fp8 import has_float8
 from .quantize_int4 import SUPPORTED_GROUP_SIZES
 from .quant_plan import DEFAULT_GROUP_SIZE, PER_ROW, int4_symmetric, plan_layers
-from .smoothquant import (DEFAULT_ALPHA, check_activation_options, resolve_activation_quant, smooth_engine_tensors,
-                          smoothquant_applies, smoothquant_off)
+from .smoothquant import (DEFAULT_ALPHA, check_activation_options, resolve_activation_quant, smoothquant_applies,
+                          smoothquant_off)
+from .smoothquant_search import smooth_engine_tensors
 
 DEFAULT_CALIBRATION_SAMPLES = 64
 DEFAULT_EVAL_TOKENS = 1024  # per held-out domain
@@ -73,14 +74,15 @@ class QuantOptions:
     auto_int4_method: Optional[str] = None
     auto_candidates: Optional[str] = None
     layer_plan: Optional[dict] = None
-    head_centring: Optional[bool] = None  # int4: centre the int8 LM head (None: quant_head's default)
+    # centre the int8 LM head (None: centred_head's default: int8 W8A8 builds, quant_head's for int4-awq)
+    head_centring: Optional[bool] = None
     kv_offsets: str = "mean"  # quantized KV cache: kv_scales.KV_OFFSET_METHODS
     # --activation-quant int8: W8A8 / W4A8 at run time; SmoothQuant first (smoothquant.smoothquant_applies).
     # "auto" (BuildOptions' default) resolves as smoothquant.resolve_activation_quant; a QuantOptions
     # made by hand stays weight-only unless asked.
     activation_quant: str = "none"
     smoothquant: Optional[bool] = None
-    smoothquant_alpha: Optional[float] = None
+    smoothquant_alpha: Optional[Union[float, str]] = None  # a number in [0, 1] or "auto"; None: DEFAULT_ALPHA
 
     def __post_init__(self):
         self.activation_quant = resolve_activation_quant(self.activation_quant, self.quantization)
@@ -192,6 +194,7 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
         plan = moe_plan(cfg, plan, o)
     kv_rotation = resolve_kv_rotation(o.kv_rotation, o.kv_cache_dtype, cfg.model.head_dim)
     tokenizer = tokenizer or load_source_tokenizer(o.source)
+    o = dataclasses.replace(o, head_centring=centred_head(o, tokenizer))
     # fp8 uses GPTQ error feedback when calibration text can be tokenized, else plain rounding;
     # not when every fp8 linear keeps its source grid (asymmetric groups on the source blocks,
     # exact there: the error GPTQ would feed back is zero).
@@ -201,7 +204,8 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
     if smoothquant_applies(o, tokenizer) and plan:  # SmoothQuant on the float weights first
         tensors, smooth_report = smooth_engine_tensors(
             cfg, tensors, lambda: _calibration_runner(_float_model(cfg, tensors, model_factory), tokenizer, o),
-            plan, o.smoothquant_alpha or DEFAULT_ALPHA, LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
+            plan, DEFAULT_ALPHA if o.smoothquant_alpha is None else o.smoothquant_alpha, o.quantization,
+            LayerProgress("SmoothQuant scales", cfg.model.num_layers, enabled=o.progress))
     model = _float_model(cfg, tensors, model_factory)
     runner, calibration_info = None, {}
     if calibrated or o.kv_cache_dtype != "auto" or (o.head_centring and head_name(plan, cfg.model.tie_word_embeddings)):
@@ -225,7 +229,8 @@ def quantize_engine_weights(cfg: EngineConfig, tensors: Dict[str, torch.Tensor],
                        calibration=calibration_info)
     kvcfg = KVCacheConfig(dtype=o.kv_cache_dtype, rotation=kv_rotation)
     if smooth_report is not None:
-        qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears")})
+        qcfg = dataclasses.replace(qcfg, smoothquant={k: smooth_report[k] for k in ("alpha", "linears", "alpha_counts")
+                                                          if k in smooth_report})
     report = _report(o, float_tensors, new, layer_reports, calibrated, kv_rotation, time.time() - t0)
     if o.activation_quant != "none":
         report.update(activation_quant=o.activation_quant, smoothquant=smooth_report or smoothquant_off(o, tokenizer))

@@ -22,10 +22,14 @@ from typing import Dict, Tuple
 
 import torch
 
-from .. import calibration as calib
 from .quant_layers import LINEARS
 
-DEFAULT_ALPHA = 0.5  # the paper's default migration strength
+AUTO = "auto"  # --smoothquant-alpha auto: per linear, by the calibration error (smoothquant_search.py)
+# The default: the paper's migration strength on every linear. On SmolLM2's budget mix (with the
+# centred head, quant_head.centred_head) it gave the least worst-domain perplexity increase, the
+# measure the int8 budget is set in; AUTO gave the least mean KL
+# (docs/quantization.md#integer-dot-activations-w8a8--w4a8).
+DEFAULT_ALPHA = 0.5
 
 
 def smoothing_factors(x_amax: torch.Tensor, w_amax: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -43,47 +47,68 @@ def _scale_rows(new: dict, name: str, rows: slice, s: torch.Tensor) -> None:
     new[name] = f.to(t.dtype)
 
 
-def smooth_layer(cfg, i: int, new: Dict[str, torch.Tensor], x_amax: Dict[str, torch.Tensor], alpha: float,
+def linear_factors(cfg, lin: str, w: torch.Tensor, x_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The factors s of one linear (w its float weight (N, K), x_amax its inputs' per-channel max
+    |x|), one per channel of the producer they fold into: K of them, except o_proj's, one per
+    (KV head, dim), the max over the query heads that share it."""
+    if lin != "o_proj":
+        return smoothing_factors(x_amax, w.abs().amax(0), alpha)
+    m = cfg.model
+    group = m.num_heads // m.num_kv_heads
+
+    def pool(t):  # (Hq * D,) -> (Hkv * D,)
+        return t.view(m.num_kv_heads, group, m.head_dim).amax(1).reshape(-1)
+    return smoothing_factors(pool(x_amax), pool(w.abs().amax(0)), alpha)
+
+
+def input_factors(cfg, lin: str, s: torch.Tensor) -> torch.Tensor:
+    """linear_factors' s spread over the linear's K inputs (o_proj: each query head takes its KV
+    head's factors)."""
+    if lin != "o_proj":
+        return s
+    m = cfg.model
+    group = m.num_heads // m.num_kv_heads
+    return s.view(m.num_kv_heads, 1, m.head_dim).expand(m.num_kv_heads, group, m.head_dim).reshape(-1)
+
+
+def smoothable(cfg, i: int, new: Dict[str, torch.Tensor], targets) -> Tuple[str, ...]:
+    """Layer i's linears in `targets` whose input division folds exactly into a producer in `new`."""
+    pre = f"layers.{i}."
+    has = lambda name: pre + name in new  # noqa: E731
+    producer = {"qkv_proj": has("input_norm.weight"), "gate_up_proj": has("post_attn_norm.weight"),
+                "o_proj": has("qkv_proj.weight"), "down_proj": has("gate_up_proj.weight")}
+    return tuple(lin for lin in LINEARS if lin in targets and has(lin + ".weight") and producer[lin])
+
+
+def smooth_layer(cfg, i: int, new: Dict[str, torch.Tensor], x_amax: Dict[str, torch.Tensor], alpha,
                  targets) -> Dict[str, dict]:
     """Fold SmoothQuant's factors for layer i's linears in `targets` into `new` (engine tensors,
-    replaced not mutated). x_amax: each linear's per-input-channel max |x|. Returns report entries."""
+    replaced not mutated). x_amax: each linear's per-input-channel max |x|; alpha: one strength for
+    every linear, or {linear: strength or None (left as it is)}. Returns report entries."""
     m = cfg.model
     pre = f"layers.{i}."
     nq, nkv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    w = {lin: new[pre + lin + ".weight"].float() for lin in LINEARS if pre + lin + ".weight" in new}
-    factors = {}
-    for lin, norm in (("qkv_proj", "input_norm.weight"), ("gate_up_proj", "post_attn_norm.weight")):
-        if lin in targets and lin in w and pre + norm in new and lin in x_amax:
-            factors[lin] = (smoothing_factors(x_amax[lin], w[lin].abs().amax(0), alpha), norm)
-    if "o_proj" in targets and "o_proj" in w and "qkv_proj" in w and "o_proj" in x_amax:
-        group = m.num_heads // m.num_kv_heads
-
-        def pool(t):  # (Hq * D,) -> (Hkv * D,): the max over the query heads sharing a KV head
-            return t.view(m.num_kv_heads, group, m.head_dim).amax(1).reshape(-1)
-        s_kv = smoothing_factors(pool(x_amax["o_proj"]), pool(w["o_proj"].abs().amax(0)), alpha)
-        factors["o_proj"] = (s_kv, None)
-    if "down_proj" in targets and "down_proj" in w and "gate_up_proj" in w and "down_proj" in x_amax:
-        factors["down_proj"] = (smoothing_factors(x_amax["down_proj"], w["down_proj"].abs().amax(0), alpha), None)
     report = {}
-    for lin, (s, norm) in factors.items():
+    for lin in smoothable(cfg, i, new, targets):
+        a = alpha.get(lin) if isinstance(alpha, dict) else alpha
+        if a is None or lin not in x_amax:
+            continue
         name = pre + lin + ".weight"
+        s = linear_factors(cfg, lin, new[name].float(), x_amax[lin], a)
+        new[name] = (new[name].float() * input_factors(cfg, lin, s)).to(new[name].dtype)
         if lin == "o_proj":
-            group = m.num_heads // m.num_kv_heads
-            full = s.view(m.num_kv_heads, 1, m.head_dim).expand(m.num_kv_heads, group, m.head_dim).reshape(-1)
-            new[name] = (new[name].float() * full).to(new[name].dtype)
-            _scale_rows(new, pre + "qkv_proj.weight", slice(nq + nkv, nq + 2 * nkv), s)
-            if pre + "qkv_proj.bias" in new:
-                _scale_rows(new, pre + "qkv_proj.bias", slice(nq + nkv, nq + 2 * nkv), s)
+            rows, producer = slice(nq + nkv, nq + 2 * nkv), "qkv_proj"
         elif lin == "down_proj":
-            new[name] = (new[name].float() * s).to(new[name].dtype)
-            _scale_rows(new, pre + "gate_up_proj.weight", slice(m.intermediate_size, None), s)
-            if pre + "gate_up_proj.bias" in new:
-                _scale_rows(new, pre + "gate_up_proj.bias", slice(m.intermediate_size, None), s)
+            rows, producer = slice(m.intermediate_size, None), "gate_up_proj"
         else:
-            new[name] = (new[name].float() * s).to(new[name].dtype)
-            t = new[pre + norm]
-            new[pre + norm] = (t.float() / s).to(t.dtype)
-        report[pre + lin] = {"smoothquant_factor_range": [float(s.min()), float(s.max())]}
+            norm = pre + ("input_norm.weight" if lin == "qkv_proj" else "post_attn_norm.weight")
+            new[norm] = (new[norm].float() / s).to(new[norm].dtype)
+            producer = None
+        if producer is not None:
+            _scale_rows(new, pre + producer + ".weight", rows, s)
+            if pre + producer + ".bias" in new:
+                _scale_rows(new, pre + producer + ".bias", rows, s)
+        report[pre + lin] = {"smoothquant_alpha": a, "smoothquant_factor_range": [float(s.min()), float(s.max())]}
     return report
 
 
@@ -117,8 +142,8 @@ def check_activation_options(o) -> None:
         raise ValueError(f"--activation-quant int8 runs int8 / int4 weights on integer dot products: it needs "
                          f"--quantization int8, int4-rtn, int4-awq or int4-gptq, got {o.quantization}")
     a = o.smoothquant_alpha
-    if a is not None and (not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
-        raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {a!r}")
+    if a is not None and a != AUTO and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+        raise ValueError(f"--smoothquant-alpha must be a number in [0, 1] or {AUTO}, got {a!r}")
 
 
 def smoothquant_applies(o, tokenizer=True) -> bool:
@@ -142,39 +167,3 @@ def smoothquant_off(o, tokenizer=True) -> str:
     if o.quantization != "int8":
         return "off (int4 weights: docs/quantization.md#integer-dot-activations-w8a8--w4a8)"
     return "off (the source has no tokenizer for the calibration text)" if tokenizer is None else "off"
-
-
-def smooth_engine_tensors(cfg, tensors: Dict[str, torch.Tensor], runner, plan: dict, alpha: float,
-                          progress=None) -> Tuple[Dict[str, torch.Tensor], dict]:
-    """SmoothQuant over every layer: runner is a calibration.LayerwiseRunner over the float model
-    of `tensors`, or a function returning (runner, calibration provenance) (the build's
-    calibration set); the linears smoothed are those `plan` quantizes to int8 or int4. Returns
-    (new tensors, report)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"--smoothquant-alpha must be in [0, 1], got {alpha}")
-    info = None
-    if callable(runner):
-        runner, info = runner()
-    new = dict(tensors)
-    layers: dict = {}
-    for i in range(cfg.model.num_layers):
-        pre = f"layers.{i}."
-        targets = {lin for lin in LINEARS if getattr(plan.get(pre + lin), "method", None) in ("int8", "int4")}
-        layer = runner.model.layers[i]
-        amax: Dict[str, torch.Tensor] = {}
-
-        def on_input(name, x):
-            a = x.abs().amax(0)
-            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
-        mods = {lin: getattr(layer, lin) for lin in LINEARS if isinstance(getattr(layer, lin, None), torch.nn.Module)}
-        handles = calib.capture_inputs(mods, on_input)
-        try:
-            runner.run_layer(i, advance=i < cfg.model.num_layers - 1)  # the float layer: exact either way
-        finally:
-            for h in handles:
-                h.remove()
-        layers.update(smooth_layer(cfg, i, new, amax, alpha, targets))
-        if progress is not None:
-            progress.done(i)
-    report = {"alpha": alpha, "linears": len(layers), "layers": layers}
-    return new, report if info is None else {**report, "calibration": info}

@@ -67,9 +67,11 @@ def register(sub) -> None:
                         "int4-awq and int4-gptq, none for every other build (float, fp8, --quantization auto, "
                         "imported pre-quantized checkpoints). GPUs run weight-only either way. The backend parameter "
                         "/ engine option activation_quant overrides it at run time")
-    s.add_argument("--smoothquant-alpha", type=float, default=None, metavar="A",
-                   help="int8 activations: SmoothQuant's migration strength in [0, 1] (default 0.5); "
-                        "given, SmoothQuant also runs for int4 weights (off for them by default)")
+    s.add_argument("--smoothquant-alpha", type=_alpha, default=None, metavar="A",
+                   help="int8 activations: SmoothQuant's migration strength, a number in [0, 1] for every linear "
+                        "(default 0.5), or auto: per linear the least W8A8 output error on the calibration set among "
+                        "unsmoothed, 0.25, 0.5, 0.75 and 0.9; given, SmoothQuant also runs for int4 weights (off for "
+                        "them by default)")
     s.add_argument("--no-smoothquant", dest="smoothquant", action="store_const", const=False, default=None,
                    help="int8 activations: do not smooth activation outliers into the weights")
     p.add_argument("--int4-layout", default=None, choices=INT4_LAYOUTS,
@@ -118,6 +120,15 @@ def register(sub) -> None:
     from tritium.builder.lora_repo import add_lora_arguments
     add_lora_arguments(p)
     p.set_defaults(func=run)
+
+
+def _alpha(value: str):
+    """--smoothquant-alpha: a number, else the string as given ("auto"; anything else is refused
+    with the other flags, smoothquant.check_activation_options, in one line)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def speculative_params(args: argparse.Namespace) -> dict:
