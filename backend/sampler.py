@@ -142,6 +142,15 @@ def draw(weights: torch.Tensor, generator) -> int:
     return int((weights / noise.clamp_min(1e-20)).argmax())
 
 
+def _plain_greedy(seq) -> bool:
+    """Whether a row's token is just the argmax of its raw logits: greedy, no logprobs, no
+    grammar, bans or penalties (steps 1-6 then change nothing, so they are skipped)."""
+    p = seq.request.params
+    return (p.temperature == 0.0 and p.logprobs is None and getattr(seq, "guide", None) is None
+            and not (p.min_tokens or p.logit_bias or seq.request.bad_words)
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 class Sampler:
     """Samples one token per row; see the module docstring for the exact definitions."""
 
@@ -151,6 +160,8 @@ class Sampler:
         Returns (token ids, logprob entries or None per row).
         """
         n, vocab = logits.shape
+        if all(_plain_greedy(s) for s in seqs):  # the argmax of the raw logits, nothing else asked
+            return logits.max(dim=-1).indices.tolist(), [None] * n
         mask_logits(logits, seqs)  # structured outputs (backend/guided/): before everything else
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
