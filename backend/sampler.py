@@ -157,7 +157,7 @@ def _plain_greedy(seq) -> bool:
     """Whether a row's token is just the argmax of its raw logits: greedy, no logprobs, no
     grammar, bans or penalties (steps 1-6 then change nothing, so they are skipped)."""
     p = seq.request.params
-    return (p.temperature == 0.0 and p.logprobs is None and getattr(seq, "guide", None) is None
+    return (p.is_greedy and p.logprobs is None and getattr(seq, "guide", None) is None
             and not (p.min_tokens or p.logit_bias or seq.request.bad_words)
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
