@@ -166,6 +166,10 @@ class ModelRunner:
         """The step's inputs as host arrays (what a tensor-parallel rank 0 sends to the others)."""
         if all(n == 1 for n in sched.num_new_tokens) and not any(s.spec_token_ids for s in sched.seqs):
             return self._decode_arrays(sched)  # the steady state: one token a sequence, same arrays
+        return self._step_arrays(sched)
+
+    def _step_arrays(self, sched: SchedulerOutput) -> StepArrays:
+        """prepare_arrays for any step (prompt chunks, decodes, speculative proposals)."""
         bs = self.block_size
         ids: List[int] = []
         positions: List[np.ndarray] = []
