@@ -164,6 +164,12 @@ class ModelRunner:
 
     def prepare_arrays(self, sched: SchedulerOutput) -> StepArrays:
         """The step's inputs as host arrays (what a tensor-parallel rank 0 sends to the others)."""
+        if all(n == 1 for n in sched.num_new_tokens) and not any(s.spec_token_ids for s in sched.seqs):
+            return self._decode_arrays(sched)  # the steady state: one token a sequence, same arrays
+        return self._step_arrays(sched)
+
+    def _step_arrays(self, sched: SchedulerOutput) -> StepArrays:
+        """prepare_arrays for any step (prompt chunks, decodes, speculative proposals)."""
         bs = self.block_size
         ids: List[int] = []
         positions: List[np.ndarray] = []
@@ -192,6 +198,30 @@ class ModelRunner:
         np.cumsum(sched.num_new_tokens, out=qsl[1:])
         return StepArrays(np.asarray(ids, dtype=np.int64), np.concatenate(positions), np.concatenate(slots), qsl,
                           np.asarray(seq_lens, dtype=np.int32), tables, np.asarray(logit_rows, dtype=np.int64),
+                          np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2))
+
+    def _decode_arrays(self, sched: SchedulerOutput) -> StepArrays:
+        """prepare_arrays for a step of one new token per sequence and no proposals, from Python
+        ints (no per-sequence numpy arrays): the same arrays, fewer small allocations."""
+        bs = self.block_size
+        seqs = sched.seqs
+        ids, pos, slots, rows = [], [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            if p + 1 == seq.num_tokens:
+                rows.append(i)
+        n = len(seqs)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, max_blocks), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        seq_lens = np.asarray(pos, dtype=np.int32) + 1
+        return StepArrays(np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64),
+                          np.asarray(slots, dtype=np.int64), np.arange(n + 1, dtype=np.int32), seq_lens, tables,
+                          np.asarray(rows, dtype=np.int64),
                           np.asarray(sched.block_copies, dtype=np.int64).reshape(-1, 2))
 
     def prepare(self, sched: SchedulerOutput):
@@ -255,6 +285,8 @@ class ModelRunner:
         if isinstance(logit_rows, torch.Tensor):
             rows = hidden if logit_rows.shape[0] == hidden.shape[0] and arrays.logit_rows[-1] == len(logit_rows) - 1 \
                 else hidden.index_select(0, logit_rows)
+        elif len(logit_rows) == hidden.shape[0]:
+            rows = hidden  # every row, in order (the rows are increasing): a decode step
         else:
             rows = hidden[torch.tensor(logit_rows, device=hidden.device)]
         return self._logits_out(self.model.compute_logits(rows))

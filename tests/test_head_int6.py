@@ -197,6 +197,14 @@ def test_tied_head_holds_the_codes_once_and_the_lookup_reads_them(tiny_checkpoin
     else:
         emb = dequantize_grouped(t["embed_tokens.qweight"], t["embed_tokens.scales"], None, 32)
     assert torch.equal(model.embed(ids), emb[ids].to(torch.bfloat16))
+    for few in ([999], [0, 17], [640, 5, 5, 16]):  # a decode step's few rows: the row-by-row gather
+        few = torch.tensor(few, dtype=torch.int64)
+        assert torch.equal(model.embed(few), emb[few].to(torch.bfloat16)), few
+    if quantization == "int8":
+        assert e.codes(torch.tensor([], dtype=torch.int64)).shape == (0, e.in_features)
+        for bad in ([cfg.model.vocab_size], [3, -1]):
+            with pytest.raises(IndexError, match=r"ids must lie in \[0, "):
+                e.codes(torch.tensor(bad))
     h = torch.randn(3, 128).to(torch.bfloat16)
     y = model.compute_logits(h)
     ref = h.float() @ emb.t()

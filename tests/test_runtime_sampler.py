@@ -166,3 +166,34 @@ def test_logprobs_are_raw_log_softmax(sampler):
         assert abs(e["logprob"] - ref[i, toks[i]].item()) < 1e-5
         top = sorted(range(30), key=lambda t: -ref[i, t].item())[:3]
         assert [t["token_id"] for t in e["top_logprobs"]] == top
+
+
+def test_argmax_rows_is_the_first_maximal_index():
+    # the oracle: torch.max(dim)'s index (first maximal, NaN counts as the maximum) on the same rows
+    from tritium.backend.sampler import argmax_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4099, generator=g)
+    x[1, 3] = x[1, 4000] = float("nan")  # first NaN wins
+    x[2] = float("-inf")  # a fully banned row: index 0
+    x[3, 10] = x[3, 20] = 1e9  # ties: the first
+    x[4, 4098] = float("inf")
+    x[5] = 0.0  # all equal
+    assert argmax_rows(x).tolist() == [int(np.nanargmax(x[0].numpy())), 3, 0, 10, 4098, 0]
+    assert argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+    y = x[:, 1::3]  # a strided view
+    assert argmax_rows(y).tolist() == y.max(dim=-1).indices.tolist()
+    assert argmax_rows(y).dtype == torch.int64
+
+
+def test_plain_greedy_rows_match_the_full_pipeline(sampler):
+    # Greedy rows with nothing else asked skip steps 1-6; the same rows asking logprobs (or
+    # penalties that are no-ops here) take the whole pipeline: same tokens.
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g)
+    logits[2, 7] = logits[2, 9] = 50.0  # a tie: the first index
+    plain = seqs_for(SamplingParams(temperature=0.0), count=5)
+    full = seqs_for(SamplingParams(temperature=0.0, logprobs=0), count=5)
+    t1, e1 = sampler()(logits.clone(), plain)
+    t2, e2 = sampler()(logits.clone(), full)
+    assert t1 == t2 == logits.numpy().argmax(axis=1).tolist()
+    assert t1[2] == 7 and e1 == [None] * 5 and all(e is not None for e in e2)

@@ -117,3 +117,29 @@ def test_max_num_seqs_counts_forked_samples():
     b = add(sched, "bb", 4, n=2)
     out = sched.schedule()
     assert out.seqs == [a]               # b's 2 samples would make 4 > 3
+
+
+def test_decode_step_arrays_equal_the_general_ones():
+    # A step of one new token per sequence takes ModelRunner's Python-int path; the general path
+    # (numpy per sequence, written for prompt chunks and proposals) is the oracle on the same step.
+    import types
+
+    import numpy as np
+
+    from tritium.backend.model_runner import ModelRunner
+    from tritium.backend.scheduler import SchedulerOutput
+    out = SchedulerOutput(block_copies=[(3, 7)])
+    for i, (prompt, done, table) in enumerate([(5, 5, [2, 9]), (9, 12, [4, 1, 6, 11]), (5, 2, [5, 8])]):
+        req = Request(f"r{i}", list(range(10, 10 + prompt)), SamplingParams(max_tokens=8))
+        seq = req.seqs[0]
+        seq.token_ids.extend(range(100, 100 + max(done + 1 - prompt, 0)))
+        seq.num_computed_tokens, seq.block_table = done, table
+        out.seqs.append(seq)
+        out.num_new_tokens.append(1)
+    runner = types.SimpleNamespace(block_size=4)
+    fast = ModelRunner._decode_arrays(runner, out)
+    ref = ModelRunner._step_arrays(runner, out)
+    for name, a, b in zip(ref._fields, fast, ref):
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert fast.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 0, 5 * 4 + 2]
+    assert fast.logit_rows.tolist() == [0, 1]  # the third computes a prompt token that is not its last
