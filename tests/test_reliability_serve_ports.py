@@ -134,3 +134,36 @@ def test_a_failed_second_serve_leaves_the_running_server_alone(tiny_engine, tmp_
             assert resp.status == 200
     finally:
         _stop(proc, signal.SIGINT)
+
+
+def test_picked_ports_are_distinct_even_when_the_kernel_repeats_one(tmp_path, monkeypatch):
+    """The services' free ports are picked with every socket held until all are chosen, so a kernel
+    that hands a closed port out again (seen: tritonserver's internal HTTP and the metrics port
+    were one port in a `tritium compare` run) cannot give two services one port; a port the
+    caller named is never picked for another service."""
+    from tritium.client.serve import server
+    picker = server.PortPicker(taken=(0, None))
+    ports = [picker.pick() for _ in range(40)]
+    picker.close()
+    assert len(set(ports)) == 40
+    # a kernel that hands the same port out again (as free_port's bind / close / bind can get):
+    # the picker skips a port it already gave or that the caller named
+    sequence = iter([41000, 41000, 41001, 41001, 41002, 41002, 41003, 41004, 41005, 41006])
+
+    class Repeating:
+        def __init__(self, *a):
+            self.port = None
+
+        def bind(self, addr):
+            self.port = next(sequence)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(server.socket, "socket", Repeating)
+    srv = server.TritonServer(str(tmp_path), grpc_port=41002)
+    picked = [srv.http_port, srv.grpc_port, srv.metrics_port, srv.triton_http_port, srv.triton_metrics_port]
+    assert picked == [41000, 41002, 41001, 41003, 41004], picked

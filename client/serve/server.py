@@ -121,6 +121,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class PortPicker:
+    """Distinct free ports for the services of one server. Each socket stays bound until close(),
+    so the kernel cannot hand the same port out twice (free_port called twice in a row can return
+    one port for both, and two services would then ask for it); `taken` ports are never returned."""
+
+    def __init__(self, taken=()):
+        self.taken = {p for p in taken if p}
+        self._socks: List[socket.socket] = []
+
+    def pick(self, host: str = "127.0.0.1") -> int:
+        while True:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._socks.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in self.taken:
+                self.taken.add(port)
+                return port
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
+        self._socks.clear()
+
+
 def server_env() -> dict:
     """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH,
     OMP_WAIT_POLICY=PASSIVE unless set."""
@@ -172,9 +197,10 @@ class TritonServer:
             raise FileNotFoundError(f"--repo {repo}: not a directory")
         self.repo = os.path.abspath(repo)
         self.host = host
-        self.http_port = http_port or free_port(host)
-        self.grpc_port = grpc_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        ports = PortPicker(taken=(http_port, grpc_port, metrics_port))
+        self.http_port = http_port or ports.pick(host)
+        self.grpc_port = grpc_port or ports.pick(host)
+        self.metrics_port = metrics_port or ports.pick(host)
         self.log_file = log_file
         self.backend_dir = backend_dir
         self.load_models = load_models if load_models is not None else ["*"]
@@ -186,8 +212,9 @@ class TritonServer:
         self.guard_limits = guard_limits
         self.security = security or Security()
         # With the guard, tritonserver's HTTP and metrics services listen here (loopback only) instead.
-        self.triton_http_port = free_port("127.0.0.1") if http_guard else self.http_port
-        self.triton_metrics_port = free_port("127.0.0.1") if http_guard else self.metrics_port
+        self.triton_http_port = ports.pick("127.0.0.1") if http_guard else self.http_port
+        self.triton_metrics_port = ports.pick("127.0.0.1") if http_guard else self.metrics_port
+        ports.close()
         self.shm_prefix = new_shm_prefix()
         self.proc: Optional[subprocess.Popen] = None
         self.guard_proc: Optional[subprocess.Popen] = None
