@@ -24,6 +24,22 @@ REQUESTED_OUTPUTS = ("text_output", "output_ids", "num_input_tokens", "num_outpu
 now = time.perf_counter
 
 
+def greedy_stream_inputs(grpcclient, prompt: str, max_tokens: int) -> list:
+    """tritonclient inputs of one streamed greedy request of exactly max_tokens tokens (EOS ignored)."""
+    arrays = {"text_input": ("BYTES", np.array([[prompt.encode("utf-8")]], dtype=np.object_)),
+              "max_tokens": ("INT32", np.array([[max_tokens]], dtype=np.int32)),
+              "stream": ("BOOL", np.array([[True]], dtype=np.bool_)),
+              "temperature": ("FP32", np.array([[0.0]], dtype=np.float32)),
+              # ignore_eos has no tensor of its own; vllm_backend's JSON parameters carry it.
+              "sampling_parameters": ("BYTES", np.array([[b'{"ignore_eos": true}']], dtype=np.object_))}
+    inputs = []
+    for name, (dtype, arr) in arrays.items():
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    return inputs
+
+
 @dataclass
 class RequestResult:
     """What one request measured (times from time.perf_counter, in seconds)."""
@@ -91,19 +107,7 @@ class _TritonSession:
         self.client.start_stream(callback=lambda result, error: self.events.put((now(), result, error)))
 
     def _inputs(self, req: BenchRequest):
-        g = self.grpc
-        arrays = {"text_input": ("BYTES", np.array([[req.prompt.encode("utf-8")]], dtype=np.object_)),
-                  "max_tokens": ("INT32", np.array([[req.max_tokens]], dtype=np.int32)),
-                  "stream": ("BOOL", np.array([[True]], dtype=np.bool_)),
-                  "temperature": ("FP32", np.array([[0.0]], dtype=np.float32)),
-                  # ignore_eos has no tensor of its own; vllm_backend's JSON parameters carry it.
-                  "sampling_parameters": ("BYTES", np.array([[b'{"ignore_eos": true}']], dtype=np.object_))}
-        inputs = []
-        for name, (dtype, arr) in arrays.items():
-            inp = g.InferInput(name, list(arr.shape), dtype)
-            inp.set_data_from_numpy(arr)
-            inputs.append(inp)
-        return inputs
+        return greedy_stream_inputs(self.grpc, req.prompt, req.max_tokens)
 
     def run(self, req: BenchRequest, request_id: str) -> RequestResult:
         res = RequestResult(req.index, req.max_tokens, now())

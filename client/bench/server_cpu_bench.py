@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-import numpy as np
+from tritium.client.bench.bench_drivers import greedy_stream_inputs
 
 ROLES = ("tritium-loop", "stub unnamed", "tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")
 OVERHEAD = ("tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")  # beside the step
@@ -112,17 +112,7 @@ class _Stream:
 
     def run(self, tokens: int) -> int:
         g = self.g
-        arrays = {"text_input": ("BYTES", np.array([[b"Passage CPU: the river runs past the old mill and"]],
-                                                    dtype=np.object_)),
-                  "max_tokens": ("INT32", np.array([[tokens]], dtype=np.int32)),
-                  "stream": ("BOOL", np.array([[True]], dtype=np.bool_)),
-                  "temperature": ("FP32", np.array([[0.0]], dtype=np.float32)),
-                  "sampling_parameters": ("BYTES", np.array([[b'{"ignore_eos": true}']], dtype=np.object_))}
-        inputs = []
-        for name, (dtype, arr) in arrays.items():
-            inp = g.InferInput(name, list(arr.shape), dtype)
-            inp.set_data_from_numpy(arr)
-            inputs.append(inp)
+        inputs = greedy_stream_inputs(g, "Passage CPU: the river runs past the old mill and", tokens)
         outs = [g.InferRequestedOutput(n) for n in self.outputs] if self.outputs else None
         self.done.clear()
         self.responses = 0
