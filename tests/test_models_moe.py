@@ -24,7 +24,7 @@ from tritium.builder.hf_loader import model_config_from_hf
 from hf_oracle import PROMPTS, hf_model, rel_err
 from simple_generate import generate_simple, prompt_logits
 from test_models_engine import run_staggered, workload
-from tp_utils import record_logits, tp_timeout, wait_no_workers  # noqa: F401 (fixture)
+from tp_utils import assert_tp2_equals_tp1, tp_timeout  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -281,21 +281,7 @@ def test_moe_build_refuses_what_it_cannot_do_naming_the_flag(flags, tiny_checkpo
 def test_tp2_experts_split_by_columns_equals_tp1(family, tiny_engine):
     """TP = 2 (every expert and the shared expert split by intermediate features, the router
     replicated, the partial sums all-reduced over gloo) == TP = 1: greedy tokens and logits."""
-    prompts = [PROMPTS[0], PROMPTS[1]]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        path = tiny_engine(family, "float32", **({"tensor_parallel_size": 2} if tp == 2 else {}))
-        kw = {"threads_per_rank": 1} if tp == 2 else {}
-        with LLMEngine(path, device="cpu", num_kv_blocks=64, **kw) as e:
-            logs = record_logits(e)
-            outs = e.generate(prompt_token_ids=prompts, params=greedy)
-            runs.append(([o.outputs[0].token_ids for o in outs], logs))
-        if tp == 2:
-            assert not wait_no_workers(path), "a worker outlived close()"
-    (tok1, log1), (tok2, log2) = runs
-    assert tok2 == tok1
-    assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
+    assert_tp2_equals_tp1(lambda **kw: tiny_engine(family, "float32", **kw))
 
 
 @pytest.mark.parametrize("field,value,needle", [("router_scoring", "sparsemixer", "model.router_scoring 'sparsemixer'"),

@@ -80,3 +80,30 @@ def assert_vocab_shards(full_dir: str, tp_dir: str, dequantize) -> None:
         v0, v1 = rank["vocab"]
         assert t["embed_tokens.scales"].shape == (full["embed_tokens.scales"].shape[0], v1 - v0)
         assert torch.equal(dequantize(t), deq[v0:v1])
+
+
+def assert_tp2_equals_tp1(make_engine, check_tp2=None) -> None:
+    """Greedy tokens and every step's logits (1e-4 relative) of the engine built with
+    tensor_parallel_size 2 equal those of the one-rank build, on two prompts; no worker outlives
+    close(). make_engine(**kw) builds (or returns the cached) float32 engine; check_tp2(path)
+    inspects the 2-rank engine's files."""
+    from hf_oracle import PROMPTS, rel_err
+    from tritium.backend.engine import LLMEngine
+    from tritium.backend.sampling_params import SamplingParams
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        path = make_engine(**({"tensor_parallel_size": 2} if tp == 2 else {}))
+        kw = {"threads_per_rank": 1} if tp == 2 else {}
+        with LLMEngine(path, device="cpu", num_kv_blocks=64, **kw) as e:
+            logs = record_logits(e)
+            outs = e.generate(prompt_token_ids=prompts, params=greedy)
+            runs.append(([o.outputs[0].token_ids for o in outs], logs))
+        if tp == 2:
+            assert not wait_no_workers(path), "a worker outlived close()"
+            if check_tp2 is not None:
+                check_tp2(path)
+    (tok1, log1), (tok2, log2) = runs
+    assert tok2 == tok1
+    assert len(log2) == len(log1) and all(rel_err(a, b) < 1e-4 for a, b in zip(log2, log1))
