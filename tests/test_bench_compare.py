@@ -127,3 +127,35 @@ def test_pairs_compare_the_default_builds_and_weight_only_on_request(tmp_path):
     with pytest.raises(Exception):  # cached: the stale engine is removed and rebuilt (here: no such GGUF)
         ensure_engine("int8", str(tmp_path / "missing.gguf"), str(tmp_path), print, cached=True)
     assert not (tmp_path / "int8" / "engine.json").exists()
+
+
+def test_cached_engine_is_rebuilt_when_its_build_key_changes(tmp_path, monkeypatch):
+    """A cached engine is reused only while its key (the pair's options, the GGUF, the builder's
+    sources) is the current one; a missing or different key rebuilds it."""
+    import json
+
+    from tritium.client.cli import compare_cli
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    engines = tmp_path / "engines"
+    built = []
+
+    def fake_build(opts):  # the builder itself is tested elsewhere; here: when it is called
+        built.append(opts.source)
+        os.makedirs(opts.output)
+        (tmp_path / "engines" / "int8.partial" / "engine.json").write_text(json.dumps({"activation_quant": "int8"}))
+    monkeypatch.setattr("tritium.builder.build.build_engine", fake_build)
+    out = compare_cli.ensure_engine("int8", str(gguf), str(engines), print)
+    assert built == [str(gguf)] and os.path.isfile(os.path.join(out, "engine.json"))
+    key = json.loads((engines / "int8.key.json").read_text())
+    assert key["builder"] == compare_cli.builder_fingerprint() and key["gguf_size"] == 4
+    compare_cli.ensure_engine("int8", str(gguf), str(engines), print)
+    assert len(built) == 1  # the same key: reused
+    key["builder"] = "0" * 64
+    (engines / "int8.key.json").write_text(json.dumps(key))
+    logs = []
+    compare_cli.ensure_engine("int8", str(gguf), str(engines), logs.append)
+    assert len(built) == 2 and any("built with another builder" in m for m in logs)
+    gguf.write_bytes(b"GGUF v2")  # another GGUF at the same path
+    compare_cli.ensure_engine("int8", str(gguf), str(engines), logs.append)
+    assert len(built) == 3 and "gguf_size" in logs[-2]

@@ -139,29 +139,74 @@ def expected_activation_quant(kind: str) -> str:
     return resolve_activation_quant(opts.get("activation_quant", "auto"), opts["quantization"])
 
 
+def builder_fingerprint() -> str:
+    """sha256 over the builder package's Python sources (names and bytes): an engine cached by
+    another builder (other defaults, layouts or heads) is not the engine this tree would build."""
+    import hashlib
+
+    import tritium.builder
+    root = os.path.dirname(tritium.builder.__file__)
+    h = hashlib.sha256()
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def engine_key(kind: str, gguf: str) -> dict:
+    """What a cached engine was built from: the pair's options, the GGUF (path, size, mtime) and
+    the builder's sources. Stored beside the engine as <kind>.key.json."""
+    st = os.stat(gguf)
+    return {"pair": kind, "options": {k: str(v) for k, v in sorted(PAIRS[kind][0].items())},
+            "gguf": os.path.abspath(gguf), "gguf_size": st.st_size, "gguf_mtime_ns": st.st_mtime_ns,
+            "builder": builder_fingerprint()}
+
+
+def _stale_reason(key_path: str, want: dict) -> str:
+    if not os.path.isfile(key_path):
+        return "no build key (built before keys were kept)"
+    with open(key_path, encoding="utf-8") as f:
+        have = json.load(f)
+    changed = [k for k in want if have.get(k) != want[k]]
+    return f"built with another {', '.join(changed)}" if changed else ""
+
+
 def ensure_engine(kind: str, gguf: str, engines_dir: str, log, cached: bool = True) -> str:
-    """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing. An engine
-    there whose activation_quant is not the pair's (a weight-only int8 / int4 engine built before
-    integer-dot activations became the default) is rebuilt in the cache (`cached`), refused in a
-    folder the user named."""
+    """engines_dir/kind, built from the GGUF with PAIRS[kind]'s options when missing. In the
+    cache (`cached`) an engine is rebuilt unless its key (engine_key: the pair's options, the
+    GGUF, the builder's sources) is the current one. In a folder the user named, an engine whose
+    activation_quant is not the pair's is refused."""
     out = os.path.join(engines_dir, kind)
+    key_path = out + ".key.json"
     if os.path.isfile(os.path.join(out, "engine.json")):
-        with open(os.path.join(out, "engine.json"), encoding="utf-8") as f:
-            have = json.load(f).get("activation_quant", "none")
-        want = expected_activation_quant(kind)
-        if have == want:
+        if cached:
+            want = engine_key(kind, gguf) if os.path.isfile(gguf) else {"gguf": os.path.abspath(gguf)}
+            reason = _stale_reason(key_path, want)
+            if not reason:
+                return out
+            log(f"{out}: {reason}: rebuilding it")
+            import shutil
+            shutil.rmtree(out)
+        else:
+            with open(os.path.join(out, "engine.json"), encoding="utf-8") as f:
+                have = json.load(f).get("activation_quant", "none")
+            want_aq = expected_activation_quant(kind)
+            if have != want_aq:
+                raise ValueError(f"--engines-dir: {out} has activation_quant {have}, the {kind} pair compares "
+                                 f"activation_quant {want_aq} (pairs: int8 / int4 W8A8 / W4A8, int8-wo / int4-wo "
+                                 f"weight-only); rebuild it or name the pair that matches it")
             return out
-        if not cached:
-            raise ValueError(f"--engines-dir: {out} has activation_quant {have}, the {kind} pair compares "
-                             f"activation_quant {want} (pairs: int8 / int4 W8A8 / W4A8, int8-wo / int4-wo "
-                             f"weight-only); rebuild it or name the pair that matches it")
-        log(f"{out} has activation_quant {have}, the {kind} pair {want}: rebuilding it")
-        import shutil
-        shutil.rmtree(out)
     from tritium.builder.build import BuildOptions, build_engine
     log(f"building the {kind} engine into {out} ...")
     build_engine(BuildOptions(source=gguf, output=out + ".partial", progress=False, **PAIRS[kind][0]))
     os.replace(out + ".partial", out)
+    if cached:
+        with open(key_path, "w", encoding="utf-8") as f:
+            json.dump(engine_key(kind, gguf), f, indent=1)
     return out
 
 
