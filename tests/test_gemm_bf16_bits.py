@@ -87,3 +87,22 @@ def test_every_output_is_the_documented_sum_order(path, n, k):
         for m in ROWS:
             got = cpu_native.bf16_gemm(x[:m], w)
             assert torch.equal(got, want[:m]), f"{path} seed={seed} M={m} N={n} K={k}"
+
+
+def test_gemm_bench_prints_its_figures(capsys):
+    """client/bench/gemm_bench.py on the paths this host runs, tiny: a line per shape with a figure
+    per kernel, and a clear error for a path the host cannot run."""
+    from tritium.client.bench import gemm_bench
+    from tritium.kernels import cpu_isa
+    paths = [p for p in ("avx512", "avx2") if p in cpu_isa.runnable()]
+    if not paths:
+        pytest.skip(f"gemm_bench times the x86 SIMD paths; this CPU runs {', '.join(cpu_isa.runnable())}")
+    assert gemm_bench.main(["--paths", *paths, "--rows", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "peak GFLOP/s on this core" in out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("3 ")]
+    assert len(lines) == len(gemm_bench.SHAPES), out
+    for ln in lines:
+        assert len([v for v in ln.split() if v.replace(".", "", 1).isdigit()]) >= 1 + len(paths) + 1, ln
+    with pytest.raises(SystemExit):
+        gemm_bench.main(["--paths", "avx512", "--base-kernels", "/nonexistent/dir"])
