@@ -46,8 +46,11 @@ def stop_prefix_overlap(text: str, stops: Seq[str], prefixes: Optional[FrozenSet
 class IncrementalDetokenizer:
     """Turns a growing list of generated token ids into text deltas for one sequence."""
 
-    def __init__(self, tokenizer, stop: Seq[str] = (), skip_special_tokens: bool = True):
-        """stop: non-empty stop strings (SamplingParams normalizes them: the one place)."""
+    def __init__(self, tokenizer, stop: Seq[str] = (), skip_special_tokens: bool = True,
+                 whole_decode: bool = False):
+        """stop: non-empty stop strings (SamplingParams normalizes them: the one place).
+        whole_decode: decode the whole output every step even for a byte-level tokenizer (what
+        client/bench/detok_bench.py compares against)."""
         assert all(stop), "empty stop strings are dropped by SamplingParams"
         self.tokenizer = tokenizer
         self.stop = list(stop)
@@ -60,7 +63,7 @@ class IncrementalDetokenizer:
         self.text = ""          # current full decode (after a stop match: cut before it)
         self.emitted_len = 0    # characters of self.text already handed out
         self.stop_matched: Optional[str] = None
-        self._pieces = token_pieces(tokenizer)  # None: decode the whole output each step
+        self._pieces = None if whole_decode else token_pieces(tokenizer)  # None: the whole decode each step
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._pieces is not None else None
         self._decoded = ""      # text of the complete characters so far (byte-level tokenizers)
 

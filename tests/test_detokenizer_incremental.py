@@ -107,3 +107,21 @@ def test_byte_alphabet_is_a_bijection_onto_bytes():
     assert sorted(table.values()) == list(range(256))
     assert table["!"] == 33 and table["Ġ"] == 32  # GPT-2's space
     assert set(table) == set(pre_tokenizers.ByteLevel.alphabet())  # tokenizers' own 256 characters
+
+
+def test_whole_decode_flag_takes_the_whole_decode(smollm2_tok):
+    d = IncrementalDetokenizer(smollm2_tok, (), whole_decode=True)
+    assert d._pieces is None
+    ids = smollm2_tok.encode("naïve 東京").ids
+    d.add_tokens(ids)
+    assert d.text == smollm2_tok.decode(ids)
+
+
+def test_detok_bench_runs_and_names_bad_flags(tiny_engine, capsys):
+    from tritium.client.bench import detok_bench
+    eng = tiny_engine("llama")
+    assert detok_bench.main([eng, "--lengths", "12", "--streams", "2", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "whole decode us/token" in out and len(out.strip().splitlines()) == 3
+    assert detok_bench.main([eng, "--lengths", "x"]) == 2
+    assert "--lengths" in capsys.readouterr().err
