@@ -232,7 +232,9 @@ def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine
                                "stub unnamed": max(0.0, total - loop - workers - dlv)})
                     ms["overhead"] = dlv + client
                 cpu_ms = sum(ms[k] for k in ROLES)
+                responses = sum(len(x.chunk_tokens) for x in res.results)  # those that carried tokens
                 rows.append({"round": r, "system": name, "tok_s": tokens / res.duration_s, "tokens": tokens,
+                             "tokens_per_response": tokens / responses if responses else None,
                              "tok_per_cpu_s": 1000 / cpu_ms if cpu_ms else None, "ms_per_token": ms})
     finally:
         for d in drivers.values():
@@ -244,10 +246,11 @@ def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine
 def _print_workload(res: dict) -> None:
     print(f"{res['model']} at {res['url']}: default workload at concurrency {res['concurrency']}; "
           f"CPU ms per output token (in-process: unnamed = the process's other threads)")
-    print("round  system      tok/s  tok/CPU-s  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
+    print("round  system      tok/s  tok/CPU-s  tok/resp  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
     for row in res["rounds"]:
         ms = row["ms_per_token"]
         print(f"{row['round']:5d}  {row['system']:<10} {row['tok_s']:6.1f}  {row['tok_per_cpu_s'] or 0:9.1f}  "
+              f"{row['tokens_per_response'] or 0:8.2f}  "
               + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
 
 
