@@ -88,3 +88,14 @@ def test_no_server_on_the_port_names_url(capsys):
 def test_workload_mode_without_a_server_names_url(capsys):
     assert server_cpu_bench.main(["--url", "127.0.0.1:1", "--concurrency", "16"]) == 2
     assert "--url: no tritonserver with --grpc-port=1" in capsys.readouterr().err
+
+
+def test_workload_rows_print_every_role(capsys):
+    ms = {r: 0.1 * (i + 1) for i, r in enumerate(server_cpu_bench.ROLES)}
+    ms["overhead"] = sum(ms[r] for r in server_cpu_bench.OVERHEAD)
+    row = {"round": 0, "system": "server", "tok_s": 100.0, "tokens": 4000, "tokens_per_response": 1.25,
+           "tok_per_cpu_s": 1000 / sum(ms[r] for r in server_cpu_bench.ROLES), "ms_per_token": ms}
+    server_cpu_bench._print_workload({"model": "m", "url": "u:1", "concurrency": 16, "rounds": [row]})
+    head, line = capsys.readouterr().out.strip().splitlines()[1:3]
+    assert all(r in head for r in server_cpu_bench.ROLES) and "tok/resp" in head
+    assert line.split()[:5] == ["0", "server", "100.0", f"{row['tok_per_cpu_s']:.1f}", "1.25"]
