@@ -5,11 +5,15 @@ Any thread may call generate() or submit(); the request joins the running batch 
 queue.Queue, so it is safe to consume from the thread that created it while the loop runs.
 submit() takes a callback instead: one delivery thread calls the callbacks of every request
 that changed in a step, in step order, so a server needs one thread for all its requests rather
-than one per request, and the loop never waits for a slow consumer.
+than one per request, and the loop never waits for a slow consumer. When that thread falls
+behind (several steps queued), it merges each request's queued outputs into one (coalesce_outputs:
+the new token ids and text deltas joined in order, the rest as of the latest step), so a slow
+consumer gets fewer, larger responses rather than a growing backlog.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import queue
 import sys
 import threading
@@ -36,6 +40,34 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One RequestOutput for two consecutive steps' outputs of a request: per sample, the new
+    token ids and text deltas of both in order, everything else (all ids and text so far, log
+    probs, finish reason) as of `b`; a sample only `a` reported stays as `a` reported it."""
+    samples = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        prev = samples.get(c.index)
+        if prev is not None:
+            c = dataclasses.replace(c, new_token_ids=list(prev.new_token_ids or ()) + list(c.new_token_ids or ()),
+                                    text_delta=(prev.text_delta or "") + (c.text_delta or ""))
+        samples[c.index] = c
+    return dataclasses.replace(b, outputs=list(samples.values()))
+
+
+def coalesce_outputs(batches: List[list]) -> list:
+    """Several steps' [(callback, output or error)] -> one list, each callback's items in order
+    with consecutive RequestOutputs merged (merge_outputs); errors are never merged."""
+    per_fn: Dict[Callable, list] = {}
+    for batch in batches:
+        for fn, item in batch:
+            items = per_fn.setdefault(fn, [])
+            if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+                items[-1] = merge_outputs(items[-1], item)
+            else:
+                items.append(item)
+    return [(fn, item) for fn, items in per_fn.items() for item in items]
+
+
 class EngineDeadError(TritiumError, RuntimeError):
     """The loop thread hit an internal error; pending requests are failed with it."""
 
@@ -52,7 +84,7 @@ class AsyncLLMEngine:
     """Thread-safe wrapper: generate() streams, abort() cancels, stats() snapshots."""
 
     def __init__(self, engine_dir: Optional[str] = None, *, engine: Optional[LLMEngine] = None,
-                 max_queue_size: Optional[int] = None, **kwargs):
+                 max_queue_size: Optional[int] = None, coalesce: bool = True, **kwargs):
         if max_queue_size is not None and (isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int)
                                            or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be an integer >= 1 or None, got {max_queue_size!r}")
@@ -66,6 +98,8 @@ class AsyncLLMEngine:
         self._streams: Dict[str, Union["queue.Queue", Callable]] = {}
         self._deliveries: "queue.Queue" = queue.Queue()  # per step: [(callback, output or error)]
         self._delivery_thread: Optional[threading.Thread] = None
+        self.coalesce = bool(coalesce)  # merge a lagging delivery's queued outputs per request
+        self.num_coalesced = 0          # outputs merged into another (responses saved)
         self._stopped = False
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name="tritium-engine-loop", daemon=True)
@@ -108,11 +142,28 @@ class AsyncLLMEngine:
             batch = self._deliveries.get()
             if batch is None:
                 return
+            stop = False
+            if self.coalesce:
+                batches = [batch]
+                while True:  # every step queued behind it
+                    try:
+                        more = self._deliveries.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stop = True
+                        break
+                    batches.append(more)
+                if len(batches) > 1:
+                    batch = coalesce_outputs(batches)
+                    self.num_coalesced += sum(map(len, batches)) - len(batch)
             for fn, item in batch:
                 try:
                     fn(item)
                 except Exception:  # a consumer's bug must not stop deliveries to the others
                     traceback.print_exc()
+            if stop:
+                return
 
     def _check_admission(self) -> None:
         """Under self._cv: raise if the engine cannot take a new request."""

@@ -4,8 +4,11 @@ The invariant: the deltas a sequence emits, joined, are byte for byte `tokenizer
 its final output ids (stop string and everything after it cut off). Windowed tricks (decode the
 last few tokens, diff against a shorter window) break it for decoders that look at context:
 SentencePiece's leading-space strip, byte-fallback runs, byte-level BPE's multi-byte characters.
-So each step decodes the whole output (the Rust decoder makes that microseconds for thousands of
-tokens) and emits only the part that can no longer change:
+So decoders that look at neighbouring tokens decode the whole output each step, while for
+byte-level BPE tokenizers (backend/byte_pieces.py: each token stands for fixed bytes) it appends the new tokens' bytes to an incremental UTF-8 decoder, which
+gives the same text at every step for a cost that does not grow with the output
+(docs/benchmarks.md, "Server overhead per token"). Either way it emits only the part that can no
+longer change:
   - a trailing run of U+FFFD is held back: it is usually an incomplete UTF-8 character whose
     remaining bytes are in the next token (it is released if later text follows it, or at the end);
   - a suffix that is a prefix of a stop string is held back until it either completes the stop
@@ -16,8 +19,11 @@ length are capped by SamplingParams).
 """
 from __future__ import annotations
 
+import codecs
 import re
 from typing import FrozenSet, List, Optional, Sequence as Seq
+
+from .byte_pieces import token_pieces
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -40,8 +46,11 @@ def stop_prefix_overlap(text: str, stops: Seq[str], prefixes: Optional[FrozenSet
 class IncrementalDetokenizer:
     """Turns a growing list of generated token ids into text deltas for one sequence."""
 
-    def __init__(self, tokenizer, stop: Seq[str] = (), skip_special_tokens: bool = True):
-        """stop: non-empty stop strings (SamplingParams normalizes them: the one place)."""
+    def __init__(self, tokenizer, stop: Seq[str] = (), skip_special_tokens: bool = True,
+                 whole_decode: bool = False):
+        """stop: non-empty stop strings (SamplingParams normalizes them: the one place).
+        whole_decode: decode the whole output every step even for a byte-level tokenizer (what
+        client/bench/detok_bench.py compares against)."""
         assert all(stop), "empty stop strings are dropped by SamplingParams"
         self.tokenizer = tokenizer
         self.stop = list(stop)
@@ -54,6 +63,9 @@ class IncrementalDetokenizer:
         self.text = ""          # current full decode (after a stop match: cut before it)
         self.emitted_len = 0    # characters of self.text already handed out
         self.stop_matched: Optional[str] = None
+        self._pieces = None if whole_decode else token_pieces(tokenizer)  # None: the whole decode each step
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._pieces is not None else None
+        self._decoded = ""      # text of the complete characters so far (byte-level tokenizers)
 
     def add_tokens(self, new_ids: Seq[int], check_stop: bool = True) -> Optional[str]:
         """Append tokens; returns the stop string if one now appears in the text, else None.
@@ -62,7 +74,14 @@ class IncrementalDetokenizer:
         """
         assert self.stop_matched is None, "sequence already stopped"
         self.token_ids.extend(new_ids)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if self._pieces is None:
+            self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        else:
+            self._decoded += self._utf8.decode(self._pieces.bytes_of(new_ids, self.skip_special_tokens))
+            # Bytes held back at the end (an unfinished character; CPython also holds some
+            # invalid pairs, e.g. ED B9) read as the whole decode reads them: U+FFFD each part.
+            pending = self._utf8.getstate()[0]
+            self.text = self._decoded + pending.decode("utf-8", "replace") if pending else self._decoded
         if check_stop and self.stop:
             # Emitted text is final, so only the held-back tail can start a match; the tail
             # is short (a partial stop string or an unfinished character).

@@ -66,6 +66,15 @@ def _tensor_parallel_size(engine_dir: str) -> int:
         return 1
 
 
+def _coalesce(params: dict) -> bool:
+    """Parameter coalesce_responses (default true): when the delivery thread falls behind the
+    engine, a stream's queued tokens go out in one response (docs/serving.md#per-token-work-beside-the-step)."""
+    v = (params.get("coalesce_responses") or "true").strip().lower()
+    if v not in ("true", "false", "1", "0"):
+        raise ValueError(f"parameter coalesce_responses must be true or false, got {v!r}")
+    return v in ("true", "1")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
@@ -86,7 +95,8 @@ class TritonPythonModel:
             # KIND_GPU -> cuda:<model_instance_device_id> (docs/serving.md#placement)
             apply_instance_placement(args, self.model_config, setup.engine_kwargs)
             self.engine = AsyncLLMEngine(engine_dir, max_queue_size=setup.max_queue_size,
-                                         thread_policy=setup.thread_policy, **setup.engine_kwargs)
+                                         thread_policy=setup.thread_policy, coalesce=_coalesce(params),
+                                         **setup.engine_kwargs)
             guided_state.warm_up(self.engine.engine)  # structured outputs: vocabulary tables, in the background
         except Exception as e:  # one line in the server log, not a traceback through the stub
             raise pb_utils.TritonModelException(

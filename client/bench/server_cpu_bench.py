@@ -1,5 +1,8 @@
 """Where a served token's CPU goes: per-thread CPU of tritonserver, the model's backend stub and
-this client over single streams, in ms per token. A benchmark that prints figures.
+this client, in ms per output token: over single streams, or (`--concurrency N`) over the serving
+benchmark's default workload (32 requests, prompts of 12-384 words, 16-256 tokens) at N in
+flight, optionally against the same engine in this process (`--engine`). A benchmark that
+prints figures.
 
 On a 2-core host the engine step runs on both cores, so every CPU-microsecond that the stub's
 delivery and housekeeping threads, tritonserver and the client spend per token is taken from the
@@ -7,6 +10,12 @@ step: their sum is the server's per-token overhead against the same engine in-pr
 the server's host (it reads /proc):
 
     python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --model smollm2
+    python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --concurrency 16 --engine ENGINE_DIR
+
+With --engine the server and the in-process engine (AsyncLLMEngine, the server's thread policy)
+alternate round by round in one run; the in-process rows count this process's threads by the
+same names (tritium-loop: the step; tritium-deliver; the rest of the process: the benchmark's
+own workers, as "client").
 
 The stub's threads are told apart by the names the backend gives them (tritium-loop: the engine
 step, and the OpenMP workers it starts, which inherit its name; tritium-deliver: responses;
@@ -28,7 +37,7 @@ from typing import Dict, Optional
 
 from tritium.client.bench.bench_drivers import greedy_stream_inputs
 
-ROLES = ("tritium-loop", "stub unnamed", "tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")
+ROLES = ("tritium-loop", "loop workers", "stub unnamed", "tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")
 OVERHEAD = ("tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")  # beside the step
 
 
@@ -73,7 +82,8 @@ def thread_cpu(procs: Dict[str, int]) -> Dict[str, float]:
     hz = os.sysconf("SC_CLK_TCK")
     out = dict.fromkeys(ROLES, 0.0)
     for kind, pid in dict(procs, client=os.getpid()).items():
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        loop_tid = None  # the loop thread: the first thread named tritium-loop (OpenMP's workers follow it)
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     st = f.read()
@@ -84,6 +94,8 @@ def thread_cpu(procs: Dict[str, int]) -> Dict[str, float]:
             cpu = (int(fields[11]) + int(fields[12])) / hz
             if kind == "stub":
                 role = name if name in ROLES else "stub main" if int(tid) == pid else "stub unnamed"
+                if role == "tritium-loop":
+                    role, loop_tid = ("tritium-loop", tid) if loop_tid is None else ("loop workers", loop_tid)
             else:
                 role = "tritonserver" if kind == "server" else "client"
             out[role] += cpu
@@ -147,6 +159,101 @@ def measure(url: str, model: str, tokens: int, rounds: int, outputs: Optional[li
             "rounds": rows}
 
 
+def _own_cpu() -> Dict[str, float]:
+    """This process's CPU seconds so far: {"tritium-loop": the loop thread (and OpenMP workers it
+    started), "tritium-deliver": its delivery thread, "process": every thread}."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {"tritium-loop": 0.0, "loop workers": 0.0, "tritium-deliver": 0.0, "process": 0.0}
+    seen_loop = False
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        name = st[st.index("(") + 1:st.rindex(")")]
+        fields = st[st.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / hz
+        out["process"] += cpu
+        if name == "tritium-loop":
+            name, seen_loop = ("loop workers" if seen_loop else name), True
+        if name in out:
+            out[name] += cpu
+    return out
+
+
+def _in_process_driver(engine_dir: str):
+    """The engine in this process as the server runs it: its thread policy and queue bound."""
+    from tritium.backend.engine_options import engine_setup
+    from tritium.client.bench.bench_drivers import InProcessDriver
+    setup = engine_setup({}, server=True)
+    return InProcessDriver(engine_dir, thread_policy=setup.thread_policy, **setup.engine_kwargs)
+
+
+def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine_dir: Optional[str]) -> dict:
+    """The default serving workload at `concurrency`, through the server (per-role CPU from /proc)
+    and, with engine_dir, in this process; alternating, the order flipped each round."""
+    from tritium.client.bench.bench_drivers import TritonGrpcDriver
+    from tritium.client.bench.bench_runner import run_requests
+    from tritium.client.bench.bench_workload import WorkloadSpec, make_requests
+    procs = find_processes(int(url.rsplit(":", 1)[1]), model)
+    drivers = {"server": TritonGrpcDriver(url, model)}
+    drivers["server"].check()
+    if engine_dir:
+        drivers["in-process"] = _in_process_driver(engine_dir)
+    rows = []
+    try:
+        for name, d in drivers.items():  # warm-up: a short run of 2 requests each
+            run_requests(d, make_requests(WorkloadSpec(2, (12, 24), (16, 32)), tag=f"w{name}"), 2, "warm", progress=False)
+        for r in range(rounds):
+            order = list(drivers) if r % 2 == 0 else list(drivers)[::-1]
+            for name in order:
+                reqs = make_requests(WorkloadSpec(), tag=f"cpu{r}{name}")
+                own0, srv0 = _own_cpu(), thread_cpu(procs)
+                res = run_requests(drivers[name], reqs, concurrency, f"c{concurrency}", progress=False)
+                own1, srv1 = _own_cpu(), thread_cpu(procs)
+                bad = [x for x in res.results if not x.ok]
+                if bad:
+                    raise RuntimeError(f"{name}: {len(bad)} requests failed, e.g. {bad[0].error}")
+                tokens = sum(x.output_tokens for x in res.results)
+                # The benchmark's workers and gRPC threads end with the run, and /proc forgets an
+                # ended thread's CPU: the client's share is the process's CPU time over the run.
+                client = 1000 * res.client_cpu_s / tokens
+                if name == "server":
+                    ms = {k: 1000 * (srv1[k] - srv0[k]) / tokens for k in ROLES}
+                    ms["client"] = client
+                    ms["overhead"] = sum(ms[k] for k in OVERHEAD)
+                else:
+                    loop, workers, dlv = (1000 * (own1[k] - own0[k]) / tokens
+                                          for k in ("tritium-loop", "loop workers", "tritium-deliver"))
+                    total = 1000 * (own1["process"] - own0["process"]) / tokens  # threads alive at the end
+                    ms = dict.fromkeys(ROLES, 0.0)
+                    ms.update({"tritium-loop": loop, "loop workers": workers, "tritium-deliver": dlv, "client": client,
+                               "stub unnamed": max(0.0, total - loop - workers - dlv)})
+                    ms["overhead"] = dlv + client
+                cpu_ms = sum(ms[k] for k in ROLES)
+                responses = sum(len(x.chunk_tokens) for x in res.results)  # those that carried tokens
+                rows.append({"round": r, "system": name, "tok_s": tokens / res.duration_s, "tokens": tokens,
+                             "tokens_per_response": tokens / responses if responses else None,
+                             "tok_per_cpu_s": 1000 / cpu_ms if cpu_ms else None, "ms_per_token": ms})
+    finally:
+        for d in drivers.values():
+            d.close()
+    return {"url": url, "model": model, "concurrency": concurrency, "engine": engine_dir,
+            "processes": procs, "rounds": rows}
+
+
+def _print_workload(res: dict) -> None:
+    print(f"{res['model']} at {res['url']}: default workload at concurrency {res['concurrency']}; "
+          f"CPU ms per output token (in-process: unnamed = the process's other threads)")
+    print("round  system      tok/s  tok/CPU-s  tok/resp  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
+    for row in res["rounds"]:
+        ms = row["ms_per_token"]
+        print(f"{row['round']:5d}  {row['system']:<10} {row['tok_s']:6.1f}  {row['tok_per_cpu_s'] or 0:9.1f}  "
+              f"{row['tokens_per_response'] or 0:8.2f}  "
+              + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tritium.client.bench.server_cpu_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="127.0.0.1:8001", help="tritonserver's gRPC HOST:PORT, on this host")
@@ -154,6 +261,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=384, help="tokens per single stream (default 384)")
     ap.add_argument("--rounds", type=int, default=3, help="single streams measured (default 3)")
     ap.add_argument("--outputs", default="all", help="outputs the client requests: all, or a comma list")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="measure the default 32-request workload at this concurrency instead of single streams")
+    ap.add_argument("--engine", default=None,
+                    help="with --concurrency: also run ENGINE_DIR in this process, alternating with the server")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
     for flag, v, low in (("--tokens", a.tokens, 16), ("--rounds", a.rounds, 1)):
@@ -166,6 +277,20 @@ def main(argv=None) -> int:
     if not sys.platform.startswith("linux"):
         print("server_cpu_bench reads /proc: Linux only", file=sys.stderr)
         return 2
+    if a.concurrency < 0 or (a.engine and not a.concurrency):
+        print("--concurrency must be >= 1 (and --engine needs it)", file=sys.stderr)
+        return 2
+    if a.engine and not os.path.isfile(os.path.join(a.engine, "engine.json")):
+        print(f"--engine {a.engine}: no engine.json there", file=sys.stderr)
+        return 2
+    if a.concurrency:
+        try:
+            res = measure_workload(a.url, a.model, a.concurrency, a.rounds, a.engine)
+        except (OSError, ValueError) as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        print(json.dumps(res)) if a.json else _print_workload(res)
+        return 0
     outputs = None if a.outputs == "all" else [s for s in a.outputs.split(",") if s]
     try:
         res = measure(a.url, a.model, a.tokens, a.rounds, outputs)
