@@ -167,22 +167,33 @@ INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 #define OFF4 8
 /* One panel of 16 channels, rows m0 .. m0 + MR_ - 1: out (MR_, 16) = sum_b (T d) xd + xz z.
  * Each block's weights are loaded (and widened) once into 8 registers of 16 channels x 4 k and used
- * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S. */
-INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                  float *out, const int BITS, const int MR_) {
+ * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S.
+ * The rows' T chains are interleaved (vector i of every row, then i + 1: MR_ independent chains
+ * in flight) and the accumulators stay in registers; ZP (a zero term or not) is fixed at compile
+ * time. Each row's operations and their order are those of one row alone. */
+INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                    float *out, const int BITS, const int MR_, const int ZP) {
     const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
     __m512 f[MR];
+#pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    const int8_t *x0 = A->xq + m0 * K;
+    const int32_t *xo = A->xo + m0 * KB;
+    const float *xd = A->xd + m0 * KB, *xz = A->xz + m0 * KB;
     for (int64_t b = 0; b < KB; b++) {
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
+#pragma GCC unroll 8
             for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+#pragma GCC unroll 8
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
             const uint8_t *p = wp + b * 256;
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
                 u[i] = _mm512_and_si512(v, m4);
@@ -190,17 +201,31 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
             }
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + b * 16)));
-        const __m512 zv = zp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16))) : _mm512_setzero_ps();
-        for (int r = 0; r < MR_; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *x = A->xq + m * K + b * QB;
-            __m512i t = _mm512_set1_epi32(A->xo[m * KB + b]);
-            for (int i = 0; i < 8; i++) t = _mm512_dpbusd_epi32(t, u[i], _mm512_set1_epi32(load4(x + 4 * i)));
-            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dv), _mm512_set1_ps(A->xd[m * KB + b]), f[r]);
-            if (zp) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(A->xz[m * KB + b]), zv, f[r]);
+        __m512i t[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++) t[r] = _mm512_set1_epi32(xo[r * KB + b]);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; r++)
+                t[r] = _mm512_dpbusd_epi32(t[r], u[i], _mm512_set1_epi32(load4(x0 + r * K + b * QB + 4 * i)));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++)
+            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r]), dv), _mm512_set1_ps(xd[r * KB + b]), f[r]);
+        if (ZP) {
+            const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; r++) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(xz[r * KB + b]), zv, f[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
+}
+
+INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                  float *out, const int BITS, const int MR_) {
+    if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1);
+    else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0);
 }
 
 #elif defined(I8DOT_AVX2)

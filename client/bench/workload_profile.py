@@ -31,6 +31,7 @@ from typing import Callable, Dict
 import torch
 
 from tritium.backend import engine as engine_mod
+from tritium.backend import quant
 from tritium.backend import model_runner
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models import decoder, linear, native_step
@@ -78,6 +79,10 @@ def install(timer: OpTimer) -> None:
     rc = lambda x: rows_class(x.shape[0])  # noqa: E731
     dl = linear.DenseLinear
     dl.forward = timer.wrap(dl.forward, lambda self, x: f"GEMM {self.out_features}x{self.in_features}, rows {rc(x)}")
+    # quantized linears (int8 / int4 engines: the integer-dot GEMMs); the LM head's own call counts as the head
+    ql = quant._QuantLinearBase
+    ql._cpu = timer.wrap(ql._cpu, lambda self, x: f"LM head, rows {rc(x.reshape(-1, x.shape[-1]))}" if self.is_head
+                         else f"GEMM {self.out_features}x{self.in_features}, rows {rc(x.reshape(-1, x.shape[-1]))}")
     ops.paged_attention = timer.wrap(ops.paged_attention, lambda q, *a, **k: f"attention, rows {rc(q)}")
     for name in ("rms_norm", "silu_mul", "rotary_kv_write", "kv_write", "rotary"):
         setattr(ops, name, timer.wrap(getattr(ops, name), lambda *a, name=name, **k: f"glue {name}"))
