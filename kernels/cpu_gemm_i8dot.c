@@ -190,9 +190,9 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
     const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
                          : _mm256_setzero_ps();
+    const int64_t at = aidx(KB, m0, b); /* m0 % MR == 0: row r's codes at (at + r) QB */
     for (int r = 0; r < MR_; r++) {
-        const int64_t m = m0 + r;
-        const int64_t ai = aidx(KB, m, b);
+        const int64_t ai = at + r;
         const int8_t *x = A->xq + ai * QB;
         __m256i t;
         if (BITS == 8) {

@@ -81,8 +81,10 @@ def install(timer: OpTimer) -> None:
     dl.forward = timer.wrap(dl.forward, lambda self, x: f"GEMM {self.out_features}x{self.in_features}, rows {rc(x)}")
     # quantized linears (int8 / int4 engines: the integer-dot GEMMs); the LM head's own call counts as the head
     ql = quant._QuantLinearBase
-    ql._cpu = timer.wrap(ql._cpu, lambda self, x: f"LM head, rows {rc(x.reshape(-1, x.shape[-1]))}" if self.is_head
-                         else f"GEMM {self.out_features}x{self.in_features}, rows {rc(x.reshape(-1, x.shape[-1]))}")
+    q_cpu = ql._cpu
+    q_timed = timer.wrap(q_cpu, lambda self, x: f"GEMM {self.out_features}x{self.in_features}, "
+                                                f"rows {rc(x.reshape(-1, x.shape[-1]))}")
+    ql._cpu = lambda self, x: q_cpu(self, x) if self.is_head else q_timed(self, x)
     ops.paged_attention = timer.wrap(ops.paged_attention, lambda q, *a, **k: f"attention, rows {rc(q)}")
     for name in ("rms_norm", "silu_mul", "rotary_kv_write", "kv_write", "rotary"):
         setattr(ops, name, timer.wrap(getattr(ops, name), lambda *a, name=name, **k: f"glue {name}"))
