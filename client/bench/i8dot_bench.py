@@ -2,6 +2,7 @@
 prints figures.
 
     python -m tritium.client.bench.i8dot_bench [--rows 1,16] [--reps 200] [--threads N]
+    python -m tritium.client.bench.i8dot_bench --gops [--rows 16,64,256,512] [--reps 20]
 
 For SmolLM2-135M's four linears of a layer (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536), int8 as the engine's default build of that model stores them (asymmetric groups of 32)
@@ -11,6 +12,12 @@ other processes hits both alike) and the median time of the four linears togethe
 row count, with the ratio weight-only / integer-dot (above 1: integer-dot faster), and the best
 of the repetitions (other processes only ever add time, so on a busy host the best is the steadier
 figure), with the ISA path the native library was built for.
+
+--gops: the integer-dot GEMMs alone (W8A8 and W4A8, the same four linears, asymmetric groups of 32)
+in GOPS (2 operations per multiply-add, best of the repetitions) per row count, beside the path's
+peak measured on this core in the same loop (tritium_i8dot_peak: 12 independent chains of the
+block kernel's core instructions, AVX-512 VPDPBUSD; AVX2 VPSIGNB + VPMADDUBSW + VPMADDWD + VPADDD
+for int8, VPMADDUBSW + VPADDW for int4), and each GEMM's share of that peak.
 """
 from __future__ import annotations
 
@@ -34,16 +41,48 @@ def _buffers(method: str, n: int, k: int, g: int = 32) -> dict:
             "scales": (torch.rand(k // g, n) / 10 + 1e-3).half(), "zeros": (torch.randn(k // g, n) / 10).half()}
 
 
+def _gops(rows, reps: int) -> None:
+    lib = cpu_native._lib()
+    print(f"ISA path {cpu_native.isa()}, {reps} reps, best: GOPS (share of the path's measured peak)")
+    torch.manual_seed(0)
+    packs = {}
+    for method in ("int8", "int4"):
+        packs[method] = [(k, ops.pack_cpu_linear(method, _buffers(method, n, k), torch.bfloat16, 32,
+                                                 activation_quant="int8")) for _, n, k in SHAPES]
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, _, k in SHAPES}
+        work = sum(2 * m * n * k for _, n, k in SHAPES)
+        best = {"int8": 0.0, "int4": 0.0, 8: 0.0, 4: 0.0}
+        for _ in range(reps):
+            for form in (8, 4):
+                t0 = time.perf_counter()
+                macs = lib.tritium_i8dot_peak(200000, form)
+                best[form] = max(best[form], 2 * macs / (time.perf_counter() - t0) / 1e9)
+            for method, ps in packs.items():
+                t0 = time.perf_counter()
+                for k, pk in ps:
+                    ops.cpu_linear(xs[k], pk)
+                best[method] = max(best[method], work / (time.perf_counter() - t0) / 1e9)
+        line = "  ".join(f"W{8 if me == 'int8' else 4}A8 {best[me]:6.1f} GOPS"
+                         + (f" ({best[me] / best[f]:4.0%} of {best[f]:.0f})" if best[f] else "")
+                         for me, f in (("int8", 8), ("int4", 4)))
+        print(f"rows {m:3d}: {line}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,16", help="comma-separated row counts (default 1,16)")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--gops", action="store_true", help="integer-dot GEMMs' GOPS against the path's peak")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_native.available():
         print("native CPU kernels unavailable here (TRITIUM_NATIVE_CPU=0, no compiler or an unsupported CPU)")
+        return 0
+    if args.gops:
+        _gops([int(r) for r in (args.rows if args.rows != "1,16" else "16,64,256,512").split(",")], args.reps)
         return 0
     print(f"ISA path {cpu_native.isa()}, torch threads {torch.get_num_threads()}, {args.reps} reps: median | best")
     torch.manual_seed(0)
