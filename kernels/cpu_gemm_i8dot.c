@@ -315,6 +315,18 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
     }
 }
 
+/* Row m of x into the scratch: codes, scales, xz = xd S, xo = -off S (S the block's code sum). */
+static void act_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, float *xz, int32_t *xo,
+                    int64_t m) {
+    const int64_t KB = K / QB, a0 = aidx(KB, m, 0);
+    quantize_row(x + m * K, K, xq + a0 * QB, xd + a0, xo + a0, MR * QB, MR); /* xo: S for now */
+    for (int64_t b = 0; b < KB; b++) {
+        const int64_t ai = a0 + b * MR;
+        xz[ai] = xd[ai] * (float)xo[ai];
+        xo[ai] *= -off;
+    }
+}
+
 /* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
  * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
  * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
@@ -332,65 +344,26 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     float *xd = (float *)(mem + (size_t)Mp * K);
     float *xz = xd + Mp * KB;
     int32_t *xo = (int32_t *)(xz + Mp * KB);
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t a0 = aidx(KB, m, 0);
-        quantize_row(x + m * K, K, xq + a0 * QB, xd + a0, xo + a0, MR * QB, MR); /* xo: S for now */
-        for (int64_t b = 0; b < KB; b++) {
-            const int64_t ai = a0 + b * MR;
-            xz[ai] = xd[ai] * (float)xo[ai];
-            xo[ai] *= -off;
-        }
-    }
     const acts_t A = {xq, xd, xz, xo, K};
     const int64_t P = (N + 15) / 16;
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
-     * 0.9 us a call: a plain loop then */
+     * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then
+     * takes the panels */
     if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+        }
         free(mem);
         return 0;
     }
 #endif
+    for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
     for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
     free(mem);
     return 0;
-}
-
-/* The path's integer-dot peak on this core, for client/bench/i8dot_bench.py --gops: iters rounds of
- * 12 independent chains of the block kernels' core step, form 8 (AVX-512: VPDPBUSD, 64 multiply-adds;
- * AVX2: VPSIGNB + VPMADDUBSW + VPMADDWD + VPADDD, 32) or 4 (AVX-512: VPDPBUSD; AVX2: VPMADDUBSW +
- * VPADDW, 32). Returns the multiply-adds done (a checksum keeps the work), 0 on the portable path. */
-int64_t tritium_i8dot_peak(int64_t iters, int64_t form) {
-#if defined(I8DOT_AVX512)
-    __m512i a[12], u = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1);
-    for (int j = 0; j < 12; j++) a[j] = _mm512_set1_epi32(j);
-    for (int64_t n = 0; n < iters; n++) {
-        __asm__ volatile("" : "+v"(u), "+v"(x));
-#pragma GCC unroll 12
-        for (int j = 0; j < 12; j++) a[j] = _mm512_dpbusd_epi32(a[j], u, x);
-    }
-    int64_t s = 0;
-    for (int j = 0; j < 12; j++) s += _mm512_reduce_add_epi32(a[j]);
-    (void)form;
-    return s != 42 ? iters * 12 * 64 : 0;
-#elif defined(I8DOT_AVX2)
-    __m256i a[12], xs[12], u = _mm256_set1_epi8(3), c = _mm256_set1_epi8(-2);
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < 12; j++) a[j] = _mm256_set1_epi32(j), xs[j] = _mm256_set1_epi8((char)(j + 1));
-    for (int64_t n = 0; n < iters; n++) {
-        __asm__ volatile("" : "+v"(u), "+v"(c)); /* opaque each round: nothing hoisted */
-#pragma GCC unroll 12
-        for (int j = 0; j < 12; j++) /* a chain's own operand (in memory): no common subexpression */
-            a[j] = form == 8 ? _mm256_add_epi32(a[j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xs[j], c)), ones))
-                             : _mm256_add_epi16(a[j], _mm256_maddubs_epi16(u, xs[j]));
-    }
-    int64_t s = 0;
-    for (int j = 0; j < 12; j++) s += _mm256_extract_epi32(a[j], 0);
-    return s != 42 ? iters * 12 * 32 : 0;
-#else
-    (void)iters, (void)form;
-    return 0;
-#endif
 }

@@ -24,11 +24,30 @@ static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact
 /* ---------------------------------------------------------------- activation quantization */
 
 /* One row: block b's 32 codes at xq + b qs, its scale xd[b ss] and code sum xs[b ss] (qs = 32,
- * ss = 1: contiguous; the GEMM's scratch interleaves the rows of a tile). The AVX2 form (also taken by the
- * AVX-512 build) computes the same values: the same float32 product, rounded half to even by
- * VROUNDPS, clamped, the absolute maximum taken exactly. */
+ * ss = 1: contiguous; the GEMM's scratch interleaves the rows of a tile). The AVX-512 and AVX2 forms
+ * compute the portable form's values: the same float32 product, rounded half to even (VRNDSCALEPS /
+ * VROUNDPS), clamped, the absolute maximum taken exactly. */
 static void quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *xd, int32_t *xs, int64_t qs, int64_t ss) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    for (int64_t b = 0; b < K / QB; b++) {
+        __m512 v[2];
+        for (int i = 0; i < 2; i++)
+            v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + b * QB + 16 * i))), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < 2; i++) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            sum = _mm512_add_epi32(sum, q);
+            _mm_storeu_si128((__m128i *)(xq + b * qs + 16 * i), _mm512_cvtepi32_epi8(q));
+        }
+        xd[b * ss] = amax / 127.0f;
+        xs[b * ss] = _mm512_reduce_add_epi32(sum);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     for (int64_t b = 0; b < K / QB; b++) {
