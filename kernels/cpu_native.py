@@ -77,8 +77,6 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_i8dot_huge_pages.restype = None
     lib.tritium_q8_quantize.argtypes = [p, i64, i64, p, p, p]
     lib.tritium_q8_quantize.restype = None
-    lib.tritium_i8dot_peak.argtypes = [i64, i64]
-    lib.tritium_i8dot_peak.restype = ctypes.c_int64
     lib.tritium_head6_gemm.argtypes = [p, p, p, p, p, i64, i64, i64, i64]  # kernels/cpu_head.c
     lib.tritium_head6_gemm.restype = ctypes.c_int
     lib.tritium_head6_rows.argtypes = [p, p, i64, i64, p]

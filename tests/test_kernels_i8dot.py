@@ -5,6 +5,7 @@ written from the definition (kernels/i8dot_pack.i8dot_gemm_ref: activations quan
 shapes and data every run; the seed is in each failure message."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -175,6 +176,8 @@ def test_i8dot_peak_probe_counts_its_work(cpu_path):
     """tritium_i8dot_peak (i8dot_bench --gops) reports the multiply-adds it ran on the x86 paths
     (12 chains x 64 per round with VPDPBUSD, x 32 with AVX2) and none on the portable path."""
     lib = cpu_native._lib()
+    lib.tritium_i8dot_peak.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.tritium_i8dot_peak.restype = ctypes.c_int64
     per_round = {"avx512": 12 * 64, "avx2": 12 * 32, "generic": 0}[cpu_path]
     for form in (8, 4):
         assert lib.tritium_i8dot_peak(1000, form) == 1000 * per_round, f"path={cpu_path} form={form}"

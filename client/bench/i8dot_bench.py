@@ -22,6 +22,7 @@ for int8, VPMADDUBSW + VPADDW for int4), and each GEMM's share of that peak.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -43,6 +44,8 @@ def _buffers(method: str, n: int, k: int, g: int = 32) -> dict:
 
 def _gops(rows, reps: int) -> None:
     lib = cpu_native._lib()
+    lib.tritium_i8dot_peak.argtypes = [ctypes.c_int64, ctypes.c_int64]  # bound here: a probe, not a kernel
+    lib.tritium_i8dot_peak.restype = ctypes.c_int64
     print(f"ISA path {cpu_native.isa()}, {reps} reps, best: GOPS (share of the path's measured peak)")
     torch.manual_seed(0)
     packs = {}

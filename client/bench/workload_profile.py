@@ -104,9 +104,11 @@ def base_lib(base_dir: str):
     """The native kernels compiled from base_dir's sources (same file names as this tree's)."""
     srcs, hdrs = cpu_native._SRCS, cpu_native._HEADERS
     names = [os.path.basename(p) for p in srcs]
-    missing = [n for n in names if not os.path.exists(os.path.join(base_dir, n))]
-    if missing:
-        raise SystemExit(f"--base-kernels {base_dir}: missing {', '.join(missing)}")
+    # a source this tree added that base_dir lacks (a benchmark-only probe) is left out; one whose
+    # functions the library's bindings name fails at binding, by name
+    names = [n for n in names if os.path.exists(os.path.join(base_dir, n))]
+    if not names:
+        raise SystemExit(f"--base-kernels {base_dir}: none of the kernel sources is there")
     cpu_native._SRCS = [os.path.join(base_dir, n) for n in names]
     cpu_native._HEADERS = [os.path.join(base_dir, os.path.basename(h)) for h in hdrs
                            if os.path.exists(os.path.join(base_dir, os.path.basename(h)))]
