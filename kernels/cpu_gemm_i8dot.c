@@ -47,87 +47,7 @@
 #define I8DOT_AVX2 1
 #endif
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
-    return v.f;
-}
-
-static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (e == 0) {
-        const float f = (float)m * 5.9604644775390625e-08f; /* 2^-24 */
-        return sign ? -f : f;
-    }
-    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-    return v.f;
-}
-
-/* ---------------------------------------------------------------- activation quantization */
-
-/* One row: xq (K) codes, xd (K/32) scales, xs (K/32) code sums. The AVX2 form (also taken by the
- * AVX-512 build) computes the same values: the same float32 product, rounded half to even by
- * VROUNDPS, clamped, the absolute maximum taken exactly. */
-static void quantize_row(const uint16_t *x, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-    for (int64_t b = 0; b < K / QB; b++) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + b * QB + 8 * i))), 16));
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
-                                 _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i q[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-            sum = _mm256_add_epi32(sum, q[i]);
-        }
-        /* int32 -> int8 in k order: packs work within 128-bit lanes, a permute restores the order */
-        const __m256i p16 = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-        const __m256i p8 = _mm256_packs_epi16(p16, p16b);
-        _mm256_storeu_si256((__m256i *)(xq + b * QB),
-                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-        xd[b] = amax / 127.0f;
-        xs[b] = _mm_cvtsi128_si32(s4);
-    }
-#else
-    for (int64_t b = 0; b < K / QB; b++) {
-        const uint16_t *xb = x + b * QB;
-        int8_t *qb = xq + b * QB;
-        float v[QB], amax = 0.0f;
-        for (int i = 0; i < QB; i++) {
-            v[i] = bf16_to_f32(xb[i]);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t s = 0;
-        for (int i = 0; i < QB; i++) {
-            float r = nearbyintf(v[i] * id); /* the default rounding mode: half to even */
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            qb[i] = (int8_t)r;
-            s += (int32_t)r;
-        }
-        xd[b] = amax / 127.0f;
-        xs[b] = s;
-    }
-#endif
-}
-
-/* The quantization alone (tests compare it with the torch definition). */
-void tritium_q8_quantize(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, xq + m * K, xd + m * (K / QB), xs + m * (K / QB));
-}
+#include "cpu_q8.h" /* quantize_row, tritium_q8_quantize */
 
 /* ---------------------------------------------------------------- per-path panel kernels */
 
@@ -160,6 +80,10 @@ typedef struct {
     int64_t K;
 } acts_t;
 
+/* The scratch holds the rows of a tile of MR rows interleaved: per tile, per block b, the MR rows'
+ * 32 codes one after the other (and their xd, xz, xo), so a tile's block is one short stretch. */
+INLINE int64_t aidx(int64_t KB, int64_t m, int64_t b) { return ((m / MR) * KB + b) * MR + m % MR; }
+
 INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 #if defined(I8DOT_AVX512)
@@ -167,22 +91,41 @@ INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 #define OFF4 8
 /* One panel of 16 channels, rows m0 .. m0 + MR_ - 1: out (MR_, 16) = sum_b (T d) xd + xz z.
  * Each block's weights are loaded (and widened) once into 8 registers of 16 channels x 4 k and used
- * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S. */
-INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                  float *out, const int BITS, const int MR_) {
+ * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S.
+ * The rows' T chains are interleaved (vector i of every row, then i + 1: MR_ independent chains
+ * in flight) and the accumulators stay in registers; ZP (a zero term or not) is fixed at compile
+ * time. Each row's operations and their order are those of one row alone. */
+/* t + the dot of u's unsigned bytes with the 4 signed codes at p in every lane: the codes as an
+ * embedded broadcast of VPDPBUSD's memory operand (GCC emits a separate VPBROADCASTD otherwise). */
+INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(t) : "v"(u), "m"(*(const int32_t *)p));
+    return t;
+}
+
+INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                    float *out, const int BITS, const int MR_, const int ZP) {
     const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
     __m512 f[MR];
+#pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    const int64_t t0 = aidx(KB, m0, 0); /* m0 % MR == 0: row r of block b at t0 + b MR + r */
+    const int8_t *x0 = A->xq + t0 * QB;
+    const int32_t *xo = A->xo + t0;
+    const float *xd = A->xd + t0, *xz = A->xz + t0;
     for (int64_t b = 0; b < KB; b++) {
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
+#pragma GCC unroll 8
             for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+#pragma GCC unroll 8
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
             const uint8_t *p = wp + b * 256;
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
                 u[i] = _mm512_and_si512(v, m4);
@@ -190,17 +133,31 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
             }
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + b * 16)));
-        const __m512 zv = zp ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16))) : _mm512_setzero_ps();
-        for (int r = 0; r < MR_; r++) {
-            const int64_t m = m0 + r;
-            const int8_t *x = A->xq + m * K + b * QB;
-            __m512i t = _mm512_set1_epi32(A->xo[m * KB + b]);
-            for (int i = 0; i < 8; i++) t = _mm512_dpbusd_epi32(t, u[i], _mm512_set1_epi32(load4(x + 4 * i)));
-            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dv), _mm512_set1_ps(A->xd[m * KB + b]), f[r]);
-            if (zp) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(A->xz[m * KB + b]), zv, f[r]);
+        __m512i t[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++) t[r] = _mm512_set1_epi32(xo[b * MR + r]);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; r++)
+                t[r] = dpbusd_b(t[r], u[i], x0 + (b * MR + r) * QB + 4 * i);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; r++)
+            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r]), dv), _mm512_set1_ps(xd[b * MR + r]), f[r]);
+        if (ZP) {
+            const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; r++) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(xz[b * MR + r]), zv, f[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
+}
+
+INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
+                  float *out, const int BITS, const int MR_) {
+    if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1);
+    else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0);
 }
 
 #elif defined(I8DOT_AVX2)
@@ -233,9 +190,10 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
     const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
                          : _mm256_setzero_ps();
+    const int64_t at = aidx(KB, m0, b); /* m0 % MR == 0: row r's codes at (at + r) QB */
     for (int r = 0; r < MR_; r++) {
-        const int64_t m = m0 + r;
-        const int8_t *x = A->xq + m * K + b * QB;
+        const int64_t ai = at + r;
+        const int8_t *x = A->xq + ai * QB;
         __m256i t;
         if (BITS == 8) {
             t = _mm256_setzero_si256();
@@ -248,10 +206,10 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
             __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
             for (int i = 1; i < 8; i++)
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
-            t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[m * KB + b]));
+            t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[ai]));
         }
-        f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[m * KB + b]), f[r]);
-        if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[m * KB + b]), zv, f[r]);
+        f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[ai]), f[r]);
+        if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[ai]), zv, f[r]);
     }
 }
 
@@ -317,8 +275,9 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
         for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[b * 16 + j]), zv[j] = zp ? half_to_f32(zp[b * 16 + j]) : 0.0f;
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
-            const int8_t *x = A->xq + m * K + b * QB;
-            const float xd = A->xd[m * KB + b], xz = A->xz[m * KB + b];
+            const int64_t ai = aidx(KB, m, b);
+            const int8_t *x = A->xq + ai * QB;
+            const float xd = A->xd[ai], xz = A->xz[ai];
             int32_t t[16];
             dots16((const int8_t(*)[QB])c, x, t);
             for (int j = 0; j < 16; j++) f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
@@ -356,6 +315,18 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
     }
 }
 
+/* Row m of x into the scratch: codes, scales, xz = xd S, xo = -off S (S the block's code sum). */
+static void act_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, float *xz, int32_t *xo,
+                    int64_t m) {
+    const int64_t KB = K / QB, a0 = aidx(KB, m, 0);
+    quantize_row(x + m * K, K, xq + a0 * QB, xd + a0, xo + a0, MR * QB, MR); /* xo: S for now */
+    for (int64_t b = 0; b < KB; b++) {
+        const int64_t ai = a0 + b * MR;
+        xz[ai] = xd[ai] * (float)xo[ai];
+        xo[ai] *= -off;
+    }
+}
+
 /* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
  * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
  * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
@@ -365,32 +336,33 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     const int64_t KB = K / QB;
     const int32_t off = bits == 8 ? OFF8 : OFF4;
     /* scratch: codes, scales, xd x S, -off S */
-    const size_t bytes = (size_t)M * (size_t)(K + 12 * KB) + 64;
+    const int64_t Mp = (M + MR - 1) / MR * MR; /* whole tiles (rows past M unused) */
+    const size_t bytes = (size_t)Mp * (size_t)(K + 12 * KB) + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem) return -1;
     int8_t *xq = (int8_t *)mem;
-    float *xd = (float *)(mem + (size_t)M * K);
-    float *xz = xd + M * KB;
-    int32_t *xo = (int32_t *)(xz + M * KB);
-    for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, K, xq + m * K, xd + m * KB, xo + m * KB); /* xo: S for now */
-        for (int64_t b = 0; b < KB; b++) {
-            xz[m * KB + b] = xd[m * KB + b] * (float)xo[m * KB + b];
-            xo[m * KB + b] *= -off;
-        }
-    }
+    float *xd = (float *)(mem + (size_t)Mp * K);
+    float *xz = xd + Mp * KB;
+    int32_t *xo = (int32_t *)(xz + Mp * KB);
     const acts_t A = {xq, xd, xz, xo, K};
     const int64_t P = (N + 15) / 16;
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
-     * 0.9 us a call: a plain loop then */
+     * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then
+     * takes the panels */
     if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+        }
         free(mem);
         return 0;
     }
 #endif
+    for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
     for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
     free(mem);
     return 0;

@@ -5,6 +5,7 @@ written from the definition (kernels/i8dot_pack.i8dot_gemm_ref: activations quan
 shapes and data every run; the seed is in each failure message."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -147,3 +148,36 @@ def test_i8dot_few_row_passes_give_the_batched_bits(cpu_path, bits):
         for r0 in (0, 10 - m):
             got = cpu_native.i8dot_gemm(x[r0:r0 + m], w)
             assert torch.equal(got, full[r0:r0 + m]), f"path={cpu_path} seed={seed} rows {r0}..{r0 + m - 1}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_i8dot_row_tiles_give_every_row_its_own_bits(cpu_path, bits):
+    """The GEMM's scratch interleaves the rows of a tile of 8: a row gives the same bits alone, in
+    3, 16, 33 (a partial last tile) and 300 rows, wherever it sits in the call (first, last or
+    mid-tile position), symmetric and asymmetric weights; the 300-row call stays at the reference."""
+    seed = fixed_seed()
+    torch.manual_seed(seed)
+    n, k = 37, 320
+    lo, hi = (-128, 128) if bits == 8 else (-8, 8)
+    x = torch.randn(300, k) * torch.rand(300, 1) * 4
+    for zeros in (torch.randn(k // 32, n) / 20, None):
+        w = ip.repack(torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 40 + 1e-4, zeros, 32, bits)
+        where = f"path={cpu_path} seed={seed} bits={bits} zeros={zeros is not None}"
+        full = cpu_native.i8dot_gemm(x, w)
+        ref = ip.i8dot_gemm_ref(x, w)
+        assert torch.allclose(full.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), where
+        for m in (1, 3, 16, 33):
+            for r0 in (0, 300 - m, 131):
+                got = cpu_native.i8dot_gemm(x[r0:r0 + m], w)
+                assert torch.equal(got, full[r0:r0 + m]), f"{where} rows {r0}..{r0 + m - 1}"
+
+
+def test_i8dot_peak_probe_counts_its_work(cpu_path):
+    """tritium_i8dot_peak (i8dot_bench --gops) reports the multiply-adds it ran on the x86 paths
+    (12 chains x 64 per round with VPDPBUSD, x 32 with AVX2) and none on the portable path."""
+    lib = cpu_native._lib()
+    lib.tritium_i8dot_peak.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.tritium_i8dot_peak.restype = ctypes.c_int64
+    per_round = {"avx512": 12 * 64, "avx2": 12 * 32, "generic": 0}[cpu_path]
+    for form in (8, 4):
+        assert lib.tritium_i8dot_peak(1000, form) == 1000 * per_round, f"path={cpu_path} form={form}"
