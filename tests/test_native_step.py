@@ -61,13 +61,21 @@ def engine_dir(tiny_checkpoint, tmp_path_factory):
 
 
 def _count_native(monkeypatch):
+    """Rows of every step the native call ran (the whole step, or the layers alone)."""
     calls = []
-    real = NativeStep.run
+    real, real_step = NativeStep.run, NativeStep.run_step
 
     def counted(self, hidden, *a):
         calls.append(hidden.shape[0])
         return real(self, hidden, *a)
+
+    def counted_step(self, model, ids, *a):
+        out = real_step(self, model, ids, *a)
+        if out is not None:
+            calls.append(ids.shape[0])
+        return out
     monkeypatch.setattr(NativeStep, "run", counted)
+    monkeypatch.setattr(NativeStep, "run_step", counted_step)
     return calls
 
 

@@ -164,6 +164,11 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+        native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
+        if native is not None:  # a decode-sized step: the whole of it in one native call, same bits
+            out = native.run_step(self, input_ids, positions, kv_caches, meta)
+            if out is not None:
+                return out
         hidden = self.embed(input_ids)
         residual = None
         rope = self.rope_state(positions)  # once per step

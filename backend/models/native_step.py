@@ -26,6 +26,7 @@ import torch
 
 from tritium.kernels import cpu_native, hugepages, ops
 from tritium.kernels.decode_layer import DecodeLayers, linear_supported
+from tritium.kernels.decode_step import DecodeStep, embedding_source
 
 NATIVE_STEP_MAX_ROWS = 32
 ENV = "TRITIUM_NATIVE_STEP"
@@ -175,6 +176,8 @@ class NativeStep:
         self.window = first.window
         self.native = DecodeLayers(layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                                    m.intermediate_size, m.rms_norm_eps, first.scale, m.residual_multiplier)
+        self.step = DecodeStep(self.native, model.cos_sin_cache, model.norm_weight, m.embedding_multiplier)
+        self._kv_key = None
 
     @staticmethod
     def get(model) -> Optional["NativeStep"]:
@@ -210,3 +213,27 @@ class NativeStep:
         plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
         return self.native.run(hidden, None, cos, ssin, meta.slot_mapping.to(torch.int64).contiguous(),
                                plan.block_tables, plan.rows_for(meta, self.window), kv_caches[0][0].shape[1])
+
+    def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
+        """The whole step natively (kernels/decode_step.py: embedding lookup, rotary rows, every
+        layer, final norm), or None where this step does not take it (the caller runs
+        DecoderLM.forward's parts). Returns the final norm's output (T, hidden)."""
+        t = input_ids.shape[0]
+        k0 = kv_caches[0][0]
+        if not (t <= NATIVE_STEP_MAX_ROWS and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous() and k0.dtype == torch.bfloat16
+                and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
+                and all(mgr.batch is None for mgr in self.lora_managers) and enabled()):
+            return None
+        step = self.step
+        src = embedding_source(model.embed_tokens_weight, model.embed_tokens) if model.tp is None else None
+        step.set_embedding(src, model.embed_input_scale)
+        hidden = None if src is not None else model.embed(input_ids).contiguous()
+        key = (id(kv_caches), k0.data_ptr(), kv_caches[-1][1].data_ptr())  # the runner's caches: one list
+        if key != self._kv_key:
+            self.native.set_caches(kv_caches)
+            self._kv_key = key
+        plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
+        return step.run(input_ids, positions, hidden, meta.slot_mapping.to(torch.int64).contiguous(),
+                        plan.block_tables, plan.rows_for(meta, self.window), k0.shape[1])
+

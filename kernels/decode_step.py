@@ -1,0 +1,132 @@
+"""A whole decode step in one native call (kernels/cpu_decode_step.c): the ctypes side.
+
+`DecodeStep` wraps a model's DecodeLayers (kernels/decode_layer.py) with what the layers' caller
+did in Python before: the embedding lookup (ids in; int8 / int6 codes dequantized in C), the rotary
+cos / sin rows (from per-engine tables: rotary_tables of every position, the same bits as a
+step's), and the final RMSNorm. Its scratch is kept per row count and reused across steps; the
+output is a new tensor each step. Which models and steps take it: backend/models/native_step.py.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import cpu_native, head_pack
+from .decode_layer import DecodeLayers
+from .i8dot_pack import I8DotWeight
+from .rotary_ref import rotary_tables
+
+# the EMB_* kinds of cpu_decode_step.c
+EMB_NONE, EMB_BF16, EMB_I8, EMB_I8_PANELS, EMB_I6_PANELS = range(5)
+_ERRORS = {-2: "token id outside the vocabulary", -3: "position outside the rotary table (max_seq_len)"}
+
+
+class _Front(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("vocab", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("input_scale", ctypes.c_void_p),
+                ("mult", ctypes.c_float), ("scaled", ctypes.c_int64), ("cos", ctypes.c_void_p),
+                ("ssin", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("norm", ctypes.c_void_p)]
+
+
+def _lib():
+    lib = cpu_native._lib()
+    if lib is not None and not hasattr(lib, "tritium_decode_step_ready"):
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.tritium_decode_step_bf16.argtypes = ([p, p, i64, p, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6 + [i64, p, i64, i64]
+                                                 + [p, p, i64, p])
+        lib.tritium_decode_step_bf16.restype = ctypes.c_int
+        lib.tritium_decode_step_ready = True
+    return lib
+
+
+def embedding_source(weight: Optional[torch.Tensor], quant) -> Optional[tuple]:
+    """(kind, vocab, group, codes or rows, scales float32 or None, keep) of the lookup table: a
+    bfloat16 `weight` (V, H), or a quantized embedding module `quant` (backend/quant.py Int8Linear /
+    Int6Linear) whose codes are plain int8 rows or the head's integer-dot / int6 panels; None
+    where the C lookup does not read it (int4, packed int6 rows, other dtypes)."""
+    if quant is None:
+        if weight is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+            return None
+        return EMB_BF16, weight.shape[0], 0, weight, None
+    if quant.method not in ("int8", "int6") or quant.scales.dtype != torch.float32:
+        return None
+    panels, group = getattr(quant, "_panels", None), quant.group_size or 0
+    if panels is not None:
+        kind = EMB_I6_PANELS if isinstance(panels, head_pack.Head6Weight) else \
+            EMB_I8_PANELS if isinstance(panels, I8DotWeight) and panels.bits == 8 else None
+        if kind is None or not panels.codes.is_contiguous():
+            return None
+        return kind, panels.shape[0], group, panels.codes, quant.scales.contiguous()
+    q = quant.qweight
+    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[0] != quant.out_features or not q.is_contiguous():
+        return None
+    return EMB_I8, q.shape[0], group, q, quant.scales.contiguous()
+
+
+class DecodeStep:
+    """layers: the model's DecodeLayers; cos_sin_cache (max_pos, D) float32 [cos | sin] (the
+    model's global table); norm (H,) bf16; eps; embedding multiplier (1.0: none)."""
+
+    def __init__(self, layers: DecodeLayers, cos_sin_cache: torch.Tensor, norm: torch.Tensor, multiplier: float):
+        self.layers = layers
+        self.h, _, _, self.d, _ = layers.dims
+        cos, ssin = rotary_tables(torch.arange(cos_sin_cache.shape[0]), cos_sin_cache, torch.bfloat16)
+        self._cos, self._ssin = cos.reshape(-1, self.d).contiguous(), ssin.reshape(-1, self.d).contiguous()
+        self._norm = norm.contiguous()
+        self.front = _Front(cos=self._cos.data_ptr(), ssin=self._ssin.data_ptr(), max_pos=self._cos.shape[0],
+                            norm=self._norm.data_ptr())
+        if multiplier != 1.0:  # rounded to bf16 first, as decoder._scale_embedding does
+            self.front.mult, self.front.scaled = float(torch.tensor(multiplier, dtype=torch.bfloat16)), 1
+        self._emb_key, self._emb_keep = None, None
+        self._scratch = {}
+
+    def set_embedding(self, source: Optional[tuple], input_scale: Optional[torch.Tensor]) -> None:
+        """Point the lookup at `source` (embedding_source; None: the caller embeds)."""
+        key = None if source is None else (source[3].data_ptr(), None if source[4] is None else source[4].data_ptr(),
+                                           None if input_scale is None else input_scale.data_ptr())
+        if key == self._emb_key and (source is None) == (self.front.kind == EMB_NONE):
+            return
+        f = self.front
+        if source is None:
+            f.kind, self._emb_keep = EMB_NONE, None
+        else:
+            kind, vocab, group, w, scales = source
+            inp = None if input_scale is None else input_scale.float().contiguous()
+            self._emb_keep = (w, scales, inp)
+            f.kind, f.vocab, f.group, f.w = kind, vocab, group, w.data_ptr()
+            f.scale = None if scales is None else scales.data_ptr()
+            f.input_scale = None if inp is None else inp.data_ptr()
+        self._emb_key = key
+
+    def _bufs(self, t: int):
+        if t not in self._scratch:
+            e = torch.empty
+            self._scratch[t] = (e(t, self.h, dtype=torch.bfloat16), e(t, self.h, dtype=torch.bfloat16),
+                                e(t, self.d, dtype=torch.bfloat16), e(t, self.d, dtype=torch.bfloat16))
+        return self._scratch[t]
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: Optional[torch.Tensor], slots: torch.Tensor,
+            block_tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+        """T rows: ids, positions (T,) int64 (hidden (T, H) bf16 the embedded rows where the
+        lookup is the caller's); slots, block_tables, rows as DecodeLayers.run takes them. Returns
+        the final norm's output (T, H) bf16."""
+        t = positions.shape[0]
+        h, r, cos, ssin = self._bufs(t)
+        f32, b16 = self.layers._workspace(t)
+        out = torch.empty(t, self.h, dtype=torch.bfloat16)
+        cols = rows.t().contiguous()
+        lay = self.layers
+        threads = torch.get_num_threads() if lay.splittable else 1
+        rc = _lib().tritium_decode_step_bf16(
+            ctypes.addressof(self.front), ctypes.addressof(lay._arr), len(lay._arr), ids.data_ptr(),
+            positions.data_ptr(), None if hidden is None else hidden.data_ptr(), t, *lay.dims, lay.eps, lay.scale,
+            lay.residual_multiplier, h.data_ptr(), r.data_ptr(), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
+            f32.data_ptr(), b16.data_ptr(), threads, out.data_ptr())
+        if rc == -1:
+            raise MemoryError(f"native decode step: no memory for the scratch of {t} rows")
+        if rc in _ERRORS:
+            raise IndexError(f"native decode step: {_ERRORS[rc]}")
+        return out
