@@ -15,14 +15,23 @@
 #include <string.h>
 
 #include "cpu_simd.h"
+#include "cpu_f16.h"
 
 enum { EMB_NONE = 0, EMB_BF16 = 1, EMB_I8 = 2, EMB_I8_PANELS = 3, EMB_I6_PANELS = 4 };
+enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
+
+static inline float scale_at(const void *s, int64_t dtype, int64_t i) {
+    if (dtype == SCALE_F32) return ((const float *)s)[i];
+    const uint16_t h = ((const uint16_t *)s)[i];
+    return dtype == SCALE_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
 
 typedef struct {
     int64_t kind;         /* EMB_*; EMB_NONE: the caller passes the embedded rows */
     int64_t vocab, group; /* group 0: one scale per row, scale (V,); else scale (K / group, V) */
     const void *w;        /* (V, H) bf16 | (V, H) int8 | i8dot panels | int6 panels */
-    const float *scale;
+    const void *scale;
+    int64_t scale_dtype;  /* SCALE_*: the stored scales, widened to float32 exactly */
     const float *input_scale; /* (H,) or NULL: the AWQ-scaled tied head's lookup divides by it */
     float mult;
     int64_t scaled;       /* whether to multiply by mult */
@@ -60,7 +69,7 @@ static void embed_row(const tritium_step_front_t *f, int64_t id, int64_t H, int8
         else if (f->kind == EMB_I8_PANELS) panel_row((const uint8_t *)f->w, id, H, codes);
         else tritium_head6_rows((const uint8_t *)f->w, &id, 1, H, codes);
         for (int64_t k = 0; k < H; k++) {
-            const float s = f->group ? f->scale[(k / f->group) * f->vocab + id] : f->scale[id];
+            const float s = scale_at(f->scale, f->scale_dtype, f->group ? (k / f->group) * f->vocab + id : id);
             float v = (float)c[k] * s;
             if (f->input_scale) v = v / f->input_scale[k];
             out[k] = f32_to_bf16(v);

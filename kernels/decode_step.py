@@ -20,12 +20,14 @@ from .rotary_ref import rotary_tables
 
 # the EMB_* kinds of cpu_decode_step.c
 EMB_NONE, EMB_BF16, EMB_I8, EMB_I8_PANELS, EMB_I6_PANELS = range(5)
+SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # SCALE_* of cpu_decode_step.c
 _ERRORS = {-2: "token id outside the vocabulary", -3: "position outside the rotary table (max_seq_len)"}
 
 
 class _Front(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("vocab", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("input_scale", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("scale_dtype", ctypes.c_int64),
+                ("input_scale", ctypes.c_void_p),
                 ("mult", ctypes.c_float), ("scaled", ctypes.c_int64), ("cos", ctypes.c_void_p),
                 ("ssin", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("norm", ctypes.c_void_p)]
 
@@ -42,7 +44,7 @@ def _lib():
 
 
 def embedding_source(weight: Optional[torch.Tensor], quant) -> Optional[tuple]:
-    """(kind, vocab, group, codes or rows, scales float32 or None, keep) of the lookup table: a
+    """(kind, vocab, group, codes or rows, scales or None) of the lookup table: a
     bfloat16 `weight` (V, H), or a quantized embedding module `quant` (backend/quant.py Int8Linear /
     Int6Linear) whose codes are plain int8 rows or the head's integer-dot / int6 panels; None
     where the C lookup does not read it (int4, packed int6 rows, other dtypes)."""
@@ -50,7 +52,7 @@ def embedding_source(weight: Optional[torch.Tensor], quant) -> Optional[tuple]:
         if weight is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
             return None
         return EMB_BF16, weight.shape[0], 0, weight, None
-    if quant.method not in ("int8", "int6") or quant.scales.dtype != torch.float32:
+    if quant.method not in ("int8", "int6") or quant.scales.dtype not in SCALE_DTYPES:
         return None
     panels, group = getattr(quant, "_panels", None), quant.group_size or 0
     if panels is not None:
@@ -97,6 +99,7 @@ class DecodeStep:
             self._emb_keep = (w, scales, inp)
             f.kind, f.vocab, f.group, f.w = kind, vocab, group, w.data_ptr()
             f.scale = None if scales is None else scales.data_ptr()
+            f.scale_dtype = 0 if scales is None else SCALE_DTYPES[scales.dtype]
             f.input_scale = None if inp is None else inp.data_ptr()
         self._emb_key = key
 
