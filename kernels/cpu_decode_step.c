@@ -49,6 +49,65 @@ int tritium_decode_layers_bf16(const void *layers, int64_t num_layers, int64_t T
 void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps, int64_t T,
                                int64_t H, uint16_t *out, uint16_t *res_out);
 void tritium_head6_rows(const uint8_t *w, const int64_t *ids, int64_t T, int64_t K, int8_t *out);
+void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
+int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
+                       float *y, int64_t M, int64_t N, int64_t K, int64_t bits);
+int tritium_head6_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, const float *r, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t group);
+
+enum { HEAD_NONE = 0, HEAD_I8DOT = 1, HEAD_HEAD6 = 2, HEAD_BF16 = 3 };
+
+/* The LM head as backend/models/decoder.py compute_logits runs it on CPU: x centred first where the
+ * head is (bf16(x - in_mean)), the GEMM's float32 output rounded to bf16 (the module's output
+ * dtype), widened, plus out_mean where the head is centred. */
+typedef struct {
+    int64_t kind;           /* HEAD_* */
+    int64_t n, param;       /* vocab; i8dot: the code width; head6: the group size */
+    const void *w, *d, *z, *r; /* i8dot / head6: codes, d, z (or NULL), r; bf16: w (N, H) */
+    const float *in_mean, *out_mean; /* (H,) / (N,) or NULL */
+} tritium_step_head_t;
+
+/* logits (T, N) of the rows x (T, H); xc: (T, H) scratch. Returns 0, or -1 out of memory. */
+static int head_logits(const tritium_step_head_t *hd, const uint16_t *x, int64_t T, int64_t H, uint16_t *xc,
+                       float *logits) {
+    if (hd->in_mean) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t k = 0; k < H; k++) xc[t * H + k] = f32_to_bf16(bf16_to_f32(x[t * H + k]) - hd->in_mean[k]);
+        x = xc;
+    }
+    int rc = 0;
+    if (hd->kind == HEAD_I8DOT)
+        rc = tritium_i8dot_gemm(x, (const uint8_t *)hd->w, (const uint16_t *)hd->d, (const uint16_t *)hd->z,
+                                (const float *)hd->r, logits, T, hd->n, H, hd->param);
+    else if (hd->kind == HEAD_HEAD6)
+        rc = tritium_head6_gemm(x, (const uint8_t *)hd->w, (const uint16_t *)hd->d, (const float *)hd->r, logits, T,
+                                hd->n, H, hd->param);
+    else
+        tritium_bf16_gemm(x, (const uint16_t *)hd->w, logits, T, hd->n, H);
+    if (rc) return -1;
+    const int64_t N = hd->n;
+    for (int64_t t = 0; t < T; t++) {
+        float *y = logits + t * N;
+        if (hd->out_mean)
+            for (int64_t i = 0; i < N; i++) y[i] = bf16_roundf(y[i]) + hd->out_mean[i];
+        else
+            for (int64_t i = 0; i < N; i++) y[i] = bf16_roundf(y[i]);
+    }
+    return 0;
+}
+
+/* The first maximal index of y (N), a NaN counting as the maximum (the first NaN), as
+ * backend/sampler.argmax_rows. */
+static int64_t argmax_row(const float *y, int64_t N) {
+    int64_t best = 0;
+    float m = y[0];
+    if (m != m) return 0;
+    for (int64_t i = 1; i < N; i++) {
+        if (y[i] != y[i]) return i;
+        if (y[i] > m) m = y[i], best = i;
+    }
+    return best;
+}
 
 /* The signed codes (H) of row `id` of 8-bit integer-dot panels (kernels/i8dot_pack.py: codes
  * (P, H / 32, 8, 16, 4), [p, b, i, j, e] the code of row 16 p + j, input 32 b + 4 i + e). */
@@ -81,8 +140,9 @@ static void embed_row(const tritium_step_front_t *f, int64_t id, int64_t H, int8
 
 /* The step over T rows: ids, pos (T,) int64 (ignored, with hidden_in (T, H) the embedded rows,
  * where the front's kind is EMB_NONE). h, r (T, H) and cos, ssin (T, D) are scratch; out (T, H)
- * receives the final norm's output. The other arguments are tritium_decode_layers_bf16's.
- * Returns 0; -1 when scratch memory ran out; -2 an id outside [0, vocab); -3 a position outside
+ * receives the final norm's output. With a head (not NULL), logits (T, N) float32 receive every
+ * row's logits and tokens (T,) int64 each row's argmax. The other arguments are
+ * tritium_decode_layers_bf16's. Returns 0; -1 when scratch memory ran out; -2 an id outside [0, vocab); -3 a position outside
  * [0, max_pos). */
 int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, int64_t num_layers,
                              const int64_t *ids, const int64_t *pos, const uint16_t *hidden_in, int64_t T,
@@ -90,7 +150,8 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
                              float residual_mult, uint16_t *h, uint16_t *r, uint16_t *cos, uint16_t *ssin,
                              const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
                              const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32, uint16_t *ws_bf16,
-                             int64_t threads, uint16_t *out) {
+                             int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
+                             int64_t *tokens) {
     for (int64_t t = 0; t < T; t++) {
         if (pos[t] < 0 || pos[t] >= f->max_pos) return -3;
         if (f->kind != EMB_NONE && (ids[t] < 0 || ids[t] >= f->vocab)) return -2;
@@ -112,5 +173,8 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
                                    threads))
         return -1;
     tritium_add_rms_norm_bf16(h, r, f->norm, eps, T, H, out, r);
+    if (!head) return 0;
+    if (head_logits(head, out, T, H, h, logits)) return -1;
+    for (int64_t t = 0; t < T; t++) tokens[t] = argmax_row(logits + t * head->n, head->n);
     return 0;
 }

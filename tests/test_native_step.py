@@ -19,9 +19,11 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models import native_step
 from tritium.backend.models.native_step import NATIVE_STEP_MAX_ROWS, NativeStep, refusal
+from tritium.backend.sampler import argmax_rows
 from tritium.kernels import cpu_native, ops
 from tritium.kernels.attention_metadata import AttentionMetadata
-from tritium.kernels.decode_step import EMB_BF16, EMB_I6_PANELS, EMB_I8, EMB_I8_PANELS, EMB_NONE
+from tritium.kernels.decode_step import (EMB_BF16, EMB_I6_PANELS, EMB_I8, EMB_I8_PANELS, EMB_NONE, HEAD_BF16,
+                                         HEAD_HEAD6, HEAD_I8DOT)
 
 from test_runtime_engine import alone, run_staggered, workload
 
@@ -86,7 +88,18 @@ def _count_native(monkeypatch):
     return calls
 
 
-def _steps(model, seed: int):
+def _step_logits(model, ids, pos, kv, meta):
+    """(logits, tokens, whether the native call ran the head) of a step whose every row needs
+    logits: DecoderLM.decode_logits, or where it declines, compute_logits(forward) and the
+    sampler's argmax."""
+    out = model.decode_logits(ids, pos, kv, meta)
+    if out is not None:
+        return out[0], out[1], True
+    y = model.compute_logits(model(ids, pos, kv, meta))
+    return y, argmax_rows(y).tolist(), False
+
+
+def _steps(model, seed: int, logits: bool = False):
     """A ragged prefill of three sequences (5, 17 and 40 tokens: above the row limit, per-op), a
     mixed step (two decode rows and a 6-token chunk of a fourth prompt), then 12 decode steps of
     four rows; block size 4, so every sequence crosses blocks. Returns every step's hidden
@@ -103,7 +116,7 @@ def _steps(model, seed: int):
         pos = torch.cat([torch.arange(s - q, s) for q, s in zip(qlens, slens)])
         meta = AttentionMetadata.build(qlens, slens, [tables[r] for r in rows], bs)
         meta.cpu_plan = ops.attention_plan(meta)
-        outs.append(model(ids, pos, kv, meta))
+        outs.append(_step_logits(model, ids, pos, kv, meta) if logits else model(ids, pos, kv, meta))
 
     lens = [5, 17, 40]
     step(lens, lens, [0, 1, 2])
@@ -150,6 +163,31 @@ def test_native_step_bit_identical_to_per_op(engine_dir, shape, weights, lookup,
         assert torch.equal(a, b), (native_bf16, shape, weights, i, (a.float() - b.float()).abs().max().item())
     for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, layer)
+
+
+# (shape, weights, the head the call runs: HEAD_* or None where compute_logits runs it in Python)
+HEAD_CASES = [("llama-gqa", "bf16", HEAD_BF16), ("qwen2-mha-bias", "int8-g32", HEAD_I8DOT),
+              ("llama-gqa", "w8a8", HEAD_I8DOT), ("qwen2-mha-bias", "w4a8-emb6", HEAD_HEAD6),
+              ("mistral-mqa-window", "int8", None), ("granite-bias-multipliers", "w8a8", None)]
+
+
+@pytest.mark.parametrize("shape,weights,head", HEAD_CASES)
+def test_native_head_and_argmax_bit_identical(engine_dir, shape, weights, head, native_bf16, monkeypatch):
+    """Steps whose every row needs logits: the call's LM head (integer-dot, int6 or bf16; centred
+    where the engine's head is) gives compute_logits' bits and the sampler's argmax; a head it does
+    not run (weight-only int8, Granite's logits scaling) declines, and the Python head runs."""
+    eng = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False)
+    model = eng.runner.model
+    monkeypatch.setenv(native_step.ENV, "0")
+    ref, _ = _steps(model, seed=2, logits=True)
+    monkeypatch.setenv(native_step.ENV, "1")
+    got, _ = _steps(model, seed=2, logits=True)
+    step = NativeStep.get(model).step
+    assert (step.head.kind if step.head is not None else None) == head, (shape, weights)
+    assert [g[2] for g in got] == [False] + [head is not None] * 13 and not any(r[2] for r in ref)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a[0], b[0]), (native_bf16, shape, weights, i, (a[0] - b[0]).abs().max().item())
+        assert a[1] == b[1], (native_bf16, shape, weights, i)
 
 
 @pytest.mark.parametrize("shape", ["mistral-mqa-window"])

@@ -181,6 +181,13 @@ class DecoderLM(nn.Module):
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
+                      meta: AttentionMetadata):
+        """compute_logits(forward(...)) of every row and each row's argmax (a list), in one native
+        call (backend/models/native_step.py), or None where this model or step does not take it."""
+        native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
+        return None if native is None else native.run_step(self, input_ids, positions, kv_caches, meta, logits=True)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""
         if self.tp is None:

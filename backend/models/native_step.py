@@ -26,7 +26,7 @@ import torch
 
 from tritium.kernels import cpu_native, hugepages, ops
 from tritium.kernels.decode_layer import DecodeLayers, linear_supported
-from tritium.kernels.decode_step import DecodeStep, embedding_source
+from tritium.kernels.decode_step import DecodeStep, embedding_source, head_source
 
 NATIVE_STEP_MAX_ROWS = 32
 ENV = "TRITIUM_NATIVE_STEP"
@@ -177,7 +177,7 @@ class NativeStep:
         self.native = DecodeLayers(layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                                    m.intermediate_size, m.rms_norm_eps, first.scale, m.residual_multiplier)
         self.step = DecodeStep(self.native, model.cos_sin_cache, model.norm_weight, m.embedding_multiplier)
-        self._kv_key = None
+        self._kv_key = self._emb_key = self._head_key = None
 
     @staticmethod
     def get(model) -> Optional["NativeStep"]:
@@ -214,10 +214,39 @@ class NativeStep:
         return self.native.run(hidden, None, cos, ssin, meta.slot_mapping.to(torch.int64).contiguous(),
                                plan.block_tables, plan.rows_for(meta, self.window), kv_caches[0][0].shape[1])
 
-    def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
+    def _set_embedding(self, model) -> bool:
+        """Points the call's lookup at the model's embedding (again only when its tensors were
+        swapped); whether the C lookup reads it."""
+        e = model.embed_tokens
+        key = (model.embed_tokens_weight, e, getattr(e, "_panels", None), getattr(e, "qweight", None),
+               model.embed_input_scale)
+        if self._emb_key is None or any(a is not b for a, b in zip(key, self._emb_key)):
+            self.step.set_embedding(embedding_source(model.embed_tokens_weight, e), model.embed_input_scale)
+            self._emb_key = key
+        return self.step.front.kind != 0
+
+    def _set_head(self, model) -> bool:
+        """Points the call's LM head at the model's (compute_logits' kernel, packed); whether the
+        call runs it (not with Granite's logits scaling, a soft-cap, a bias or a LoRA head)."""
+        m = model.cfg.model
+        if model.lm_head is None and model.embed_tokens is None:
+            p, bias, manager = model.packed_head, None, None
+        else:
+            p, bias, manager = _packed(model.lm_head if model.lm_head is not None else model.embed_tokens)
+        key = (p, None if p is None else p.tensors[0])
+        if self._head_key is None or any(a is not b for a, b in zip(key, self._head_key)):
+            ok = manager is None and m.logits_scaling == 1.0 and m.final_logit_softcap is None
+            self.step.set_head(head_source(p, bias, model.head_input_mean, model.head_mean_logits) if ok else None)
+            self._head_key = key
+        return self.step.head is not None
+
+    def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                 logits: bool = False):
         """The whole step natively (kernels/decode_step.py: embedding lookup, rotary rows, every
         layer, final norm), or None where this step does not take it (the caller runs
-        DecoderLM.forward's parts). Returns the final norm's output (T, hidden)."""
+        DecoderLM.forward's parts). Returns the final norm's output (T, hidden); with `logits`,
+        (float32 logits (T, vocab), each row's argmax) from the LM head in the same call, or None
+        where the call does not run this model's head."""
         t = input_ids.shape[0]
         k0 = kv_caches[0][0]
         if not (t <= NATIVE_STEP_MAX_ROWS and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
@@ -225,15 +254,13 @@ class NativeStep:
                 and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
                 and all(mgr.batch is None for mgr in self.lora_managers) and enabled()):
             return None
-        step = self.step
-        src = embedding_source(model.embed_tokens_weight, model.embed_tokens) if model.tp is None else None
-        step.set_embedding(src, model.embed_input_scale)
-        hidden = None if src is not None else model.embed(input_ids).contiguous()
+        if logits and not self._set_head(model):
+            return None
+        hidden = None if self._set_embedding(model) else model.embed(input_ids).contiguous()
         key = (id(kv_caches), k0.data_ptr(), kv_caches[-1][1].data_ptr())  # the runner's caches: one list
         if key != self._kv_key:
             self.native.set_caches(kv_caches)
             self._kv_key = key
         plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
-        return step.run(input_ids, positions, hidden, meta.slot_mapping.to(torch.int64).contiguous(),
-                        plan.block_tables, plan.rows_for(meta, self.window), k0.shape[1])
-
+        return self.step.run(input_ids, positions, hidden, meta.slot_mapping.to(torch.int64).contiguous(),
+                             plan.block_tables, plan.rows_for(meta, self.window), k0.shape[1], logits)
