@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cpu_simd.h"
 #include "cpu_f16.h"
@@ -138,6 +139,25 @@ static void embed_row(const tritium_step_front_t *f, int64_t id, int64_t H, int8
         for (int64_t k = 0; k < H; k++) out[k] = f32_to_bf16(bf16_to_f32(out[k]) * f->mult);
 }
 
+/* TRITIUM_STEP_PROFILE=1 (thread CPU time) or wall: the calling thread's time in the lookup and
+ * rotary rows plus the final norm, and in the head plus the argmax (step_profile prints them). */
+static int64_t prof_step_ns[2];
+
+static int64_t prof_clock(void) {
+    const char *e = getenv("TRITIUM_STEP_PROFILE");
+    const int on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
+    if (!on) return 0;
+    struct timespec t;
+    clock_gettime(on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* out[2]: nanoseconds in the lookup + final norm and in the head + argmax since the last call, then reset. */
+void tritium_decode_step_profile(int64_t *out) {
+    out[0] = prof_step_ns[0], out[1] = prof_step_ns[1];
+    prof_step_ns[0] = prof_step_ns[1] = 0;
+}
+
 /* The step over T rows: ids, pos (T,) int64 (ignored, with hidden_in (T, H) the embedded rows,
  * where the front's kind is EMB_NONE). h, r (T, H) and cos, ssin (T, D) are scratch; out (T, H)
  * receives the final norm's output. With a head (not NULL), logits (T, N) float32 receive every
@@ -152,6 +172,7 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
                              const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32, uint16_t *ws_bf16,
                              int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
                              int64_t *tokens) {
+    int64_t t0 = prof_clock();
     for (int64_t t = 0; t < T; t++) {
         if (pos[t] < 0 || pos[t] >= f->max_pos) return -3;
         if (f->kind != EMB_NONE && (ids[t] < 0 || ids[t] >= f->vocab)) return -2;
@@ -168,13 +189,19 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
         memcpy(cos + t * D, f->cos + pos[t] * D, sizeof(uint16_t) * (size_t)D);
         memcpy(ssin + t * D, f->ssin + pos[t] * D, sizeof(uint16_t) * (size_t)D);
     }
+    int64_t t1 = prof_clock();
+    if (t0) prof_step_ns[0] += t1 - t0;
     if (tritium_decode_layers_bf16(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, h, r, 0, cos,
                                    ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16,
                                    threads))
         return -1;
+    t0 = prof_clock();
     tritium_add_rms_norm_bf16(h, r, f->norm, eps, T, H, out, r);
+    t1 = prof_clock();
+    if (t0) prof_step_ns[0] += t1 - t0;
     if (!head) return 0;
     if (head_logits(head, out, T, H, h, logits)) return -1;
     for (int64_t t = 0; t < T; t++) tokens[t] = argmax_row(logits + t * head->n, head->n);
+    if (t1) prof_step_ns[1] += prof_clock() - t1;
     return 0;
 }

@@ -50,8 +50,22 @@ def _lib():
         lib.tritium_decode_step_bf16.argtypes = ([p, p, i64, p, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6 + [i64, p, i64, i64]
                                                  + [p, p, i64, p, p, p, p])
         lib.tritium_decode_step_bf16.restype = ctypes.c_int
+        lib.tritium_decode_step_profile.argtypes = [p]
+        lib.tritium_decode_step_profile.restype = None
         lib.tritium_decode_step_ready = True
     return lib
+
+
+STEP_PROFILE_OPS = ("lookup and final norm", "head")
+
+
+def read_step_profile() -> dict:
+    """{part: seconds} the calling thread spent in the whole-step call's lookup and rotary rows
+    plus final norm, and in its LM head plus argmax, since the last read, then reset; zero unless
+    TRITIUM_STEP_PROFILE is set (the layers' ops: decode_layer.read_profile)."""
+    out = (ctypes.c_int64 * 2)()
+    _lib().tritium_decode_step_profile(out)
+    return {op: out[i] / 1e9 for i, op in enumerate(STEP_PROFILE_OPS)}
 
 
 def embedding_source(weight: Optional[torch.Tensor], quant) -> Optional[tuple]:
