@@ -1,10 +1,13 @@
-"""Which steps run the decoder layers as one native call (kernels/decode_layer.py), and the call.
+"""Which steps run as one native call (kernels/decode_step.py, kernels/decode_layer.py), and the call.
 
 A decode step of a small model is a few rows through 30 layers of a dozen ops each; through
 Python each op costs about as much dispatch as arithmetic. For steps of at most
 NATIVE_STEP_MAX_ROWS rows of a Llama-shaped bfloat16 model on CPU, DecoderLM.forward hands the
-whole layer loop to kernels/cpu_decode_layer.c, which calls the same native kernels in the same
-order as the per-op path: the same bits (batch invariance included), a fraction of the overhead.
+whole step to kernels/cpu_decode_step.c: the embedding lookup (int8 / int6 codes dequantized in
+C), the rotary rows, the layer loop (kernels/cpu_decode_layer.c, the same native kernels in the
+same order as the per-op path), the final norm and, through DecoderLM.decode_logits when every
+row needs logits, the LM head and each row's argmax: the same bits (batch invariance included),
+a fraction of the overhead.
 
 What a model needs (docs/kernels.md has the table): bfloat16 engine with the native kernels,
 one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap,
