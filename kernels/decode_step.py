@@ -77,7 +77,8 @@ def embedding_source(weight: Optional[torch.Tensor], quant) -> Optional[tuple]:
         if weight is None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
             return None
         return EMB_BF16, weight.shape[0], 0, weight, None
-    if quant.method not in ("int8", "int6") or quant.scales.dtype not in SCALE_DTYPES:
+    scales = getattr(quant, "scales", None)
+    if getattr(quant, "method", None) not in ("int8", "int6") or scales is None or scales.dtype not in SCALE_DTYPES:
         return None
     panels, group = getattr(quant, "_panels", None), quant.group_size or 0
     if panels is not None:
