@@ -162,8 +162,8 @@ void tritium_decode_step_profile(int64_t *out) {
  * where the front's kind is EMB_NONE). h, r (T, H) and cos, ssin (T, D) are scratch; out (T, H)
  * receives the final norm's output. With a head (not NULL), logits (T, N) float32 receive every
  * row's logits and tokens (T,) int64 each row's argmax. The other arguments are
- * tritium_decode_layers_bf16's. Returns 0; -1 when scratch memory ran out; -2 an id outside [0, vocab); -3 a position outside
- * [0, max_pos). */
+ * tritium_decode_layers_bf16's. Returns 0; -1 when scratch memory ran out; -2 an id outside
+ * [0, vocab); -3 a position outside [0, max_pos). */
 int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, int64_t num_layers,
                              const int64_t *ids, const int64_t *pos, const uint16_t *hidden_in, int64_t T,
                              int64_t H, int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,

@@ -1,12 +1,13 @@
 """A whole decode step in one native call (kernels/cpu_decode_step.c): the ctypes side.
 
 `DecodeStep` wraps a model's DecodeLayers (kernels/decode_layer.py) with what the layers' caller
-did in Python before: the embedding lookup (ids in; int8 / int6 codes dequantized in C), the rotary
-cos / sin rows (from per-engine tables: rotary_tables of every position, the same bits as a
-step's), the final RMSNorm and, for a step whose every row needs logits, the LM head as
+did in Python before: the embedding lookup (ids in; int8 / int6 codes dequantized in C), the
+rotary cos / sin rows (from per-engine tables: rotary_tables of every position, the same bits as
+a step's), the final RMSNorm and, for a step whose every row needs logits, the LM head as
 compute_logits runs it (integer-dot, int6 or native bf16; centred where the head is) and each
-row's argmax (the greedy token: first maximal index, a NaN counting as the maximum). Its scratch is kept per row count and reused across steps; the
-output is a new tensor each step. Which models and steps take it: backend/models/native_step.py.
+row's argmax (the greedy token: first maximal index, a NaN counting as the maximum). Its scratch
+is kept per row count and reused across steps; the outputs are new tensors each step. Which
+models and steps take it: backend/models/native_step.py.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _lib():
     lib = cpu_native._lib()
     if lib is not None and not hasattr(lib, "tritium_decode_step_ready"):
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.tritium_decode_step_bf16.argtypes = ([p, p, i64, p, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6 + [i64, p, i64, i64]
-                                                 + [p, p, i64, p, p, p, p])
+        lib.tritium_decode_step_bf16.argtypes = ([p, p, i64, p, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6
+                                                 + [i64, p, i64, i64] + [p, p, i64, p, p, p, p])
         lib.tritium_decode_step_bf16.restype = ctypes.c_int
         lib.tritium_decode_step_profile.argtypes = [p]
         lib.tritium_decode_step_profile.restype = None

@@ -1,12 +1,14 @@
 """The native decode step (backend/models/native_step.py; kernels/cpu_decode_step.c: embedding
-lookup, rotary rows, kernels/cpu_decode_layer.c's layers, final norm) against the per-op path it
-replaces: the same bits in the final hidden states and the KV cache, on every CPU path (the module
-runs once per forced TRITIUM_CPU_ISA; ids name it), for bf16 (deterministic packing), int8
-(per-channel and grouped, weight-only and W8A8) and int4 weights, every embedding layout the C
-lookup reads (bf16, int8 rows, integer-dot and int6 panels, float32 / bf16 / float16 scales), GQA / MQA / MHA with biases, a
-sliding window and Granite's multipliers, steps of one and several rows with different context lengths crossing block
-boundaries, and a step that mixes a prompt chunk with decode rows. Then the fallbacks: every
-model or step the native call must not take runs the per-op path.
+lookup, rotary rows, kernels/cpu_decode_layer.c's layers, final norm, LM head and argmax) against
+the per-op path it replaces: the same bits in the final hidden states, the KV cache, the logits
+and the greedy tokens, on every CPU path (the module runs once per forced TRITIUM_CPU_ISA; ids
+name it), for bf16 (deterministic packing), int8 (per-channel and grouped, weight-only and W8A8)
+and int4 weights, every embedding layout the C lookup reads (bf16, int8 rows, integer-dot and int6
+panels, float32 / bf16 / float16 scales), every head it runs (integer-dot, centred, int6, bf16),
+GQA / MQA / MHA with biases, a sliding window and Granite's multipliers, steps of one and several
+rows with different context lengths crossing block boundaries, and a step that mixes a prompt
+chunk with decode rows. Then the fallbacks: every model or step the native call must not take
+runs the per-op path; bad ids and positions raise.
 
 Oracle: the per-op path (TRITIUM_NATIVE_STEP=0), whose kernels are tested against the torch
 references in test_kernels_cpu_native.py and whose models are tested against Hugging Face.
@@ -142,7 +144,8 @@ def _both_paths(model, monkeypatch):
 # rows, int8 rows, the tied head's integer-dot panels, its int6 panels, or (int4) the Python lookup.
 CASES = [("llama-gqa", "bf16", EMB_BF16), ("llama-gqa", "int4", EMB_NONE), ("mistral-mqa-window", "bf16", EMB_BF16),
          ("mistral-mqa-window", "int8", EMB_I8), ("qwen2-mha-bias", "int8-g32", EMB_I8_PANELS),
-         ("qwen2-mha-bias", "bf16", EMB_BF16), ("llama-gqa", "int8-g32", EMB_I8), ("qwen2-mha-bias", "int4", EMB_I6_PANELS),
+         ("qwen2-mha-bias", "bf16", EMB_BF16), ("llama-gqa", "int8-g32", EMB_I8),
+         ("qwen2-mha-bias", "int4", EMB_I6_PANELS),
          ("llama-gqa", "int8", EMB_I8), ("granite-bias-multipliers", "bf16", EMB_BF16),
          ("granite-bias-multipliers", "int8-g32", EMB_I8), ("llama-gqa", "w8a8", EMB_I8),
          ("granite-bias-multipliers", "w8a8", EMB_I8), ("qwen2-mha-bias", "w4a8-emb6", EMB_I6_PANELS)]
@@ -337,7 +340,8 @@ def test_bad_ids_and_positions_raise(engine_dir, native_bf16, monkeypatch):
     meta = AttentionMetadata.build([1], [1], [[0]], bs)
     meta.cpu_plan = ops.attention_plan(meta)
     step = NativeStep.get(model)
-    for ids, pos, what in ((m.vocab_size, 0, "token id"), (-1, 0, "token id"), (5, model.cos_sin_cache.shape[0], "position")):
+    bad = ((m.vocab_size, 0, "token id"), (-1, 0, "token id"), (5, model.cos_sin_cache.shape[0], "position"))
+    for ids, pos, what in bad:
         with pytest.raises(IndexError, match=what):
             step.run_step(model, torch.tensor([ids]), torch.tensor([pos]), kv, meta)
     out = step.run_step(model, torch.tensor([5]), torch.tensor([0]), kv, meta)
