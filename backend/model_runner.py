@@ -278,6 +278,12 @@ class ModelRunner:
             if bucket is not None:
                 return self._logits_out(self.static_decode.run(arrays, bucket))
         input_ids, positions, meta, logit_rows = self.inputs(arrays)
+        if isinstance(logit_rows, list) and 0 < len(logit_rows) == input_ids.shape[0] \
+                and hasattr(self.model, "decode_logits"):  # every row: one native call, head and argmax in it
+            out = self.model.decode_logits(input_ids, positions, self.kv_caches, meta)
+            if out is not None:
+                self._argmax = out
+                return out[0]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if len(logit_rows) == 0:
             return torch.empty(0, self.vocab_size, device=self.device if self.step_options.device_sampling else "cpu")
@@ -297,6 +303,11 @@ class ModelRunner:
             return None
         return logits.float() if self.step_options.device_sampling else logits.float().cpu()
 
+    _argmax = None  # (logits, each row's argmax) of the last native step that ran the head
+
     def sample(self, logits: torch.Tensor, seqs) -> Tuple[List[int], List[Optional[dict]]]:
+        argmax, self._argmax = self._argmax, None
         with torch.inference_mode():
+            if argmax is not None and argmax[0] is logits and isinstance(self.sampler, Sampler):
+                return self.sampler(logits, seqs, argmax=argmax[1])  # the rows' greedy tokens, taken in C
             return self.sampler(logits, seqs)

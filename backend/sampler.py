@@ -165,14 +165,16 @@ def _plain_greedy(seq) -> bool:
 class Sampler:
     """Samples one token per row; see the module docstring for the exact definitions."""
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq) -> Tuple[List[int], List[Optional[dict]]]:
-        """logits: float32 (N, V), one row per sequence in `seqs` (a row may be repeated for n > 1).
+    def __call__(self, logits: torch.Tensor, seqs: Seq,
+                 argmax: Optional[List[int]] = None) -> Tuple[List[int], List[Optional[dict]]]:
+        """logits: float32 (N, V), one row per sequence in `seqs` (a row may be repeated for n > 1);
+        argmax: argmax_rows(logits) where the caller has it (the native decode step's).
 
         Returns (token ids, logprob entries or None per row).
         """
         n, vocab = logits.shape
         if all(_plain_greedy(s) for s in seqs):  # the argmax of the raw logits, nothing else asked
-            return argmax_rows(logits).tolist(), [None] * n
+            return (argmax if argmax is not None else argmax_rows(logits).tolist()), [None] * n
         mask_logits(logits, seqs)  # structured outputs (backend/guided/): before everything else
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]

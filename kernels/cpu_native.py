@@ -30,7 +30,8 @@ from . import cpu_isa
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_gemm_w4.c", "cpu_decode_attention.c", "cpu_glue.c",
                                                  "cpu_decode_layer.c",
-                                                 "cpu_gemm_i8dot.c", "cpu_i8dot_peak.c", "cpu_lora.c", "cpu_head.c")]
+                                                  "cpu_gemm_i8dot.c", "cpu_i8dot_peak.c", "cpu_lora.c", "cpu_head.c",
+                                                  "cpu_decode_step.c")]
 _HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_rows.h", "cpu_q8.h",
                                                    "cpu_attention_tile.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this

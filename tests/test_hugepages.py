@@ -140,8 +140,8 @@ def test_step_profile_prints_every_op(engine_dir, capsys, monkeypatch):
     assert step_profile.main([engine_dir("w8a8"), "--tokens", "4", "--rounds", "1", "--bandwidth-gbs", "10"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {ln[:22].strip(): ln[22:].split() for ln in lines[2:-1]}
-    assert set(rows) == set(PROFILE_OPS) | {"head", "python and sampling", "step"}, lines
-    for op in ("qkv", "o", "gate_up", "down", "attention", "head", "step"):
+    assert set(rows) == set(PROFILE_OPS) | {"lookup and final norm", "head", "python and sampling", "step"}, lines
+    for op in ("qkv", "o", "gate_up", "down", "attention", "lookup and final norm", "head", "step"):
         assert float(rows[op][0]) > 0, (op, lines)  # the timer ran
     for op in ("qkv", "gate_up", "head"):
         assert float(rows[op][2]) > 0 and float(rows[op][4]) > 0, (op, lines)  # bytes, op / memory time

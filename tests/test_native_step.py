@@ -1,10 +1,14 @@
-"""The native decode step (backend/models/native_step.py, kernels/cpu_decode_layer.c) against the
-per-op path it replaces: the same bits in the hidden states and the KV cache, on every CPU path
-(the module runs once per forced TRITIUM_CPU_ISA; ids name it), for bf16 (deterministic
-packing), int8 (per-channel and grouped) and int4 weights, GQA / MQA / MHA with biases, a
-sliding window and Granite's multipliers, steps of one and several rows with different context lengths crossing block
-boundaries, and a step that mixes a prompt chunk with decode rows. Then the fallbacks: every
-model or step the native call must not take runs the per-op path.
+"""The native decode step (backend/models/native_step.py; kernels/cpu_decode_step.c: embedding
+lookup, rotary rows, kernels/cpu_decode_layer.c's layers, final norm, LM head and argmax) against
+the per-op path it replaces: the same bits in the final hidden states, the KV cache, the logits
+and the greedy tokens, on every CPU path (the module runs once per forced TRITIUM_CPU_ISA; ids
+name it), for bf16 (deterministic packing), int8 (per-channel and grouped, weight-only and W8A8)
+and int4 weights, every embedding layout the C lookup reads (bf16, int8 rows, integer-dot and int6
+panels, float32 / bf16 / float16 scales), every head it runs (integer-dot, centred, int6, bf16),
+GQA / MQA / MHA with biases, a sliding window and Granite's multipliers, steps of one and several
+rows with different context lengths crossing block boundaries, and a step that mixes a prompt
+chunk with decode rows. Then the fallbacks: every model or step the native call must not take
+runs the per-op path; bad ids and positions raise.
 
 Oracle: the per-op path (TRITIUM_NATIVE_STEP=0), whose kernels are tested against the torch
 references in test_kernels_cpu_native.py and whose models are tested against Hugging Face.
@@ -17,8 +21,11 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models import native_step
 from tritium.backend.models.native_step import NATIVE_STEP_MAX_ROWS, NativeStep, refusal
+from tritium.backend.sampler import argmax_rows
 from tritium.kernels import cpu_native, ops
 from tritium.kernels.attention_metadata import AttentionMetadata
+from tritium.kernels.decode_step import (EMB_BF16, EMB_I6_PANELS, EMB_I8, EMB_I8_PANELS, EMB_NONE, HEAD_BF16,
+                                         HEAD_HEAD6, HEAD_I8DOT)
 
 from test_runtime_engine import alone, run_staggered, workload
 
@@ -39,8 +46,12 @@ SHAPES = {
 WO = dict(activation_quant="none")
 WEIGHTS = {"bf16": dict(deterministic=True), "int8": dict(quantization="int8", group_size=-1, **WO),
            "int8-g32": dict(quantization="int8", group_size=32, **WO),
-           "int4": dict(quantization="int4-rtn", group_size=32, **WO)}
-KINDS = {"bf16": "bf16_native", "int8": "int8_native", "int8-g32": "int8g_native", "int4": "int4_native"}
+           "int4": dict(quantization="int4-rtn", group_size=32, **WO),
+           # the defaults of int8 / int4 builds: integer-dot W8A8 / W4A8; an int6 embedding
+           "w8a8": dict(quantization="int8"), "w4a8-emb6": dict(quantization="int4-rtn", group_size=32,
+                                                                embedding_quantization="int6", eval_tokens=0)}
+KINDS = {"bf16": "bf16_native", "int8": "int8_native", "int8-g32": "int8g_native", "int4": "int4_native",
+         "w8a8": "i8dot", "w4a8-emb6": "i8dot"}
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +72,36 @@ def engine_dir(tiny_checkpoint, tmp_path_factory):
 
 
 def _count_native(monkeypatch):
+    """Rows of every step the native call ran (the whole step, or the layers alone)."""
     calls = []
-    real = NativeStep.run
+    real, real_step = NativeStep.run, NativeStep.run_step
 
     def counted(self, hidden, *a):
         calls.append(hidden.shape[0])
         return real(self, hidden, *a)
+
+    def counted_step(self, model, ids, *a, **k):
+        out = real_step(self, model, ids, *a, **k)
+        if out is not None:
+            calls.append(ids.shape[0])
+        return out
     monkeypatch.setattr(NativeStep, "run", counted)
+    monkeypatch.setattr(NativeStep, "run_step", counted_step)
     return calls
 
 
-def _steps(model, seed: int):
+def _step_logits(model, ids, pos, kv, meta):
+    """(logits, tokens, whether the native call ran the head) of a step whose every row needs
+    logits: DecoderLM.decode_logits, or where it declines, compute_logits(forward) and the
+    sampler's argmax."""
+    out = model.decode_logits(ids, pos, kv, meta)
+    if out is not None:
+        return out[0], out[1], True
+    y = model.compute_logits(model(ids, pos, kv, meta))
+    return y, argmax_rows(y).tolist(), False
+
+
+def _steps(model, seed: int, logits: bool = False):
     """A ragged prefill of three sequences (5, 17 and 40 tokens: above the row limit, per-op), a
     mixed step (two decode rows and a 6-token chunk of a fourth prompt), then 12 decode steps of
     four rows; block size 4, so every sequence crosses blocks. Returns every step's hidden
@@ -88,7 +118,7 @@ def _steps(model, seed: int):
         pos = torch.cat([torch.arange(s - q, s) for q, s in zip(qlens, slens)])
         meta = AttentionMetadata.build(qlens, slens, [tables[r] for r in rows], bs)
         meta.cpu_plan = ops.attention_plan(meta)
-        outs.append(model(ids, pos, kv, meta))
+        outs.append(_step_logits(model, ids, pos, kv, meta) if logits else model(ids, pos, kv, meta))
 
     lens = [5, 17, 40]
     step(lens, lens, [0, 1, 2])
@@ -109,15 +139,20 @@ def _both_paths(model, monkeypatch):
     return ref, got, calls
 
 
-# every weight kind on every attention shape would be 12 engines per path; each kind meets two shapes
-CASES = [("llama-gqa", "bf16"), ("llama-gqa", "int4"), ("mistral-mqa-window", "bf16"), ("mistral-mqa-window", "int8"),
-         ("qwen2-mha-bias", "int8-g32"), ("qwen2-mha-bias", "bf16"), ("llama-gqa", "int8-g32"),
-         ("qwen2-mha-bias", "int4"), ("llama-gqa", "int8"), ("granite-bias-multipliers", "bf16"),
-         ("granite-bias-multipliers", "int8-g32")]
+# every weight kind on every attention shape would be 12 engines per path; each kind meets two shapes.
+# With each, how the whole step's C lookup reads the embedding (kernels/decode_step.py EMB_*): bf16
+# rows, int8 rows, the tied head's integer-dot panels, its int6 panels, or (int4) the Python lookup.
+CASES = [("llama-gqa", "bf16", EMB_BF16), ("llama-gqa", "int4", EMB_NONE), ("mistral-mqa-window", "bf16", EMB_BF16),
+         ("mistral-mqa-window", "int8", EMB_I8), ("qwen2-mha-bias", "int8-g32", EMB_I8_PANELS),
+         ("qwen2-mha-bias", "bf16", EMB_BF16), ("llama-gqa", "int8-g32", EMB_I8),
+         ("qwen2-mha-bias", "int4", EMB_I6_PANELS),
+         ("llama-gqa", "int8", EMB_I8), ("granite-bias-multipliers", "bf16", EMB_BF16),
+         ("granite-bias-multipliers", "int8-g32", EMB_I8), ("llama-gqa", "w8a8", EMB_I8),
+         ("granite-bias-multipliers", "w8a8", EMB_I8), ("qwen2-mha-bias", "w4a8-emb6", EMB_I6_PANELS)]
 
 
-@pytest.mark.parametrize("shape,weights", CASES)
-def test_native_step_bit_identical_to_per_op(engine_dir, shape, weights, native_bf16, monkeypatch):
+@pytest.mark.parametrize("shape,weights,lookup", CASES)
+def test_native_step_bit_identical_to_per_op(engine_dir, shape, weights, lookup, native_bf16, monkeypatch):
     eng = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False)
     model = eng.runner.model
     assert refusal(model) is None, refusal(model)
@@ -126,10 +161,36 @@ def test_native_step_bit_identical_to_per_op(engine_dir, shape, weights, native_
     assert kinds == {KINDS[weights]}, kinds
     (ref_h, ref_kv), (got_h, got_kv), calls = _both_paths(model, monkeypatch)
     assert calls == [8] + [4] * 12  # the 62-row prefill ran per-op, every other step natively
+    assert NativeStep.get(model).step.front.kind == lookup, (shape, weights)
     for i, (a, b) in enumerate(zip(ref_h, got_h)):
         assert torch.equal(a, b), (native_bf16, shape, weights, i, (a.float() - b.float()).abs().max().item())
     for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, layer)
+
+
+# (shape, weights, the head the call runs: HEAD_* or None where compute_logits runs it in Python)
+HEAD_CASES = [("llama-gqa", "bf16", HEAD_BF16), ("qwen2-mha-bias", "int8-g32", HEAD_I8DOT),
+              ("llama-gqa", "w8a8", HEAD_I8DOT), ("qwen2-mha-bias", "w4a8-emb6", HEAD_HEAD6),
+              ("mistral-mqa-window", "int8", None), ("granite-bias-multipliers", "w8a8", None)]
+
+
+@pytest.mark.parametrize("shape,weights,head", HEAD_CASES)
+def test_native_head_and_argmax_bit_identical(engine_dir, shape, weights, head, native_bf16, monkeypatch):
+    """Steps whose every row needs logits: the call's LM head (integer-dot, int6 or bf16; centred
+    where the engine's head is) gives compute_logits' bits and the sampler's argmax; a head it does
+    not run (weight-only int8, Granite's logits scaling) declines, and the Python head runs."""
+    eng = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False)
+    model = eng.runner.model
+    monkeypatch.setenv(native_step.ENV, "0")
+    ref, _ = _steps(model, seed=2, logits=True)
+    monkeypatch.setenv(native_step.ENV, "1")
+    got, _ = _steps(model, seed=2, logits=True)
+    step = NativeStep.get(model).step
+    assert (step.head.kind if step.head is not None else None) == head, (shape, weights)
+    assert [g[2] for g in got] == [False] + [head is not None] * 13 and not any(r[2] for r in ref)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a[0], b[0]), (native_bf16, shape, weights, i, (a[0] - b[0]).abs().max().item())
+        assert a[1] == b[1], (native_bf16, shape, weights, i)
 
 
 @pytest.mark.parametrize("shape", ["mistral-mqa-window"])
@@ -266,3 +327,23 @@ def test_lora_engine_native_only_without_adapter(engine_dir, tiny_checkpoint, tm
         monkeypatch.undo()  # the env and the counting patch (the forced ISA path is the fixture's)
     assert tokens[("1", None)] == tokens[("0", None)] and tokens[("1", "a")] == tokens[("0", "a")]
     assert tokens[("0", "a")] != tokens[("0", None)]  # the adapter changes the answer: the deltas ran
+
+
+def test_bad_ids_and_positions_raise(engine_dir, native_bf16, monkeypatch):
+    """An id outside the vocabulary or a position past the rotary table raises IndexError naming
+    it, as the per-op path's lookups do."""
+    monkeypatch.setenv(native_step.ENV, "1")
+    eng = LLMEngine(engine_dir("llama-gqa", "int8"), num_kv_blocks=8, enable_prefix_caching=False)
+    model = eng.runner.model
+    m, bs = model.cfg.model, model.cfg.limits.block_size
+    kv = [(torch.zeros(8, bs, m.num_kv_heads, m.head_dim, dtype=torch.bfloat16),) * 2 for _ in range(m.num_layers)]
+    meta = AttentionMetadata.build([1], [1], [[0]], bs)
+    meta.cpu_plan = ops.attention_plan(meta)
+    step = NativeStep.get(model)
+    bad = ((m.vocab_size, 0, "token id"), (-1, 0, "token id"), (5, model.cos_sin_cache.shape[0], "position"))
+    for ids, pos, what in bad:
+        with pytest.raises(IndexError, match=what):
+            step.run_step(model, torch.tensor([ids]), torch.tensor([pos]), kv, meta)
+    out = step.run_step(model, torch.tensor([5]), torch.tensor([0]), kv, meta)
+    assert out.shape == (1, m.hidden_size) and torch.isfinite(out.float()).all()
+

@@ -1,6 +1,6 @@
 """The native decode step on several threads (one OpenMP parallel region, GEMM output channels
 split between the threads, kernels/cpu_decode_layer.c) and with integer-dot W8A8 / W4A8 linears
-(cpu_gemm_i8dot.c): the same bits in the hidden states and the KV cache as the per-op path on
+(cpu_gemm_i8dot.c): the same bits in the hidden states, the KV cache and the logits as the per-op path on
 one thread, on every CPU path (the module runs once per forced TRITIUM_CPU_ISA; ids name it).
 Three threads split some GEMMs into an empty share and two uneven ones.
 
@@ -44,11 +44,11 @@ def engine_dir(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-def _run(model, monkeypatch, native: str, threads: int):
+def _run(model, monkeypatch, native: str, threads: int, logits: bool = False):
     monkeypatch.setenv(native_step.ENV, native)
     torch.set_num_threads(threads)
     try:
-        return _steps(model, seed=3)
+        return _steps(model, seed=3, logits=logits)
     finally:
         torch.set_num_threads(1)
 
@@ -75,6 +75,18 @@ def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights,
         assert torch.equal(a, b), (native_bf16, shape, weights, threads, i, (a.float() - b.float()).abs().max().item())
     for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, layer)
+
+
+@pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "bf16", 3)])
+def test_native_head_threads_bit_identical_to_per_op(engine_dir, shape, weights, threads, native_bf16, monkeypatch):
+    """The whole-step call's LM head and argmax (after the layers' parallel region) on several
+    threads: compute_logits' bits and the sampler's argmax of the per-op path on one thread."""
+    model = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    ref, _ = _run(model, monkeypatch, "0", 1, logits=True)
+    got, _ = _run(model, monkeypatch, "1", threads, logits=True)
+    assert [g[2] for g in got] == [False] + [True] * 13  # the prefill per-op, every other step's head native
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a[0], b[0]) and a[1] == b[1], (native_bf16, shape, weights, threads, i)
 
 
 def test_greedy_tokens_same_on_one_and_two_threads(engine_dir, native_bf16, monkeypatch):

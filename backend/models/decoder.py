@@ -164,6 +164,11 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+        native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
+        if native is not None:  # a decode-sized step: the whole of it in one native call, same bits
+            out = native.run_step(self, input_ids, positions, kv_caches, meta)
+            if out is not None:
+                return out
         hidden = self.embed(input_ids)
         residual = None
         rope = self.rope_state(positions)  # once per step
@@ -175,6 +180,13 @@ class DecoderLM(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv, meta, rope)
         hidden, _ = ops.rms_norm(hidden, self.norm_weight, self.cfg.model.rms_norm_eps, residual)
         return hidden
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
+                      meta: AttentionMetadata):
+        """compute_logits(forward(...)) of every row and each row's argmax (a list), in one native
+        call (backend/models/native_step.py), or None where this model or step does not take it."""
+        native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
+        return None if native is None else native.run_step(self, input_ids, positions, kv_caches, meta, logits=True)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""

@@ -1,10 +1,13 @@
-"""Which steps run the decoder layers as one native call (kernels/decode_layer.py), and the call.
+"""Which steps run as one native call (kernels/decode_step.py, kernels/decode_layer.py), and the call.
 
 A decode step of a small model is a few rows through 30 layers of a dozen ops each; through
 Python each op costs about as much dispatch as arithmetic. For steps of at most
 NATIVE_STEP_MAX_ROWS rows of a Llama-shaped bfloat16 model on CPU, DecoderLM.forward hands the
-whole layer loop to kernels/cpu_decode_layer.c, which calls the same native kernels in the same
-order as the per-op path: the same bits (batch invariance included), a fraction of the overhead.
+whole step to kernels/cpu_decode_step.c: the embedding lookup (int8 / int6 codes dequantized in
+C), the rotary rows, the layer loop (kernels/cpu_decode_layer.c, the same native kernels in the
+same order as the per-op path), the final norm and, through DecoderLM.decode_logits when every
+row needs logits, the LM head and each row's argmax: the same bits (batch invariance included),
+a fraction of the overhead.
 
 What a model needs (docs/kernels.md has the table): bfloat16 engine with the native kernels,
 one rank, dense (no experts) layers with pre-norms, SiLU gated MLP, no q/k norm, no soft-cap,
@@ -26,6 +29,7 @@ import torch
 
 from tritium.kernels import cpu_native, hugepages, ops
 from tritium.kernels.decode_layer import DecodeLayers, linear_supported
+from tritium.kernels.decode_step import DecodeStep, embedding_source, head_source
 
 NATIVE_STEP_MAX_ROWS = 32
 ENV = "TRITIUM_NATIVE_STEP"
@@ -175,6 +179,8 @@ class NativeStep:
         self.window = first.window
         self.native = DecodeLayers(layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                                    m.intermediate_size, m.rms_norm_eps, first.scale, m.residual_multiplier)
+        self.step = DecodeStep(self.native, model.cos_sin_cache, model.norm_weight, m.embedding_multiplier)
+        self._kv_key = self._emb_key = self._head_key = None
 
     @staticmethod
     def get(model) -> Optional["NativeStep"]:
@@ -210,3 +216,54 @@ class NativeStep:
         plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
         return self.native.run(hidden, None, cos, ssin, meta.slot_mapping.to(torch.int64).contiguous(),
                                plan.block_tables, plan.rows_for(meta, self.window), kv_caches[0][0].shape[1])
+
+    def _set_embedding(self, model) -> bool:
+        """Points the call's lookup at the model's embedding (again only when its tensors were
+        swapped); whether the C lookup reads it."""
+        e = model.embed_tokens
+        key = (model.embed_tokens_weight, e, getattr(e, "_panels", None), getattr(e, "qweight", None),
+               model.embed_input_scale)
+        if self._emb_key is None or any(a is not b for a, b in zip(key, self._emb_key)):
+            self.step.set_embedding(embedding_source(model.embed_tokens_weight, e), model.embed_input_scale)
+            self._emb_key = key
+        return self.step.front.kind != 0
+
+    def _set_head(self, model) -> bool:
+        """Points the call's LM head at the model's (compute_logits' kernel, packed); whether the
+        call runs it (not with Granite's logits scaling, a soft-cap, a bias or a LoRA head)."""
+        m = model.cfg.model
+        if model.lm_head is None and model.embed_tokens is None:
+            p, bias, manager = model.packed_head, None, None
+        else:
+            p, bias, manager = _packed(model.lm_head if model.lm_head is not None else model.embed_tokens)
+        key = (p, None if p is None else p.tensors[0])
+        if self._head_key is None or any(a is not b for a, b in zip(key, self._head_key)):
+            ok = manager is None and m.logits_scaling == 1.0 and m.final_logit_softcap is None
+            self.step.set_head(head_source(p, bias, model.head_input_mean, model.head_mean_logits) if ok else None)
+            self._head_key = key
+        return self.step.head is not None
+
+    def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
+                 logits: bool = False):
+        """The whole step natively (kernels/decode_step.py: embedding lookup, rotary rows, every
+        layer, final norm), or None where this step does not take it (the caller runs
+        DecoderLM.forward's parts). Returns the final norm's output (T, hidden); with `logits`,
+        (float32 logits (T, vocab), each row's argmax) from the LM head in the same call, or None
+        where the call does not run this model's head."""
+        t = input_ids.shape[0]
+        k0 = kv_caches[0][0]
+        if not (t <= NATIVE_STEP_MAX_ROWS and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous() and k0.dtype == torch.bfloat16
+                and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
+                and all(mgr.batch is None for mgr in self.lora_managers) and enabled()):
+            return None
+        if logits and not self._set_head(model):
+            return None
+        hidden = None if self._set_embedding(model) else model.embed(input_ids).contiguous()
+        key = (id(kv_caches), k0.data_ptr(), kv_caches[-1][1].data_ptr())  # the runner's caches: one list
+        if key != self._kv_key:
+            self.native.set_caches(kv_caches)
+            self._kv_key = key
+        plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
+        return self.step.run(input_ids, positions, hidden, meta.slot_mapping.to(torch.int64).contiguous(),
+                             plan.block_tables, plan.rows_for(meta, self.window), k0.shape[1], logits)

@@ -6,15 +6,17 @@ prints figures.
 
 Runs --batch greedy requests of --tokens decode tokens on the native decode step with its per-op
 timer on (TRITIUM_STEP_PROFILE=1, thread 0's CPU time per op inside kernels/cpu_decode_layer.c),
-and the LM head's (compute_logits, the calling thread's CPU time) and the whole step's (the
+the whole-step call's lookup and rotary rows plus final norm, and its LM head plus argmax
+(kernels/cpu_decode_step.c), the LM head's where Python runs it (compute_logits, the calling
+thread's CPU time) and the whole step's (the
 process's CPU time divided by --threads) from Python: CPU time, so that other processes on a
 shared host do not count (--wall: wall-clock times instead, for two threads' barrier waits); the
 best round (least step time) is printed. Per op: milliseconds per step, the bytes it reads from
 memory per step (the weights of that linear in all layers, the KV cache read by attention, the
 head's weights), the time those bytes take at the read bandwidth (--bandwidth-gbs, or the
 float32 sum of native_step_bench on 2 MiB pages, as the weights lie), and op time / memory time
-(1.0: the op runs at the bandwidth). "python and sampling" is the step less the native layers
-and the head (embedding, final norm, sampling, scheduler and bookkeeping).
+(1.0: the op runs at the bandwidth). "python and sampling" is the step less the native parts and
+the head (the call's glue, sampling, scheduler and bookkeeping).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from tritium.backend.models.native_step import NativeStep
 from tritium.backend.sampling_params import SamplingParams
 from tritium.client.bench.native_step_bench import PROMPT, read_bandwidth_gbs
 from tritium.kernels.decode_layer import PROFILE_OPS, read_profile
+from tritium.kernels.decode_step import read_step_profile
 
 ENV = "TRITIUM_STEP_PROFILE"
 
@@ -87,20 +90,24 @@ def profile(eng: LLMEngine, tokens: int, batch: int, wall: bool = False) -> dict
         eng.add_request(f"p{time.monotonic_ns()}-{i}", prompt=PROMPT, params=params)
     eng.step()
     read_profile()
+    read_step_profile()
     head_s[0], steps, t0 = 0.0, 0, step_clock()
     while eng.has_unfinished():
         eng.step()
         steps += 1
     elapsed = step_clock() - t0
     ops, native_steps = read_profile()
+    whole = read_step_profile()  # the whole-step call's lookup + final norm, and its head + argmax
     del model.compute_logits
     if native_steps != steps:
         raise SystemExit(f"the native step ran {native_steps} of {steps} steps (TRITIUM_STEP_PROFILE set late, or "
                          f"refused: {model.__dict__.get('native_step_refusal')})")
     out = {op: s / steps for op, s in ops.items()}
-    out["head"] = head_s[0] / steps
+    out["lookup and final norm"] = whole["lookup and final norm"] / steps
+    out["head"] = (head_s[0] + whole["head"]) / steps
     out["step"] = elapsed / steps
-    out["python and sampling"] = out["step"] - out["head"] - sum(ops.values()) / steps
+    out["python and sampling"] = (out["step"] - out["head"] - out["lookup and final norm"]
+                                  - sum(ops.values()) / steps)
     return out
 
 
@@ -147,7 +154,7 @@ def _main(args) -> int:
           f"{args.rounds}, {args.threads} thread(s), read bandwidth {bw:.1f} GB/s; {1 / best['step']:.1f} steps/s; "
           f"weights on 2 MiB pages {huge / 1e6:.0f} MB")
     print(f"{'op':22s} {'ms/step':>8s} {'share':>6s} {'MB read':>8s} {'ms at bw':>8s} {'op/bw':>6s}")
-    for op in PROFILE_OPS + ("head", "python and sampling", "step"):
+    for op in PROFILE_OPS + ("lookup and final norm", "head", "python and sampling", "step"):
         ms = best[op] * 1e3
         b = nbytes.get(op)
         at = b / bw / 1e6 if b else None

@@ -9,7 +9,8 @@ processes' time on a shared host does not count), per decode step (the prompt's 
 counted), best round (least step time) printed. The parts, in the order a step runs them:
 scheduler, host arrays (prepare_arrays), tensors and attention metadata (inputs), embedding lookup
 (and, inside it, the int8 codes gather), rotary tables, the native step's checks and call (and,
-inside it, the native layers), the final norm, the LM head, sampling, appending the tokens (and,
+inside it, the native layers; where the whole step is one native call, its lookup, rotary rows
+and final norm count as native layers), the final norm, the LM head, sampling, appending the tokens (and,
 inside it, the detokenizer), the request outputs. "Python and sampling" is the step less the
 native layers and the LM head. Each timer adds about 1 us.
 """
@@ -27,6 +28,11 @@ from tritium.backend.models import native_step
 from tritium.backend.sampling_params import SamplingParams
 from tritium.client.bench.native_step_bench import PROMPT
 from tritium.kernels import decode_layer, ops
+
+try:  # the whole step in one native call (kernels/decode_step.py), where this code has it
+    from tritium.kernels import decode_step
+except ImportError:
+    decode_step = None
 
 # (label, indent): the order printed; an indented part is inside the one above it
 PARTS = [("schedule", 0), ("prepare_arrays", 0), ("inputs", 0), ("embed", 0), ("embed codes", 1),
@@ -63,6 +69,9 @@ def instrument(eng: LLMEngine, acc: dict) -> None:
     wrap(native_step.NativeStep, "takes", "native checks (takes)")
     wrap(native_step.NativeStep, "run", "native step")
     wrap(decode_layer.DecodeLayers, "run", "native layers")
+    if decode_step is not None:  # the whole step: lookup, rotary rows, layers and final norm in C
+        wrap(native_step.NativeStep, "run_step", "native step")
+        wrap(decode_step.DecodeStep, "run", "native layers")
     wrap(ops, "rms_norm", "final norm")  # the native step runs the layers' norms in C
     wrap(model, "compute_logits", "LM head")
     wrap(runner, "sample", "sample")
