@@ -21,7 +21,10 @@
  * blocks of output channels (a plain loop where the team would have one thread). A decode streams
  * every weight from memory once per step, as short rows read several at once, which the hardware
  * prefetchers do not run ahead of: one to six rows ask for each line PFB bytes before reading it
- * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read).
+ * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read). PFB is
+ * tuned on weights on 2 MiB pages (as the native step keeps them): 32 KB streamed the one-row
+ * kernel 3-5 % faster than 16 KB (tuned on 4 KiB pages), 4-8 KB 25-35 % slower, 48 KB as 32 KB
+ * (gemv_bench, docs/kernels.md).
  */
 #include <stdint.h>
 
@@ -34,7 +37,7 @@
 #define MR 4   /* rows of x per tile */
 #define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 #ifndef PFB
-#define PFB 16384 /* bytes of weight requested ahead of the one read (streaming kernels) */
+#define PFB 32768 /* bytes of weight requested ahead of the one read (streaming kernels) */
 #endif
 
 #if defined(TRITIUM_AVX512)
