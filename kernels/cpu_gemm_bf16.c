@@ -20,11 +20,11 @@
  * (the int4 GEMM of cpu_gemm_w4.c runs them on its dequantized panels). Threads: OpenMP over
  * blocks of output channels (a plain loop where the team would have one thread). A decode streams
  * every weight from memory once per step, as short rows read several at once, which the hardware
- * prefetchers do not run ahead of: one to six rows ask for each line PFB bytes before reading it
- * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read). PFB is
- * tuned on weights on 2 MiB pages (as the native step keeps them): 32 KB streamed the one-row
- * kernel 3-5 % faster than 16 KB (tuned on 4 KiB pages), 4-8 KB 25-35 % slower, 48 KB as 32 KB
- * (gemv_bench, docs/kernels.md).
+ * prefetchers do not run ahead of: one row asks for each line PFB1 bytes before reading it, two
+ * to six rows PFB (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a
+ * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): one row at 32 KB
+ * streamed 3-6 % faster than at 16 KB (tuned on 4 KiB pages), 48 KB as 32 KB, 4-8 KB 25-35 %
+ * slower; two rows 2-3 % slower at 32 KB than at 16 KB (gemv_bench, docs/benchmarks.md).
  */
 #include <stdint.h>
 
@@ -37,7 +37,10 @@
 #define MR 4   /* rows of x per tile */
 #define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 #ifndef PFB
-#define PFB 32768 /* bytes of weight requested ahead of the one read (streaming kernels) */
+#define PFB 16384 /* bytes of weight requested ahead of the one read (streaming tiles, 2-6 rows) */
+#endif
+#ifndef PFB1
+#define PFB1 32768 /* the same for one row (bf16_row; the avx2 row as two rows in bf16_tile4) */
 #endif
 
 #if defined(TRITIUM_AVX512)
@@ -102,10 +105,10 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     __m512 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     /* the NC rows of this tile are one contiguous block of NC K / 32 steps of 64 bytes; step s
-     * requests the NC lines PFB + 64 NC s bytes past the block's start, so consecutive tiles ask
-     * for every line of the weight once, PFB bytes before it is read, into L2 (the hint T1: into
+     * requests the NC lines PFB1 + 64 NC s bytes past the block's start, so consecutive tiles ask
+     * for every line of the weight once, PFB1 bytes before it is read, into L2 (the hint T1: into
      * L1, the lines of the next tiles evicted the tile being read) */
-    const char *next = (const char *)w + PFB;
+    const char *next = (const char *)w + PFB1;
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv = load_bh(x + k, m);
@@ -206,8 +209,8 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     __m256 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     const int64_t K16 = K / 16 * 16;
-    /* as on AVX-512, NC / 2 lines per step of 16, PFB bytes ahead (without: 0.4x read speed) */
-    const char *next = (const char *)w + PFB;
+    /* as on AVX-512, NC / 2 lines per step of 16, PFB1 bytes ahead (without: 0.4x read speed) */
+    const char *next = (const char *)w + PFB1;
     for (int64_t k = 0; k < K16; k += 16) {
         __m256i xv = load256(x + k);
         __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
@@ -311,7 +314,7 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     __asm__("" : "+r"(ldx0));
     for (; n + 4 <= n1; n += 4) {
         float o2[8];
-        bf16_tile4(x, ldx0, w + n * K, K, o2, 4, (const char *)(w + n * K) + PFB, 2);
+        bf16_tile4(x, ldx0, w + n * K, K, o2, 4, (const char *)(w + n * K) + PFB1, 2);
         float *o = y16 ? buf + (n - nb * NB) : y + n;
         for (int c = 0; c < 4; c++) o[c] = o2[c];
     }
