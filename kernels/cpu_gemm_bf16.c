@@ -307,9 +307,10 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     int64_t n = nb * NB;
 #if defined(TRITIUM_AVX2)
     /* 4 channels at a time as two rows of the same x (bf16_tile4; the second row's sums dropped):
-     * the weight streamed at 0.8x a plain read one row at a time, at read speed two rows at a time
-     * (the loads and prefetches spread over twice the arithmetic; gemv_bench). Row 0's bits are
-     * bf16_row's. ldx is hidden from the compiler so it keeps both rows' chains. */
+     * from DRAM, 4-7 % faster than bf16_row (about 0.85x a plain read; gemv_bench). Two distinct
+     * rows stream at read speed in the same tile, for a reason not found (not the prefetch
+     * distance, not x's address). Row 0's bits are bf16_row's. ldx is hidden from the compiler so
+     * it keeps both rows' chains. */
     int64_t ldx0 = 0;
     __asm__("" : "+r"(ldx0));
     for (; n + 4 <= n1; n += 4) {
