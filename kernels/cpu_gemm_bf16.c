@@ -22,9 +22,10 @@
  * every weight from memory once per step, as short rows read several at once, which the hardware
  * prefetchers do not run ahead of: one row asks for each line PFB1 bytes before reading it, two
  * to six rows PFB (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a
- * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): one row at 32 KB
+ * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): bf16_row at 32 KB
  * streamed 3-6 % faster than at 16 KB (tuned on 4 KiB pages), 48 KB as 32 KB, 4-8 KB 25-35 %
- * slower; two rows 2-3 % slower at 32 KB than at 16 KB (gemv_bench, docs/benchmarks.md).
+ * slower; the tiles (two rows, and the avx2 row in bf16_tile4) 2-8 % slower at 32 KB than at
+ * 16 KB (gemv_bench, docs/benchmarks.md).
  */
 #include <stdint.h>
 
@@ -40,7 +41,7 @@
 #define PFB 16384 /* bytes of weight requested ahead of the one read (streaming tiles, 2-6 rows) */
 #endif
 #ifndef PFB1
-#define PFB1 32768 /* the same for one row (bf16_row; the avx2 row as two rows in bf16_tile4) */
+#define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
 #endif
 
 #if defined(TRITIUM_AVX512)
@@ -307,7 +308,7 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     int64_t n = nb * NB;
 #if defined(TRITIUM_AVX2)
     /* 4 channels at a time as two rows of the same x (bf16_tile4; the second row's sums dropped):
-     * from DRAM, 4-7 % faster than bf16_row (about 0.85x a plain read; gemv_bench). Two distinct
+     * from DRAM, 5-10 % faster than bf16_row (about 0.85x a plain read; gemv_bench). Two distinct
      * rows stream at read speed in the same tile, for a reason not found (not the prefetch
      * distance, not x's address). Row 0's bits are bf16_row's. ldx is hidden from the compiler so
      * it keeps both rows' chains. */
@@ -315,7 +316,7 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     __asm__("" : "+r"(ldx0));
     for (; n + 4 <= n1; n += 4) {
         float o2[8];
-        bf16_tile4(x, ldx0, w + n * K, K, o2, 4, (const char *)(w + n * K) + PFB1, 2);
+        bf16_tile4(x, ldx0, w + n * K, K, o2, 4, (const char *)(w + n * K) + PFB, 2);
         float *o = y16 ? buf + (n - nb * NB) : y + n;
         for (int c = 0; c < 4; c++) o[c] = o2[c];
     }
