@@ -20,8 +20,12 @@
  * (the int4 GEMM of cpu_gemm_w4.c runs them on its dequantized panels). Threads: OpenMP over
  * blocks of output channels (a plain loop where the team would have one thread). A decode streams
  * every weight from memory once per step, as short rows read several at once, which the hardware
- * prefetchers do not run ahead of: one to six rows ask for each line PFB bytes before reading it
- * (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a plain read).
+ * prefetchers do not run ahead of: one row asks for each line PFB1 bytes before reading it, two
+ * to six rows PFB (without: the one-row kernel streamed at 0.4x (avx2) and 0.65x (avx512) of a
+ * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): bf16_row at 32 KB
+ * streamed 3-6 % faster than at 16 KB (tuned on 4 KiB pages), 48 KB as 32 KB, 4-8 KB 25-35 %
+ * slower; the tiles (two rows, and the avx2 row in bf16_tile4) 2-8 % slower at 32 KB than at
+ * 16 KB (gemv_bench, docs/benchmarks.md).
  */
 #include <stdint.h>
 
@@ -34,7 +38,10 @@
 #define MR 4   /* rows of x per tile */
 #define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 #ifndef PFB
-#define PFB 16384 /* bytes of weight requested ahead of the one read (streaming kernels) */
+#define PFB 16384 /* bytes of weight requested ahead of the one read (streaming tiles, 2-6 rows) */
+#endif
+#ifndef PFB1
+#define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
 #endif
 
 #if defined(TRITIUM_AVX512)
@@ -99,10 +106,10 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     __m512 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
     /* the NC rows of this tile are one contiguous block of NC K / 32 steps of 64 bytes; step s
-     * requests the NC lines PFB + 64 NC s bytes past the block's start, so consecutive tiles ask
-     * for every line of the weight once, PFB bytes before it is read, into L2 (the hint T1: into
+     * requests the NC lines PFB1 + 64 NC s bytes past the block's start, so consecutive tiles ask
+     * for every line of the weight once, PFB1 bytes before it is read, into L2 (the hint T1: into
      * L1, the lines of the next tiles evicted the tile being read) */
-    const char *next = (const char *)w + PFB;
+    const char *next = (const char *)w + PFB1;
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 m = K - k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv = load_bh(x + k, m);
@@ -167,8 +174,8 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
 /* Up to 2 rows x 4 channels where the weight streams (a few rows): bf16_tile's order per output,
  * 8 accumulator chains (2 x 2 left the FMA latency exposed: half the cache-resident speed), each
  * weight widened once for both rows; pf as bf16_tile (2 lines per step of 16). */
-INLINE void bf16_tile4(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo, const char *pf,
-                       const int MR_) {
+INLINE void bf16_tile4(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t K, float *out, int64_t ldo,
+                       const char *pf, const int MR_) {
     __m256 acc[2][4];
     for (int r = 0; r < MR_; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
@@ -178,7 +185,7 @@ INLINE void bf16_tile4(const uint16_t *x, const uint16_t *w, int64_t K, float *o
         _mm_prefetch(pf + k / 16 * 128 + 64, _MM_HINT_T1);
         __m256 xe[2], xo[2];
         for (int r = 0; r < MR_; r++) {
-            __m256i xv = load256(x + r * K + k);
+            __m256i xv = load256(x + r * ldx + k);
             xe[r] = bf16_even(xv), xo[r] = bf16_odd(xv);
         }
         for (int c = 0; c < 4; c++) {
@@ -192,7 +199,7 @@ INLINE void bf16_tile4(const uint16_t *x, const uint16_t *w, int64_t K, float *o
         for (int c = 0; c < 4; c++) {
             __m256i v = load256(tail16(w + c * K + K16, K - K16, bw));
             for (int r = 0; r < MR_; r++)
-                acc[r][c] = dot16_eo(acc[r][c], tail16(x + r * K + K16, K - K16, bx), bf16_even(v), bf16_odd(v));
+                acc[r][c] = dot16_eo(acc[r][c], tail16(x + r * ldx + K16, K - K16, bx), bf16_even(v), bf16_odd(v));
         }
     }
     for (int r = 0; r < MR_; r++)
@@ -203,8 +210,8 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
     __m256 acc[NR1];
     for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
     const int64_t K16 = K / 16 * 16;
-    /* as on AVX-512, NC / 2 lines per step of 16, PFB bytes ahead (without: 0.4x read speed) */
-    const char *next = (const char *)w + PFB;
+    /* as on AVX-512, NC / 2 lines per step of 16, PFB1 bytes ahead (without: 0.4x read speed) */
+    const char *next = (const char *)w + PFB1;
     for (int64_t k = 0; k < K16; k += 16) {
         __m256i xv = load256(x + k);
         __m256 xe = bf16_even(xv), xo = bf16_odd(xv);
@@ -259,8 +266,8 @@ static void tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t nc, i
         if (pfb && mr <= 2) /* streaming, 1-2 rows: 4 channels at a time */
             for (; n + 4 <= nc; n += 4) {
                 const char *pf = (const char *)(w + n * K) + pfb;
-                if (mr == 1) bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 1);
-                else bf16_tile4(x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 2);
+                if (mr == 1) bf16_tile4(x + m0 * K, K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 1);
+                else bf16_tile4(x + m0 * K, K, w + n * K, K, y + m0 * ldy + n, ldy, pf, 2);
             }
 #endif
         for (; n + NR <= nc; n += NR) ROWS(NR)
@@ -298,7 +305,23 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
                       int64_t nb) {
     const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
     float buf[NB];
-    for (int64_t n = nb * NB; n < n1; n += NR1) {
+    int64_t n = nb * NB;
+#if defined(TRITIUM_AVX2)
+    /* 4 channels at a time as two rows of the same x (bf16_tile4; the second row's sums dropped):
+     * from DRAM, 5-10 % faster than bf16_row (about 0.85x a plain read; gemv_bench). Two distinct
+     * rows stream at read speed in the same tile, for a reason not found (not the prefetch
+     * distance, not x's address). Row 0's bits are bf16_row's. ldx is hidden from the compiler so
+     * it keeps both rows' chains. */
+    int64_t ldx0 = 0;
+    __asm__("" : "+r"(ldx0));
+    for (; n + 4 <= n1; n += 4) {
+        float o2[8];
+        bf16_tile4(x, ldx0, w + n * K, K, o2, 4, (const char *)(w + n * K) + PFB, 2);
+        float *o = y16 ? buf + (n - nb * NB) : y + n;
+        for (int c = 0; c < 4; c++) o[c] = o2[c];
+    }
+#endif
+    for (; n < n1; n += NR1) {
         const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
         float *o = y16 ? buf + (n - nb * NB) : y + n;
         if (nc == NR1) bf16_row(x, w + n * K, K, o, NR1);

@@ -25,6 +25,25 @@ def test_gemv_bench_prints_a_row_per_path_kind_and_rows(capsys):
         assert len(vals) == len(gemv_bench.SHAPES) + 3 and all(math.isfinite(v) and v > 0 for v in vals), r
 
 
+def test_gemv_bench_times_base_kernels_interleaved(capsys, tmp_path):
+    """--base-kernels DIR: a second set of rows (path+base) from the kernels compiled out of DIR (here
+    a copy of this tree's sources, so both run); a directory that is not there is refused."""
+    import shutil
+    from tritium.kernels import cpu_native
+    for src in cpu_native._SRCS + cpu_native._HEADERS:
+        shutil.copy(src, tmp_path)
+    path = cpu_isa.runnable()[0]
+    assert gemv_bench.main(["--layers", "1", "--rounds", "1", "--rows", "1", "--kinds", "bf16", "--pages", "4k",
+                            "--paths", path, "--base-kernels", str(tmp_path)]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == [path, path + "+base"], rows
+    for r in rows:
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in r[4:]), r
+    with pytest.raises(SystemExit):
+        gemv_bench.main(["--base-kernels", str(tmp_path / "missing")])
+    assert "--base-kernels" in capsys.readouterr().err
+
+
 def test_gemv_bench_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         gemv_bench.main(["--layers", "0"])
