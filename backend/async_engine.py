@@ -84,7 +84,7 @@ class AsyncLLMEngine:
     """Thread-safe wrapper: generate() streams, abort() cancels, stats() snapshots."""
 
     def __init__(self, engine_dir: Optional[str] = None, *, engine: Optional[LLMEngine] = None,
-                 max_queue_size: Optional[int] = None, coalesce: bool = True, **kwargs):
+                 max_queue_size: Optional[int] = None, coalesce: bool = False, **kwargs):
         if max_queue_size is not None and (isinstance(max_queue_size, bool) or not isinstance(max_queue_size, int)
                                            or max_queue_size < 1):
             raise ValueError(f"max_queue_size must be an integer >= 1 or None, got {max_queue_size!r}")

@@ -4,7 +4,7 @@ against LLMEngine's greedy generate (a slow consumer forces the lag), and throug
 tritonserver with tritonclient: under 16 concurrent streams of a tiny model (sub-millisecond
 steps, so delivery lags) the concatenated stream of every request equals its non-streamed result,
 ids and text, and every response's num_output_tokens is the running count: no token lost or
-duplicated; `coalesce_responses false` sends one token per response."""
+duplicated; `coalesce_responses false` (the default) sends one token per response."""
 from __future__ import annotations
 
 import os
@@ -89,7 +89,7 @@ def server(tiny_engine, tmp_path_factory):
     engine = tiny_engine("llama")
     root = str(tmp_path_factory.mktemp("coalesce"))
     repo = os.path.join(root, "repo")
-    for name, params in (("on", {}), ("off", {"coalesce_responses": "false"}), ("bad", {"coalesce_responses": "maybe"})):
+    for name, params in (("on", {"coalesce_responses": "true"}), ("off", {}), ("bad", {"coalesce_responses": "maybe"})):
         os.makedirs(os.path.join(repo, name, "1"))
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
             f.write(llm_config(name, engine, 16, params))

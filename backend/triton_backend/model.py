@@ -67,9 +67,11 @@ def _tensor_parallel_size(engine_dir: str) -> int:
 
 
 def _coalesce(params: dict) -> bool:
-    """Parameter coalesce_responses (default true): when the delivery thread falls behind the
-    engine, a stream's queued tokens go out in one response (docs/serving.md#per-token-work-beside-the-step)."""
-    v = (params.get("coalesce_responses") or "true").strip().lower()
+    """Parameter coalesce_responses (default false: one response per engine step and stream, as
+    the TensorRT-LLM contract's streaming clients expect): when true and the delivery thread falls
+    behind the engine, a stream's queued tokens go out in one response
+    (docs/serving.md#per-token-work-beside-the-step)."""
+    v = (params.get("coalesce_responses") or "false").strip().lower()
     if v not in ("true", "false", "1", "0"):
         raise ValueError(f"parameter coalesce_responses must be true or false, got {v!r}")
     return v in ("true", "1")
