@@ -272,7 +272,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
                 }
         }
         float dv[16], zv[16];
-        for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[b * 16 + j]), zv[j] = zp ? half_to_f32(zp[b * 16 + j]) : 0.0f;
+        for (int j = 0; j < 16; j++) dv[j] = f16_to_f32(dp[b * 16 + j]), zv[j] = zp ? f16_to_f32(zp[b * 16 + j]) : 0.0f;
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
             const int64_t ai = aidx(KB, m, b);

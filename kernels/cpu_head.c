@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_f16.h" /* f16_to_f32 */
+
 #define QB 32 /* activation block */
 #define MR 8  /* rows of x per pass over a panel */
 #define VB 384 /* bytes of a panel's block: 6 x 64 */
@@ -142,17 +144,6 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 #else /* portable C: unsigned codes u, T = sum u q - 32 S as on the SIMD paths */
 #define OFF 32
-static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (e == 0) {
-        const float f = (float)m * 5.9604644775390625e-08f; /* 2^-24 */
-        return sign ? -f : f;
-    }
-    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-    return v.f;
-}
-
 static __attribute__((noinline)) void dots16(const uint8_t (*restrict c)[QB], const int8_t *restrict x,
                                              int32_t *restrict t) {
     for (int j = 0; j < 16; j++) {
@@ -187,7 +178,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
         uint8_t c[16][QB];
         unpack_block(wp + b * VB, c);
         float dv[16];
-        for (int j = 0; j < 16; j++) dv[j] = half_to_f32(dp[(b / A->bpg) * 16 + j]);
+        for (int j = 0; j < 16; j++) dv[j] = f16_to_f32(dp[(b / A->bpg) * 16 + j]);
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
             const float xd = A->xd[m * KB + b];

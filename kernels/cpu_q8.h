@@ -5,21 +5,7 @@
 #ifndef TRITIUM_CPU_Q8_H
 #define TRITIUM_CPU_Q8_H
 
-static inline float bf16_to_f32(uint16_t b) {
-    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
-    return v.f;
-}
-
-static inline float half_to_f32(uint16_t h) { /* IEEE binary16 -> float32, exact */
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (e == 0) {
-        const float f = (float)m * 5.9604644775390625e-08f; /* 2^-24 */
-        return sign ? -f : f;
-    }
-    v.u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112u) << 23) | (m << 13));
-    return v.f;
-}
+#include "cpu_f16.h" /* f16_to_f32; cpu_simd.h: bf16_to_f32 */
 
 /* ---------------------------------------------------------------- activation quantization */
 
