@@ -6,7 +6,7 @@
  * arithmetic or order (each item writes its own outputs), so the bits are those of one thread.
  *
  * split_chunk: items per claim, enough that one claim covers about SPLIT_MACS multiply-adds
- * (a few us of work against tens of ns for the claim: under 1 %), and at most a quarter of a
+ * (tens of us of work against tens to hundreds of ns for the claim), and at most a quarter of a
  * thread's share, so a team of T threads makes at least 4 T claims and the tail stays short. */
 #ifndef TRITIUM_CPU_SPLIT_H
 #define TRITIUM_CPU_SPLIT_H
@@ -16,7 +16,7 @@
 #include <omp.h>
 #endif
 
-#define SPLIT_MACS (1 << 20)
+#define SPLIT_MACS (1 << 22)
 
 static inline int64_t split_chunk(int64_t items, int64_t macs_per_item) {
 #ifdef _OPENMP
