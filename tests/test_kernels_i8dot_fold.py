@@ -114,3 +114,23 @@ def test_folded_extreme_codes_stay_exact(cpu_path):
     got = cpu_native.i8dot_gemm(x, w).double()
     ref = ip.i8dot_gemm_ref(x, w)
     assert torch.allclose(got, ref, rtol=1e-6, atol=1e-9), f"path={cpu_path}: {got[:, :2]} vs {ref[:, :2]}"
+
+
+def test_fold_switch_at_load(monkeypatch):
+    """TRITIUM_I4_FOLD (read when an int4 linear is packed): 1 (default) folds, 0 keeps the float
+    zero term and the stored grid exactly; any other value is refused naming the variable."""
+    from tritium.kernels import ops
+    torch.manual_seed(4)
+    n, k = 32, 128
+    c, s, z = _weights(n, k)
+    u = (c + 8).to(torch.uint8).view(n, k // 2, 2)
+    buf = {"qweight": u[:, :, 0] | (u[:, :, 1] << 4), "scales": s, "zeros": z}
+    for v, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("TRITIUM_I4_FOLD", v)
+        w = ops.pack_cpu_linear("int4", buf, torch.bfloat16, 32, activation_quant="int8").tensors[0]
+        assert w.fold is want, f"TRITIUM_I4_FOLD={v}"
+    exact = c.double() * s.double().t().repeat_interleave(32, 1) + z.double().t().repeat_interleave(32, 1)
+    assert torch.allclose(ip.dequantize(w), exact, rtol=2 ** -10, atol=1e-9)
+    monkeypatch.setenv("TRITIUM_I4_FOLD", "yes")
+    with pytest.raises(ValueError, match="TRITIUM_I4_FOLD"):
+        ops.pack_cpu_linear("int4", buf, torch.bfloat16, 32, activation_quant="int8")
