@@ -5,7 +5,7 @@
 
 #define OFF8 0 /* signed int8 codes through the sign trick */
 #define OFF4 8
-#define OFF4F (-1) /* folded int4: xo = S, for the (zc - 128) S term */
+#define OFF4F (-1) /* folded int4: xo = S & 0xffff (act_row), for the (zc - 128) S term */
 /* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|c| times
  * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
  * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
@@ -54,11 +54,11 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
             __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
             for (int i = 1; i < 8; i++)
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
-            t = _mm256_madd_epi16(s16, ones);
-            if (ZF) /* xo = S: (zc - 128) S in one VPMADDWD (S in the low int16 of each lane) */
-                t = _mm256_add_epi32(_mm256_slli_epi32(t, 3), _mm256_madd_epi16(zcm, _mm256_set1_epi32(A->xo[ai] & 0xffff)));
+            if (ZF) /* 8 U, plus (zc - 128) S in one VPMADDWD (xo: S in the low int16, 0 above) */
+                t = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(8)),
+                                     _mm256_madd_epi16(zcm, _mm256_set1_epi32(A->xo[ai])));
             else
-                t = _mm256_add_epi32(t, _mm256_set1_epi32(A->xo[ai]));
+                t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[ai]));
         }
         f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[ai]), f[r]);
         if (ZP) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[ai]), zv, f[r]);
