@@ -280,16 +280,16 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
     }
 }
 
-/* Row m of x into the scratch: codes, scales, xz = xd S, xo = -off S (S the block's code sum; off
- * -1: S & 0xffff, the low int16 of a VPMADDWD operand). */
+/* Row m of x into the scratch: codes, scales, xz = xd S (off -1: S), xo = -off S (S the block's
+ * code sum). */
 static void act_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, float *xz, int32_t *xo,
                     int64_t m) {
     const int64_t KB = K / QB, a0 = aidx(KB, m, 0);
     quantize_row(x + m * K, K, xq + a0 * QB, xd + a0, xo + a0, MR * QB, MR); /* xo: S for now */
     for (int64_t b = 0; b < KB; b++) {
         const int64_t ai = a0 + b * MR;
-        xz[ai] = xd[ai] * (float)xo[ai];
-        xo[ai] = off == -1 ? (xo[ai] & 0xffff) : -off * xo[ai]; /* -1: S as an int16 lane (AVX2 folded) */
+        xz[ai] = off == -1 ? (float)xo[ai] : xd[ai] * (float)xo[ai]; /* -1: S itself (AVX2 folded) */
+        xo[ai] *= -off;
     }
 }
 

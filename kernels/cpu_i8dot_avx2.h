@@ -5,12 +5,14 @@
 
 #define OFF8 0 /* signed int8 codes through the sign trick */
 #define OFF4 8
-#define OFF4F (-1) /* folded int4: xo = S & 0xffff (act_row), for the (zc - 128) S term */
+#define OFF4F (-1) /* folded int4: xz = S as a float (act_row), for the (zc - 128) S term */
 /* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|c| times
  * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
  * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
  * (8 x 2 x 15 x 127 < 2^15), then one VPMADDWD, started from -8 S; folded int4: the same nibble
- * sum U, then T = 8 U + (zc - 128) S, one VPMADDWD of zc - 128 with S. */
+ * sum U, then T / 8 = U + (zc - 128) / 8 S in one float FMA, exact (every term a multiple of 1/8
+ * below 2^17: 20 significant bits), times 8 d: the real product T d of the other paths, so the
+ * same rounding and bits as float(T) d. */
 /* Block b of half panel h (8 channels) for MR_ rows: f[r] += this block's share of row m0 + r. */
 INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                        int64_t b, __m256 *f, const int BITS, const int MR_, const int h) {
@@ -35,9 +37,12 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
     const int ZF = BITS == FOLD4, ZP = zp && !ZF; /* folded zeros: integer; else a float zero term */
     const __m256 zv = ZP ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
                          : _mm256_setzero_ps();
-    const __m256i zcm = ZF ? _mm256_sub_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h))),
-                                              _mm256_set1_epi32(128))
-                           : _mm256_setzero_si256();
+    /* folded: (zc - 128) / 8 and 8 d, exact */
+    const __m256 zc8 = ZF ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                 _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h))),
+                                 _mm256_set1_epi32(128))), _mm256_set1_ps(0.125f))
+                          : _mm256_setzero_ps();
+    const __m256 dv8 = _mm256_mul_ps(dv, _mm256_set1_ps(8.0f));
     const int64_t at = aidx(KB, m0, b); /* m0 % MR == 0: row r's codes at (at + r) QB */
     for (int r = 0; r < MR_; r++) {
         const int64_t ai = at + r;
@@ -54,11 +59,13 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
             __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
             for (int i = 1; i < 8; i++)
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
-            if (ZF) /* 8 U, plus (zc - 128) S in one VPMADDWD (xo: S in the low int16, 0 above) */
-                t = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(8)),
-                                     _mm256_madd_epi16(zcm, _mm256_set1_epi32(A->xo[ai])));
-            else
-                t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[ai]));
+            if (ZF) { /* xz = S: T / 8 exactly, times 8 d */
+                const __m256 t8 = _mm256_fmadd_ps(zc8, _mm256_set1_ps(A->xz[ai]),
+                                                  _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)));
+                f[r] = _mm256_fmadd_ps(_mm256_mul_ps(t8, dv8), _mm256_set1_ps(A->xd[ai]), f[r]);
+                continue;
+            }
+            t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[ai]));
         }
         f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[ai]), f[r]);
         if (ZP) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[ai]), zv, f[r]);

@@ -134,3 +134,22 @@ def test_fold_switch_at_load(monkeypatch):
     monkeypatch.setenv("TRITIUM_I4_FOLD", "yes")
     with pytest.raises(ValueError, match="TRITIUM_I4_FOLD"):
         ops.pack_cpu_linear("int4", buf, torch.bfloat16, 32, activation_quant="int8")
+
+
+def test_folded_avx2_gives_the_avx512_bits():
+    """AVX2 forms the folded block sum as T / 8 in one exact float FMA and multiplies by 8 d (the
+    real product T d), AVX-512 converts the integer T: the same float steps, so the same bits at 1,
+    2, 3 and 16 rows (paths skipped with the reason where this CPU cannot run them)."""
+    from conftest import forced_cpu_path
+    seed = fixed_seed()
+    torch.manual_seed(seed)
+    n, k = 37, 640
+    c, s, z = _weights(n, k)
+    w = ip.repack(c, s, z, 32, 4)
+    x = torch.randn(16, k) * 3
+    got = {}
+    for path in ("avx512", "avx2"):
+        with forced_cpu_path(path):
+            got[path] = [cpu_native.i8dot_gemm(x[:m], w) for m in (1, 2, 3, 16)]
+    for a, b in zip(got["avx512"], got["avx2"]):
+        assert torch.equal(a, b), f"seed={seed} rows={a.shape[0]}: max diff {(a - b).abs().max().item():.3g}"
