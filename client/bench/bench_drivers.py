@@ -21,7 +21,9 @@ from tritium.client.bench.bench_workload import BenchRequest
 
 # The outputs the Triton driver asks for: those it reads from every response (each output of a
 # response costs the backend a tensor, tritonserver a copy and gRPC a field; docs/serving.md).
-REQUESTED_OUTPUTS = ("output_ids", "num_input_tokens", "num_output_tokens")
+# The text is read too: a streaming user wants it, and llama-server's SSE events carry it, so
+# both systems of a comparison deliver and decode the same per-token payload.
+REQUESTED_OUTPUTS = ("output_ids", "text_output", "num_input_tokens", "num_output_tokens")
 
 now = time.perf_counter
 
@@ -53,6 +55,7 @@ class RequestResult:
     chunk_tokens: List[int] = field(default_factory=list)    # tokens in that chunk
     num_output_tokens: Optional[int] = None                  # as the system reported it, if it did
     num_prompt_tokens: Optional[int] = None
+    text_chars: int = 0                                      # characters of text received
     error: Optional[str] = None
 
     @property
@@ -120,8 +123,8 @@ class _SharedStream:
     def __init__(self, drv: TritonGrpcDriver):
         import tritonclient.grpc as grpcclient
         self.drv, self.grpc = drv, grpcclient
-        # What this client reads: the new token ids and the counts the benchmark checks (the
-        # other outputs of the contract, e.g. the text, log probs and context ids, are not asked for).
+        # What this client reads: the new token ids, their text and the counts the benchmark checks
+        # (the other outputs of the contract, e.g. log probs and context ids, are not asked for).
         self._outputs = [grpcclient.InferRequestedOutput(n) for n in REQUESTED_OUTPUTS]
         self._lock = threading.Lock()
         self._pending = {}    # request id -> (RequestResult, queue of its worker)
@@ -172,6 +175,9 @@ class _SharedStream:
                 if ids is not None and ids.size:
                     res.chunk_times.append(t)
                     res.chunk_tokens.append(int(ids.size))
+                text = result.as_numpy("text_output")
+                if text is not None and text.size:
+                    res.text_chars += len(text.reshape(-1)[0].decode("utf-8", "replace"))
                 for name, attr in (("num_output_tokens", "num_output_tokens"),
                                    ("num_input_tokens", "num_prompt_tokens")):
                     a = result.as_numpy(name)
