@@ -133,6 +133,8 @@ class _OpenAISession:
             if choice is not None and (choice.get("finish_reason") is None or choice.get("text")):
                 res.chunk_times.append(t)
                 res.chunk_tokens.append(1)
+            if choice is not None:
+                res.text_chars += len(choice.get("text") or "")
             usage = d.get("usage") or {}
             if usage.get("completion_tokens") is not None:
                 res.num_output_tokens = int(usage["completion_tokens"])
