@@ -79,7 +79,7 @@ def test_split_bench_refuses_bad_flags_naming_them(tmp_path, capsys):
 def test_load_process_is_busy_its_share_and_stops():
     """The background load works about W ms of every P ms (its CPU time over a wall interval)."""
     import os
-    from tritium.client.bench.split_bench import Load
+    from tritium.client.bench.bg_load import Load
 
     def cpu_s(pid):  # user + system time from /proc (Linux), in clock ticks
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()

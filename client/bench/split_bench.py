@@ -20,64 +20,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from tritium.client.bench.bg_load import Load, parse_load
 from tritium.kernels import cpu_native, head_pack
 from tritium.kernels import i8dot_pack as ip
 
 SHAPES = (("gate_up", 3072, 576), ("down", 576, 1536), ("qkv", 960, 576), ("o", 576, 576))
 HEAD = ("LM head", 49152, 576, 16)  # (name, N, K, rows)
 KINDS = ("bf16", "int8", "int4")
-_LOADER = r"""
-import sys, time
-w, p = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
-t = time.perf_counter()
-while True:
-    e = t + w
-    while time.perf_counter() < e:
-        pass
-    t += p
-    d = t - time.perf_counter()
-    if d > 0:
-        time.sleep(d)
-    else:
-        t = time.perf_counter()
-"""
-
-
-def parse_load(s: str) -> Tuple[float, float]:
-    try:
-        w, p = (float(v) for v in s.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--loads: {s!r} is not W/P (busy W ms of every P ms, e.g. 1/4)")
-    if not (0 <= w < p):
-        raise argparse.ArgumentTypeError(f"--loads: {s!r} needs 0 <= W < P")
-    return w, p
-
-
-class Load:
-    """A process busy w ms of every p ms while the block runs (none when w == 0)."""
-
-    def __init__(self, w: float, p: float):
-        self.w, self.p, self.proc = w, p, None
-
-    def __enter__(self):
-        if self.w > 0:
-            self.proc = subprocess.Popen([sys.executable, "-c", _LOADER, str(self.w), str(self.p)])
-            time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-
-
 def _weights(kind: str, n: int, k: int, head: bool):
     g = torch.Generator().manual_seed(n * 7 + k)
     if kind == "bf16":

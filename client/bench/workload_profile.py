@@ -20,7 +20,7 @@ each round on new prompt text; the ratio this tree / DIR is printed per round. T
 instruction-set path follows TRITIUM_CPU_ISA as everywhere.
 
 --load W/P: a background process busy W ms of every P ms runs during the workload (as the server's
-delivery thread, tritonserver and the client take a core for a moment; split_bench.Load).
+delivery thread, tritonserver and the client take a core for a moment; bg_load.Load).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.models import decoder, linear, native_step
 from tritium.backend.sampling_params import SamplingParams
 from tritium.client.bench.bench_workload import WorkloadSpec, make_requests
-from tritium.client.bench.split_bench import Load, parse_load
+from tritium.client.bench.bg_load import Load, parse_load
 from tritium.kernels import cpu_native, ops
 
 
