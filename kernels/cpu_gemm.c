@@ -23,6 +23,7 @@
 
 #include "cpu_f16.h"
 #include "cpu_simd.h"
+#include "cpu_split.h"
 
 #define MR 8   /* rows of x per pass: MR partial + MR total accumulators stay in registers */
 #define NB 16  /* output channels per parallel work item */
@@ -232,7 +233,8 @@ static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, co
     uint16_t *bufs = (uint16_t *)malloc((size_t)nt * NP * K * sizeof(uint16_t));
     if (!bufs) return 0;
     const int64_t npanels = (N + NP - 1) / NP, per_n = params ? (K / G) * nz : 0;
-#pragma omp parallel for schedule(static)
+    const int64_t chunk = split_chunk(npanels, M * NP * K); /* claimed panels (cpu_split.h) */
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t p = 0; p < npanels; p++) {
 #ifdef _OPENMP
         uint16_t *buf = bufs + (size_t)omp_get_thread_num() * NP * K;
@@ -275,8 +277,8 @@ static int panel_gemm(const uint16_t *x, const int8_t *w, const float *scale, co
 void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, float *y,
                         int64_t M, int64_t N, int64_t K) {
     if (PANEL(M) && panel_gemm(x, w, scale, 0, 0, y, M, N, K, 32)) return;
-    const int64_t nblocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
+    const int64_t nblocks = (N + NB - 1) / NB, chunk = split_chunk(nblocks, M * NB * K);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS
@@ -309,8 +311,8 @@ void tritium_w8a16_gemm(const uint16_t *x, const int8_t *w, const float *scale, 
 void tritium_w8g_gemm(const uint16_t *x, const int8_t *w, const float *params, int64_t nz, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t G) {
     if (PANEL(M) && panel_gemm(x, w, 0, params, nz, y, M, N, K, G)) return;
-    const int64_t nblocks = (N + NB - 1) / NB, per_n = (K / G) * nz;
-#pragma omp parallel for schedule(static)
+    const int64_t nblocks = (N + NB - 1) / NB, per_n = (K / G) * nz, chunk = split_chunk(nblocks, M * NB * K);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_COLS

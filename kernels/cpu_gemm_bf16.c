@@ -30,6 +30,7 @@
 #include <stdint.h>
 
 #include "cpu_simd.h"
+#include "cpu_split.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -372,7 +373,9 @@ static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
         }
         return;
     }
-#pragma omp parallel for schedule(static)
+    /* claimed items (cpu_split.h): an item is NB channels of up to MC rows */
+    const int64_t chunk = split_chunk(items, (M < MC ? M : MC) * NB * K);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; i++) {
         if (M == 1) row_block(x, w, y, y16, N, K, i);
         else rows_item(x, w, y, y16, M, N, K, i);

@@ -51,6 +51,7 @@
 #endif
 
 #include "cpu_q8.h" /* quantize_row, tritium_q8_quantize */
+#include "cpu_split.h"
 
 /* ---------------------------------------------------------------- per-path panel kernels */
 
@@ -318,11 +319,12 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
      * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then
      * takes the panels */
     if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+        const int64_t rchunk = split_chunk(M, 64 * K), pchunk = split_chunk(P, M * 16 * K); /* cpu_split.h */
 #pragma omp parallel
         {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, rchunk)
             for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, pchunk)
             for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
         }
         free(mem);

@@ -16,6 +16,7 @@
 
 #include "cpu_f16.h"
 #include "cpu_simd.h"
+#include "cpu_split.h"
 
 #define NB 32 /* output channels per parallel work item (as tritium_bf16_gemm) */
 #define MR 4  /* rows of x the portable w4_rows can take (it serves one row here) */
@@ -166,11 +167,11 @@ static void w4_panel(const uint8_t *w4, const uint16_t *scale, const uint16_t *z
  * tiles are the bf16 GEMM's: the same bits as tritium_int4_to_bf16 + tritium_bf16_gemm). */
 static void w4_gemm_panels(const uint16_t *x, const uint8_t *w4, const uint16_t *scale, const uint16_t *zero,
                            float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    const int64_t nblocks = (N + NB - 1) / NB;
+    const int64_t nblocks = (N + NB - 1) / NB, chunk = split_chunk(nblocks, M * NB * K);
 #pragma omp parallel
     {
         uint16_t *panel = (uint16_t *)malloc((size_t)(NB * K) * sizeof(uint16_t));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             const int64_t n0 = nb * NB, n1 = n0 + NB < N ? n0 + NB : N;
             w4_panel(w4, scale, zero, n0, n1 - n0, N, K, G, panel);
@@ -189,8 +190,8 @@ void tritium_w4_gemm(const uint16_t *x, const uint8_t *w4, const uint16_t *scale
         w4_gemm_panels(x, w4, scale, zero, y, M, N, K, G);
         return;
     }
-    const int64_t nblocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
+    const int64_t nblocks = (N + NB - 1) / NB, chunk = split_chunk(nblocks, NB * K);
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t nb = 0; nb < nblocks; nb++) {
         const int64_t n1 = (nb + 1) * NB < N ? (nb + 1) * NB : N;
 #ifdef HAVE_W4_COLS

@@ -16,6 +16,7 @@
 #include "cpu_simd.h"
 
 #define GLUE_PARALLEL_ROWS 32
+#define GLUE_CHUNK 16 /* rows per claim: claimed, not halved (cpu_split.h says why) */
 
 #if defined(TRITIUM_AVX512)
 static inline void store_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, f32x16_to_bf16(x)); }
@@ -24,7 +25,7 @@ static inline void store_bf16(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m2
  * out = bf16(w * bf16(r / sqrt(mean(r^2) + eps))), r = res_out in float32. */
 void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps,
                                int64_t T, int64_t H, uint16_t *out, uint16_t *res_out) {
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xr = x + t * H;
         uint16_t *rr = res_out + t * H;
@@ -62,7 +63,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
                                 const int64_t *slot, int64_t T, int64_t hq, int64_t hkv, int64_t D,
                                 uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache) {
     const int64_t row = (hq + 2 * hkv) * D;
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *src = qkv + t * row, *c = cos + t * D, *s = ssin + t * D;
         for (int64_t h = 0; h < hq; h++) rope_head(src + h * D, c, s, D, q_out + (t * hq + h) * D);
@@ -75,7 +76,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
 /* x (T, 2n) = [gate | up]: out (T, n) = bf16(bf16(silu(gate)) * up), silu(a) = a / (1 + e^-a). */
 void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *out) {
     const __m512 one = _mm512_set1_ps(1.0f);
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = x + t * 2 * n, *u = g + n;
         for (int64_t i = 0; i < n; i += 16) {
@@ -116,7 +117,7 @@ INLINE float vsum(vf a) { return sum16(a.v); }
 /* The same steps as the AVX-512 code above, VL lanes at a time (H, D / 2, n multiples of 16). */
 void tritium_add_rms_norm_bf16(const uint16_t *x, const uint16_t *res, const uint16_t *w, float eps,
                                int64_t T, int64_t H, uint16_t *out, uint16_t *res_out) {
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xr = x + t * H;
         uint16_t *rr = res_out + t * H;
@@ -150,7 +151,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
                                 const int64_t *slot, int64_t T, int64_t hq, int64_t hkv, int64_t D,
                                 uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache) {
     const int64_t row = (hq + 2 * hkv) * D;
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *src = qkv + t * row, *c = cos + t * D, *s = ssin + t * D;
         for (int64_t h = 0; h < hq; h++) rope_head(src + h * D, c, s, D, q_out + (t * hq + h) * D);
@@ -161,7 +162,7 @@ void tritium_rope_kv_write_bf16(const uint16_t *qkv, const uint16_t *cos, const 
 }
 
 void tritium_silu_mul_bf16(const uint16_t *x, int64_t T, int64_t n, uint16_t *out) {
-#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(static)
+#pragma omp parallel for if (T >= GLUE_PARALLEL_ROWS) schedule(dynamic, GLUE_CHUNK)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = x + t * 2 * n, *u = g + n;
 #if defined(TRITIUM_AVX2)

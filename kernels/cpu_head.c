@@ -29,6 +29,7 @@
 #endif
 
 #include "cpu_f16.h" /* f16_to_f32 */
+#include "cpu_split.h"
 
 #define QB 32 /* activation block */
 #define MR 8  /* rows of x per pass over a panel */
@@ -208,8 +209,8 @@ int tritium_head6_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     tritium_q8_quantize(x, M, K, xq, xd, xo); /* xo: the code sums S for now */
     for (int64_t i = 0; i < M * KB; i++) xo[i] *= -OFF;
     const acts_t A = {xq, xd, xo, K, G / QB};
-    const int64_t P = (N + 15) / 16, pbytes = KB * VB, pd = 16 * (K / G);
-#pragma omp parallel for schedule(static)
+    const int64_t P = (N + 15) / 16, pbytes = KB * VB, pd = 16 * (K / G), chunk = split_chunk(P, M * 16 * K);
+#pragma omp parallel for schedule(dynamic, chunk) /* claimed panels (cpu_split.h) */
     for (int64_t p = 0; p < P; p++) {
         const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {

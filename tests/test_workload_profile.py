@@ -54,3 +54,55 @@ def test_nested_timers_count_each_second_once():
                                    (257, ">256")])
 def test_rows_classes(n, cls):
     assert wp.rows_class(n) == cls
+
+
+def test_load_flag_is_checked_and_named(tmp_path, capsys):
+    for bad in ("1", "4/1", "x/4"):
+        with pytest.raises(SystemExit) as e:
+            wp.main([str(tmp_path), "--load", bad])
+        assert e.value.code == 2
+        assert "--load" in capsys.readouterr().err
+
+
+def test_split_bench_refuses_bad_flags_naming_them(tmp_path, capsys):
+    from tritium.client.bench import split_bench as sb
+    for argv, flag in ((["--base-kernels", str(tmp_path / "missing")], "--base-kernels"),
+                       (["--base-kernels", str(tmp_path), "--threads", "0"], "--threads"),
+                       (["--base-kernels", str(tmp_path), "--rows", "0"], "--rows"),
+                       (["--base-kernels", str(tmp_path), "--loads", "3/2"], "--loads")):
+        with pytest.raises(SystemExit) as e:
+            sb.main(argv)
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_load_process_is_busy_its_share_and_stops():
+    """The background load works about W ms of every P ms (its CPU time over a wall interval)."""
+    import os
+    from tritium.client.bench.bg_load import Load
+
+    def cpu_s(pid):  # user + system time from /proc (Linux), in clock ticks
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    with Load(2.0, 8.0) as ld:
+        c0, t0 = cpu_s(ld.proc.pid), time.perf_counter()
+        time.sleep(1.0)
+        share = (cpu_s(ld.proc.pid) - c0) / (time.perf_counter() - t0)
+    assert ld.proc.poll() is not None  # stopped
+    assert 0.1 < share < 0.45, share  # 0.25 asked; a busy host stretches or delays its bursts
+
+
+def test_split_bench_prints_its_figures(capsys):
+    """One tiny run against this tree's own kernels as the base (the figures are printed, never
+    asserted: only that every case and the totals are there)."""
+    import os
+    from tritium.client.bench import split_bench as sb
+    from tritium.kernels import cpu_native
+    here = os.path.dirname(cpu_native.__file__)
+    assert sb.main(["--base-kernels", here, "--rows", "3", "--kinds", "int8", "--reps", "1", "--rounds", "1",
+                    "--loads", "0/4", "1/4", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("gate_up", "down", "qkv", "o", "LM head"):
+        assert f"int8 {name:>8s}" in out
+    assert out.count("the GEMMs above") == 2

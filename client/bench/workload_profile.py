@@ -1,7 +1,7 @@
 """Where the serving workload's time goes, in-process: a benchmark that prints figures.
 
     python -m tritium.client.bench.workload_profile ENGINE_DIR [--threads 1] [--num-requests 32]
-        [--concurrency 16] [--rounds 1] [--base-kernels DIR] [--no-split]
+        [--concurrency 16] [--rounds 1] [--base-kernels DIR] [--no-split] [--load W/P]
 
 Runs `tritium bench`'s workload (bench_workload.make_requests: seeded prompts of 12-384 words,
 16-256 output tokens, EOS ignored) on an LLMEngine in this process, keeping --concurrency requests
@@ -18,6 +18,9 @@ with another revision's kernels/*.c and *.h, e.g. `git archive main kernels | ta
 with this tree's kernels round by round (this tree first on even rounds, DIR first on odd ones),
 each round on new prompt text; the ratio this tree / DIR is printed per round. The host's
 instruction-set path follows TRITIUM_CPU_ISA as everywhere.
+
+--load W/P: a background process busy W ms of every P ms runs during the workload (as the server's
+delivery thread, tritonserver and the client take a core for a moment; bg_load.Load).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.models import decoder, linear, native_step
 from tritium.backend.sampling_params import SamplingParams
 from tritium.client.bench.bench_workload import WorkloadSpec, make_requests
+from tritium.client.bench.bg_load import Load, parse_load
 from tritium.kernels import cpu_native, ops
 
 
@@ -145,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--base-kernels", default=None, help="a directory of another revision's kernels/*.c, *.h")
     p.add_argument("--no-split", action="store_true", help="no per-op timers (tok/s only)")
+    p.add_argument("--load", type=parse_load, default=None,
+                   help="W/P: a background process busy W ms of every P ms during the workload")
     args = p.parse_args(argv)
     for flag, v in (("--threads", args.threads), ("--num-requests", args.num_requests),
                     ("--concurrency", args.concurrency), ("--rounds", args.rounds)):
@@ -167,8 +173,9 @@ def main(argv=None) -> int:
     try:
         eng = LLMEngine(args.engine, enable_prefix_caching=False)
         eng.generate(["warm-up"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        load = f", background load {args.load[0]:g} ms of every {args.load[1]:g} ms" if args.load else ""
         print(f"path {cpu_native.isa()}, torch threads {torch.get_num_threads()}, {args.num_requests} requests "
-              f"at concurrency {args.concurrency}", flush=True)
+              f"at concurrency {args.concurrency}{load}", flush=True)
         spec = WorkloadSpec(num_requests=args.num_requests)
         for rnd in range(args.rounds):
             order = list(libs) if rnd % 2 == 0 else list(libs)[::-1]
@@ -176,7 +183,8 @@ def main(argv=None) -> int:
             for name in order:
                 current["lib"] = name
                 timer.reset()
-                toks, wall, cpu = run_workload(eng, spec, args.concurrency, f"r{rnd}{name[0]}")
+                with Load(*(args.load or (0.0, 1.0))):
+                    toks, wall, cpu = run_workload(eng, spec, args.concurrency, f"r{rnd}{name[0]}")
                 rates[name] = (toks / wall, toks / cpu)
                 print(f"round {rnd} kernels {name}: {toks} tokens, {wall:.1f} s, {cpu:.1f} CPU-s: "
                       f"{toks / wall:.1f} tok/s, {toks / cpu:.1f} tok/CPU-s", flush=True)
