@@ -34,22 +34,16 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall() */
 #endif
-#include <limits.h>
 #include <stdlib.h>
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
-#ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "cpu_simd.h"
+#include "cpu_step_sync.h"
 
 /* The kernels this file calls (cpu_gemm.c, cpu_gemm_bf16.c, cpu_glue.c, cpu_decode_attention.c). */
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -72,6 +66,10 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
                                uint16_t *out);
+void tritium_paged_decode_heads_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                     const int32_t *block_tables, int64_t table_stride, int64_t tok, int64_t seq,
+                                     int64_t lo, int64_t len, int64_t hq, int64_t hkv, int64_t D, int64_t BS,
+                                     float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out);
 
 /* A linear layer's weight as cpu_linear.CpuLinear holds it (kernels/decode_layer.py fills these). */
 enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3, LIN_I8DOT = 4 };
@@ -142,78 +140,50 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
     return linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1 < n0 ? n0 : n1);
 }
 
-/* A barrier for the threads of one parallel region: spin (the others are usually microseconds
- * away: thread 0 runs a norm or the attention while the rest wait), then sleep on a futex (one of
- * them lost its core to another process): a spinning thread would keep the core its peer needs.
- * The spin is bounded by time, not by a count of pause instructions, whose latency differs from
- * CPU to CPU by 20x (and a guest's pause loop may exit to the hypervisor): waking a sleeping
- * thread costs tens of microseconds in a VM, more than most ops of a small step take, so a spin
- * of a few microseconds slept at almost every barrier and made two threads slower than one on
- * an idle host; on a busy one long spins made them slower still (backend/thread_policy.py then
- * picks one thread). */
-typedef struct {
-    int count, gen, sleepers;
-} step_barrier_t;
+/* Chunks per thread a GEMM's output units (32 channels) are cut into when the threads claim them:
+ * enough that a preempted thread leaves little behind, few enough that each call of a kernel
+ * still streams a long run of weights (a chunk of a 576-channel GEMM on two threads: 64 channels). */
+#define CLAIM_CHUNKS 4
+#define STEP_COUNTERS 5 /* a layer's: qkv, attention, o, gate_up, down */
 
-/* The spin budget adapts: doubled after a wait that ended within BARRIER_MAX_NS (spinning or
- * not: a longer spin would have met the peers without a futex wake-up), halved after a longer
- * one (a peer had lost its core: spinning on only keeps a core from whoever took it), between
- * BARRIER_MIN_NS and BARRIER_MAX_NS (0.3 ms: longer than any op of a step of <= 32 rows
- * here). Shared by the process's steps; a stale value costs speed, never correctness. */
-#define BARRIER_MIN_NS 2000
-#define BARRIER_MAX_NS 300000
-static int64_t barrier_spin_ns = BARRIER_MAX_NS;
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+/* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
+ * share). A chunk's bounds are multiples of 32 (or N), as linear_part's. */
+static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
+                      int tid, int nt, step_counter_t *c) {
+    if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
+    const int64_t units = (L->n + 31) / 32, per = (units + CLAIM_CHUNKS * nt - 1) / (CLAIM_CHUNKS * nt);
+    const int64_t chunks = (units + per - 1) / per;
+    int rc = 0;
+    int64_t t = now_ns(), longest = 0;
+    for (int64_t k = claim_next(c); k < chunks; k = claim_next(c)) {
+        const int64_t n0 = k * per * 32, n1 = (k + 1) * per * 32 < L->n ? (k + 1) * per * 32 : L->n;
+        rc |= linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1);
+        const int64_t t1 = now_ns();
+        longest = t1 - t > longest ? t1 - t : longest, t = t1;
+    }
+    piece_ns = longest;
+    return rc;
 }
 
-static void futex_wait(int *addr, int val) {
-#ifdef __linux__
-    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
-#else
-    (void)addr, (void)val;
-    sched_yield();
-#endif
-}
-
-static void barrier(step_barrier_t *b, int nt) {
-    if (nt == 1) return;
-    const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
-        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_SEQ_CST);
-#ifdef __linux__
-        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST))
-            syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-#endif
-        return;
+/* Attention as items claimed from counter c: (row, query heads), in row order. Few rows (fewer
+ * than two KV heads' items per thread) split each row by query head, so one row's attention runs
+ * on every thread (a KV head's keys are then read once per query head); more rows by KV head
+ * (its keys read once). Each head's bits are the whole kernel's (tritium_paged_decode_heads_bf16). */
+static void attention_claimed(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                              const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
+                              const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows, int64_t hq,
+                              int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out, int nt,
+                              step_counter_t *c) {
+    const int64_t w = nrows * hkv >= 2 * nt ? hq / hkv : 1, per = (hq + w - 1) / w, items = nrows * per;
+    int64_t t = now_ns(), longest = 0;
+    for (int64_t k = claim_next(c); k < items; k = claim_next(c)) {
+        const int64_t i = k / per, r0 = k % per * w, r1 = r0 + w < hq ? r0 + w : hq;
+        tritium_paged_decode_heads_bf16(q, k_cache, v_cache, block_tables, table_stride, tok[i], seq[i], lo[i],
+                                        len[i], hq, hkv, D, BS, scale, 0.0f, r0, r1, out);
+        const int64_t t1 = now_ns();
+        longest = t1 - t > longest ? t1 - t : longest, t = t1;
     }
-    const int64_t budget = __atomic_load_n(&barrier_spin_ns, __ATOMIC_RELAXED);
-    const int64_t start = now_ns(), until = start + budget;
-    for (int spins = 1;; spins++) {
-        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
-            if (budget < BARRIER_MAX_NS)
-                __atomic_store_n(&barrier_spin_ns, budget * 2 < BARRIER_MAX_NS ? budget * 2 : BARRIER_MAX_NS,
-                                 __ATOMIC_RELAXED);
-            return;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-        if ((spins & 63) == 0 && now_ns() > until) break;
-    }
-    __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
-    __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-    /* the whole wait: within the longest spin, a longer spin would have met the peer (grow);
-     * beyond it, the peer had lost its core (shrink) */
-    const int64_t next = now_ns() - start <= BARRIER_MAX_NS ? 2 * budget : budget / 2;
-    __atomic_store_n(&barrier_spin_ns,
-                     next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
-                     __ATOMIC_RELAXED);
+    piece_ns = longest;
 }
 
 /* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
@@ -277,7 +247,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                          const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
                          uint16_t *ws_bf16, uint16_t *priv, uint16_t *res_alt, int tid, int nt,
-                         step_barrier_t *bar) {
+                         step_barrier_t *bar, step_counter_t *ctr) {
     const int64_t nqkv = (hq + 2 * hkv) * D;
     uint16_t *x = ws_bf16, *qkv = x + T * H, *q = qkv + T * nqkv, *attn = q + T * hq * D, *gu = attn + T * hq * D,
              *act = gu + T * 2 * I;
@@ -312,13 +282,15 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t n0 = red ? 0 : t0, nn = red ? T : nt_rows;
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
+        /* this layer's counters (ctr NULL: static shares): qkv, attention, o, gate_up, down */
+        step_counter_t *c = ctr ? ctr + STEP_COUNTERS * l : NULL;
         const uint16_t *res_in = has_residual || l ? ra + n0 * H : NULL;
         if (nn)
             tritium_add_rms_norm_bf16(hidden + n0 * H, res_in, L->input_norm, eps, nn, H, xm + n0 * H,
                                       red && tid ? rs : rb + n0 * H);
         TICK(OP_NORM1)
         if (!red) BARRIER()
-        rc |= linear_part(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt);
+        rc |= linear_run(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt, c);
         TICK(OP_QKV)
         BARRIER()
         if (nt_rows)
@@ -326,12 +298,15 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
         TICK(OP_ROPE)
         BARRIER() /* attention rows read keys other threads may have just written */
-        if (a1 > a0)
+        if (c)
+            attention_claimed(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq, hkv,
+                              D, BS, scale, attn, nt, c + 1);
+        else if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
         TICK(OP_ATTN)
         BARRIER()
-        rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
+        rc |= linear_run(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 2 : NULL);
         TICK(OP_O)
         BARRIER()
         if (nn)
@@ -339,13 +314,13 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                                       red && tid ? rs : ra + n0 * H);
         TICK(OP_NORM2)
         if (!red) BARRIER()
-        rc |= linear_part(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt);
+        rc |= linear_run(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt, c ? c + 3 : NULL);
         TICK(OP_GATE_UP)
         BARRIER()
         if (nn) tritium_silu_mul_bf16(gu + n0 * 2 * I, nn, I, actm + n0 * I);
         TICK(OP_SILU)
         if (!red) BARRIER()
-        rc |= linear_part(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt);
+        rc |= linear_run(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 4 : NULL);
         TICK(OP_DOWN)
         BARRIER()
     }
@@ -370,29 +345,36 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
                                int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
     step_barrier_t bar = {0, 0, 0};
     int rc = 0;
-#define LAYERS(TID, NT, PRIV, ALT)                                                                                   \
+#define LAYERS(TID, NT, PRIV, ALT, CTR)                                                                                 \
     layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
                   has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, PRIV, \
-                  ALT, TID, NT, &bar)
+                  ALT, TID, NT, &bar, CTR)
 #ifdef _OPENMP
     if (threads > 1 && !omp_in_parallel()) {
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
         const int64_t per = T * (2 * H + I);
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
-        if (!mem) return -1;
+        /* the work counters (TRITIUM_STEP_CLAIM=0: static shares, the comparison's baseline) */
+        const char *e = getenv("TRITIUM_STEP_CLAIM");
+        step_counter_t *ctr = e && !strcmp(e, "0") ? NULL : (step_counter_t *)calloc(
+                                                                 (size_t)(STEP_COUNTERS * num_layers + 1), sizeof(step_counter_t));
+        if (!mem || (!ctr && !(e && !strcmp(e, "0")))) {
+            free(mem), free(ctr);
+            return -1;
+        }
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
         {
             /* this thread's own ICV: the kernels' parallel regions nested in this one get one
              * thread (torch's OpenMP runtime allows nested teams) */
             omp_set_num_threads(1);
             const int tid = omp_get_thread_num();
-            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads);
+            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads, ctr);
         }
-        free(mem);
+        free(mem), free(ctr);
         return rc ? -1 : 0;
     }
 #endif
     (void)threads;
-    return LAYERS(0, 1, NULL, NULL) ? -1 : 0;
+    return LAYERS(0, 1, NULL, NULL, NULL) ? -1 : 0;
 #undef LAYERS
 }
