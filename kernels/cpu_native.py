@@ -70,6 +70,9 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
+    lib.tritium_paged_decode_heads_bf16.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                                                    ctypes.c_float, ctypes.c_float, i64, i64, p]
+    lib.tritium_paged_decode_heads_bf16.restype = None
     lib.tritium_w8g_gemm.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
     lib.tritium_i8dot_gemm.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]
