@@ -146,8 +146,19 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
 #define CLAIM_CHUNKS 4
 #define STEP_COUNTERS 5 /* a layer's: qkv, attention, o, gate_up, down */
 
+/* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
+ * their weights ahead inside a call, so without this a chunk would start cold). */
+static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
+    const int64_t K = L->k, rowb = L->kind == LIN_BF16 ? 2 * K : L->kind == LIN_I8DOT && L->group == 4 ? K / 2 : K;
+    const int64_t n = L->n - n0 < 32 ? L->n - n0 : 32;
+    const char *p = (const char *)L->w + n0 * rowb, *e = p + n * rowb;
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
 /* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
- * share). A chunk's bounds are multiples of 32 (or N), as linear_part's. */
+ * share). A chunk's bounds are multiples of 32 (or N), as linear_part's. A thread claims its next
+ * chunk as it starts one, and asks for that chunk's first weights while it computes this one (so
+ * it holds at most two chunks when it loses its core). */
 static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
                       int tid, int nt, step_counter_t *c) {
     if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
@@ -155,7 +166,9 @@ static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, f
     const int64_t chunks = (units + per - 1) / per;
     int rc = 0;
     int64_t t = now_ns(), longest = 0;
-    for (int64_t k = claim_next(c); k < chunks; k = claim_next(c)) {
+    for (int64_t k = claim_next(c), next; k < chunks; k = next) {
+        next = claim_next(c);
+        if (next < chunks) prefetch_unit(L, next * per * 32);
         const int64_t n0 = k * per * 32, n1 = (k + 1) * per * 32 < L->n ? (k + 1) * per * 32 : L->n;
         rc |= linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1);
         const int64_t t1 = now_ns();
