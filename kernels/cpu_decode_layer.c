@@ -22,11 +22,12 @@
  *
  * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
- * parallel region: the threads split each GEMM's output channels (in units of 32, so every
- * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
- * not depend on the thread count) and meet at a barrier between ops (it spins, then sleeps);
- * each thread runs the norms and SiLU on every row itself, rotary splits the rows, attention its
- * rows by keys to read. A fork/join
+ * parallel region: the threads claim each GEMM's output channels in chunks of 32-channel units
+ * from a counter of that op (every channel is computed by the same code and in the same order as
+ * in the whole GEMM: the bits depend neither on the thread count nor on which thread claims it),
+ * and attention's (row, query heads) items likewise (TRITIUM_STEP_CLAIM=0: static shares instead),
+ * and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
+ * the norms and SiLU on every row itself, rotary splits the rows. A fork/join
  * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
  * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
