@@ -30,8 +30,9 @@ def test_server_bench_flags(tmp_path):
 
 
 def test_load_keeps_one_core_busy_a_quarter_of_the_time():
-    """1 ms of every 4 ms: the process's CPU time over 1 s of wall clock is about 0.25 s (not 0, not
-    a whole core), measured from /proc."""
+    """1 ms of every 4 ms: the process's CPU time over 1 s of wall clock is at most about 0.25 s
+    (less where other processes take its core: the duty is wall clock) and more than none; a
+    whole core (a loop without its sleep) fails, measured from /proc."""
     proc = step_claim_bench.start_load(1.0, 4.0)
     try:
         time.sleep(0.3)
