@@ -143,8 +143,12 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
 
 /* Chunks per thread a GEMM's output units (32 channels) are cut into when the threads claim them:
  * enough that a preempted thread leaves little behind, few enough that each call of a kernel
- * still streams a long run of weights (a chunk of a 576-channel GEMM on two threads: 64 channels). */
+ * still streams a long run of weights (a chunk of a 576-channel GEMM on two threads: 64 channels).
+ * Steps of more rows take half as many: each call quantizes its rows' activations again (W8A8 /
+ * W4A8) and starts its tiles' weights cold, a cost that grows with the rows. */
 #define CLAIM_CHUNKS 4
+#define CLAIM_CHUNKS_ROWS 2 /* above CLAIM_FEW_ROWS rows */
+#define CLAIM_FEW_ROWS 4
 #define STEP_COUNTERS 5 /* a layer's: qkv, attention, o, gate_up, down */
 
 /* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
@@ -163,7 +167,8 @@ static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
 static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
                       int tid, int nt, step_counter_t *c) {
     if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
-    const int64_t units = (L->n + 31) / 32, per = (units + CLAIM_CHUNKS * nt - 1) / (CLAIM_CHUNKS * nt);
+    const int64_t cpt = T <= CLAIM_FEW_ROWS ? CLAIM_CHUNKS : CLAIM_CHUNKS_ROWS;
+    const int64_t units = (L->n + 31) / 32, per = (units + cpt * nt - 1) / (cpt * nt);
     const int64_t chunks = (units + per - 1) / per;
     int rc = 0;
     int64_t t = now_ns(), longest = 0;
