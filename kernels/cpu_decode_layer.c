@@ -45,6 +45,7 @@
 
 #include "cpu_simd.h"
 #include "cpu_step_sync.h"
+#include "cpu_step_attention.h"
 
 /* The kernels this file calls (cpu_gemm.c, cpu_gemm_bf16.c, cpu_glue.c, cpu_decode_attention.c). */
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -67,11 +68,6 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
                                uint16_t *out);
-void tritium_paged_decode_heads_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                     const int32_t *block_tables, int64_t table_stride, int64_t tok, int64_t seq,
-                                     int64_t lo, int64_t len, int64_t hq, int64_t hkv, int64_t D, int64_t BS,
-                                     float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out);
-
 /* A linear layer's weight as cpu_linear.CpuLinear holds it (kernels/decode_layer.py fills these). */
 enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3, LIN_I8DOT = 4 };
 typedef struct {
@@ -184,27 +180,6 @@ static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, f
     return rc;
 }
 
-/* Attention as items claimed from counter c: (row, query heads), in row order. Few rows (fewer
- * than two KV heads' items per thread) split each row by query head, so one row's attention runs
- * on every thread (a KV head's keys are then read once per query head); more rows by KV head
- * (its keys read once). Each head's bits are the whole kernel's (tritium_paged_decode_heads_bf16). */
-static void attention_claimed(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                              const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
-                              const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows, int64_t hq,
-                              int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out, int nt,
-                              step_counter_t *c) {
-    const int64_t w = nrows * hkv >= 2 * nt ? hq / hkv : 1, per = (hq + w - 1) / w, items = nrows * per;
-    int64_t t = now_ns(), longest = 0;
-    for (int64_t k = claim_next(c); k < items; k = claim_next(c)) {
-        const int64_t i = k / per, r0 = k % per * w, r1 = r0 + w < hq ? r0 + w : hq;
-        tritium_paged_decode_heads_bf16(q, k_cache, v_cache, block_tables, table_stride, tok[i], seq[i], lo[i],
-                                        len[i], hq, hkv, D, BS, scale, 0.0f, r0, r1, out);
-        const int64_t t1 = now_ns();
-        longest = t1 - t > longest ? t1 - t : longest, t = t1;
-    }
-    piece_ns = longest;
-}
-
 /* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
  * per step and one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
  * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
@@ -241,23 +216,6 @@ void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t h
     *bf16_elems = T * (H + nqkv + 2 * hq * D + 3 * I);
 }
 
-/* Attention rows [a0, a1) of thread `tid` of `nt`: contiguous, split where the running count of
- * keys to read (len - lo, plus one per row) crosses tid / nt of the total, so a long-context row
- * and many short ones weigh alike. */
-static void attention_share(const int64_t *lo, const int64_t *len, int64_t nrows, int tid, int nt, int64_t *a0,
-                            int64_t *a1) {
-    int64_t total = 0;
-    for (int64_t r = 0; r < nrows; r++) total += len[r] - lo[r] + 1;
-    int64_t run = 0, r = 0;
-    *a0 = *a1 = nrows;
-    for (int t = 0; t <= tid + 1 && t <= nt; t++) {
-        if (t == nt) break; /* the last bound is nrows */
-        while (r < nrows && run * nt < total * t) run += len[r] - lo[r] + 1, r++;
-        if (t == tid) *a0 = r;
-        if (t == tid + 1) *a1 = r;
-    }
-}
-
 /* The layer loop as thread `tid` of `nt` runs it (nt == 1: every kernel opens its own parallel
  * region; nt > 1: inside the caller's parallel region, see the top of this file). */
 static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H, int64_t hq,
@@ -266,7 +224,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                          const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
                          uint16_t *ws_bf16, uint16_t *priv, uint16_t *res_alt, int tid, int nt,
-                         step_barrier_t *bar, step_counter_t *ctr) {
+                         step_barrier_t *bar, step_counter_t *ctr, int64_t *roped, const uint32_t *deps) {
     const int64_t nqkv = (hq + 2 * hkv) * D;
     uint16_t *x = ws_bf16, *qkv = x + T * H, *q = qkv + T * nqkv, *attn = q + T * hq * D, *gu = attn + T * hq * D,
              *act = gu + T * 2 * I;
@@ -315,11 +273,13 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         if (nt_rows)
             tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
+        if (roped) /* these rows' q and keys are out: attention items that need only them may start */
+            for (int64_t t = t0; t < t1; t++) __atomic_store_n(&roped[t], l + 1, __ATOMIC_RELEASE);
         TICK(OP_ROPE)
-        BARRIER() /* attention rows read keys other threads may have just written */
+        if (!roped) BARRIER() /* attention rows read keys other threads may have just written */
         if (c)
             attention_claimed(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq, hkv,
-                              D, BS, scale, attn, nt, c + 1);
+                              D, BS, scale, attn, nt, c + 1, roped, deps, l + 1);
         else if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
@@ -363,11 +323,12 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
                                const int32_t *block_tables, int64_t table_stride, const int64_t *rows, int64_t nrows,
                                int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
     step_barrier_t bar = {0, 0, 0};
+    uint32_t *deps = NULL;
     int rc = 0;
-#define LAYERS(TID, NT, PRIV, ALT, CTR)                                                                                 \
+#define LAYERS(TID, NT, PRIV, ALT, CTR, RP)                                                                                 \
     layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
                   has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, PRIV, \
-                  ALT, TID, NT, &bar, CTR)
+                  ALT, TID, NT, &bar, CTR, RP, deps)
 #ifdef _OPENMP
     if (threads > 1 && !omp_in_parallel()) {
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
@@ -375,8 +336,15 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
         /* the work counters (TRITIUM_STEP_CLAIM=0: static shares, the comparison's baseline) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
-        step_counter_t *ctr = e && !strcmp(e, "0") ? NULL : (step_counter_t *)calloc(
-                                                                 (size_t)(STEP_COUNTERS * num_layers + 1), sizeof(step_counter_t));
+        const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
+        step_counter_t *ctr = e && !strcmp(e, "0") ? NULL
+                              : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));
+        /* with the counters: each row's roped layer (T) and each attention row's rows (nrows) */
+        int64_t *roped = ctr ? (int64_t *)(ctr + nc) : NULL;
+        deps = ctr ? (uint32_t *)(ctr + nc + nflag) : NULL;
+        if (ctr && !attention_deps(slots, T, block_tables, table_stride, rows, rows + nrows, rows + 2 * nrows,
+                                   rows + 3 * nrows, nrows, BS, deps))
+            roped = NULL;
         if (!mem || (!ctr && !(e && !strcmp(e, "0")))) {
             free(mem), free(ctr);
             return -1;
@@ -387,13 +355,13 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
              * thread (torch's OpenMP runtime allows nested teams) */
             omp_set_num_threads(1);
             const int tid = omp_get_thread_num();
-            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads, ctr);
+            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads, ctr, roped);
         }
         free(mem), free(ctr);
         return rc ? -1 : 0;
     }
 #endif
     (void)threads;
-    return LAYERS(0, 1, NULL, NULL, NULL) ? -1 : 0;
+    return LAYERS(0, 1, NULL, NULL, NULL, NULL) ? -1 : 0;
 #undef LAYERS
 }
