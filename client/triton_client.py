@@ -118,6 +118,29 @@ def grpc_inputs(req: dict, grpc_module) -> list:
     return inputs
 
 
+# The outputs a Chunk reads without log probs, asked for by name (batch_index and context_ids are
+# for stateless postprocessors): each output of a response is a tensor the backend builds and
+# tritonserver, gRPC and this client carry per token. A request for log probs asks for every
+# output (an ensemble has no logprobs_detail, so it cannot be named).
+READ_OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+                "cum_log_probs", "sequence_index")
+
+
+def wants_log_probs(req: dict) -> bool:
+    """Whether a build_request() dict asks for log probs (return_log_probs, or sampling_parameters'
+    logprobs)."""
+    if req.get("return_log_probs"):
+        return True
+    sp = req.get("sampling_parameters")
+    if sp:
+        try:
+            d = json.loads(sp)
+        except ValueError:
+            return True  # the server names the error; ask for everything meanwhile
+        return not isinstance(d, dict) or d.get("logprobs") is not None
+    return False
+
+
 def chunk_from_result(result) -> Chunk:
     """A Chunk from one tritonclient InferResult."""
     return _chunk_from_arrays(result.as_numpy)
@@ -205,6 +228,7 @@ class TritiumClient:
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
         inputs = grpc_inputs(req, grpcclient)
+        outputs = None if wants_log_probs(req) else [grpcclient.InferRequestedOutput(n) for n in READ_OUTPUTS]
         results: "queue.Queue" = queue.Queue()
         client = self._grpc_client()
         done = False
@@ -212,7 +236,7 @@ class TritiumClient:
             client.start_stream(callback=lambda result, error: results.put((result, error)),
                                 stream_timeout=self.timeout, headers=self.headers)
             try:
-                client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex,
+                client.async_stream_infer(self.model, inputs, request_id=uuid.uuid4().hex, outputs=outputs,
                                           enable_empty_final_response=True)
             except InferenceServerException as e:
                 # The stream already failed (e.g. nothing listens at the URL): its callback holds the cause.

@@ -14,6 +14,8 @@
  * y[m][n] = r[n] sum_b (T[m][n][b] d[n][b] xd[m][b] + xd[m][b] S[m][b] z[n][b]), with
  * T = sum_k c_k q_k over block b (exact in int32), S = sum_k q_k the block's code sum, the sum over
  * b in block order for every row and channel (fixed by K: batch invariance).
+ * int4 with folded zeros (bits == FOLD4; i8dot_pack.py): z holds int16 zc per channel and block,
+ * the codes are c = 8 u + zc - 128 and there is no float zero term: y = r sum_b T d xd.
  * A block's weights are loaded once per tile of up to 8 rows; a row's 4 codes are broadcast
  * against the 16 channels, so each integer lane sums one channel's whole block and no horizontal
  * sum is left: AVX-512 VNNI (VPDPBUSD: weights as unsigned u = c + 128 or the int4 nibble, the
@@ -34,6 +36,7 @@
 #endif
 
 #define QB 32  /* activation and weight block */
+#define FOLD4 0x14 /* bits: int4 nibbles, z the folded zeros zc (int16) */
 #define MR 8   /* rows of x per pass over a channel */
 #ifndef PFB
 #define PFB 8192 /* bytes of weight requested ahead of the block read, into L2 (hint T1) */
@@ -89,11 +92,14 @@ INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 #if defined(I8DOT_AVX512)
 #define OFF8 128 /* int8 codes: u = c ^ 0x80 = c + 128 for VPDPBUSD's unsigned operand */
 #define OFF4 8
+#define OFF4F 128 /* folded int4: the byte 8 u + zc = c + 128 */
 /* One panel of 16 channels, rows m0 .. m0 + MR_ - 1: out (MR_, 16) = sum_b (T d) xd + xz z.
  * Each block's weights are loaded (and widened) once into 8 registers of 16 channels x 4 k and used
  * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S.
  * The rows' T chains are interleaved (vector i of every row, then i + 1: MR_ independent chains
- * in flight) and the accumulators stay in registers; ZP (a zero term or not) is fixed at compile
+ * in flight) and the accumulators stay in registers; ZP (0: no zero term, 1: the float zero term,
+ * 2: folded int4, each weight byte 8 u + zc; 3: folded int4 for 1-2 rows, the nibbles' sums U, then
+ * T = 8 U + (zc - 128) S per row: the same integer, fewer unpacking operations) is fixed at compile
  * time. Each row's operations and their order are those of one row alone. */
 /* t + the dot of u's unsigned bytes with the 4 signed codes at p in every lane: the codes as an
  * embedded broadcast of VPDPBUSD's memory operand (GCC emits a separate VPBROADCASTD otherwise). */
@@ -108,7 +114,11 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
     __m512 f[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f);
+    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f), m78 = _mm512_set1_epi8(0x78);
+    /* byte 4 j + e of each 128-bit lane L takes channel 4 L + j of the broadcast 16 zc bytes */
+    const __m512i zrep = _mm512_set_epi32(0x0f0f0f0f, 0x0e0e0e0e, 0x0d0d0d0d, 0x0c0c0c0c, 0x0b0b0b0b, 0x0a0a0a0a,
+                                          0x09090909, 0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404,
+                                          0x03030303, 0x02020202, 0x01010101, 0x00000000);
     const int64_t t0 = aidx(KB, m0, 0); /* m0 % MR == 0: row r of block b at t0 + b MR + r */
     const int8_t *x0 = A->xq + t0 * QB;
     const int32_t *xo = A->xo + t0;
@@ -125,26 +135,45 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
             const uint8_t *p = wp + b * 256;
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+            if (ZP == 2) { /* zc of the 16 channels, each byte 4 times: the lanes' 4 k */
+                const __m128i z8 = _mm256_cvtepi16_epi8(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
+                const __m512i zc = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(z8), zrep);
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
-                u[i] = _mm512_and_si512(v, m4);
-                u[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
+                    u[i] = _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(v, 3), m78), zc);
+                    u[i + 4] = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 1), m78), zc);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
+                    u[i] = _mm512_and_si512(v, m4);
+                    u[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                }
             }
         }
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + b * 16)));
         __m512i t[MR];
 #pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) t[r] = _mm512_set1_epi32(xo[b * MR + r]);
+        for (int r = 0; r < MR_; r++) t[r] = ZP == 3 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[b * MR + r]);
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++)
 #pragma GCC unroll 8
             for (int r = 0; r < MR_; r++)
                 t[r] = dpbusd_b(t[r], u[i], x0 + (b * MR + r) * QB + 4 * i);
+        if (ZP == 3) { /* the nibble sums U: T = 8 U + (zc - 128) S, S = xo / -128 in the low int16 */
+            const __m512i zcm = _mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(zp + b * 16))),
+                                                 _mm512_set1_epi32(128));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; r++)
+                t[r] = _mm512_add_epi32(_mm512_slli_epi32(t[r], 3),
+                                        _mm512_madd_epi16(zcm, _mm512_set1_epi32((xo[b * MR + r] / -128) & 0xffff)));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < MR_; r++)
             f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r]), dv), _mm512_set1_ps(xd[b * MR + r]), f[r]);
-        if (ZP) {
+        if (ZP == 1) {
             const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
 #pragma GCC unroll 8
             for (int r = 0; r < MR_; r++) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(xz[b * MR + r]), zv, f[r]);
@@ -156,88 +185,18 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
 
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                   float *out, const int BITS, const int MR_) {
-    if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1);
+    if (BITS == FOLD4) panel_z(A, m0, wp, dp, zp, out, 4, MR_, MR_ <= 2 ? 3 : 2); /* the same integer T */
+    else if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1);
     else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0);
 }
 
 #elif defined(I8DOT_AVX2)
-#define OFF8 0 /* signed int8 codes through the sign trick */
-#define OFF4 8
-/* As AVX-512, per half panel of 8 channels (h): int8 through VPSIGNB / VPMADDUBSW (|c| times
- * sign(x, c): |c| <= 128, |x| <= 127, pair sums fit int16; |c| once per block for all rows) and
- * VPMADDWD; int4 unsigned nibbles u <= 15: the 8 VPMADDUBSW products of a block summed in int16
- * (8 x 2 x 15 x 127 < 2^15), then one VPMADDWD, started from -8 S. */
-/* Block b of half panel h (8 channels) for MR_ rows: f[r] += this block's share of row m0 + r. */
-INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                       int64_t b, __m256 *f, const int BITS, const int MR_, const int h) {
-    const int64_t K = A->K, KB = K / QB;
-    const __m256i ones = _mm256_set1_epi16(1), m4 = _mm256_set1_epi8(0x0f);
-    __m256i a[8];
-    const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
-    if (BITS == 8) {
-        if (h == 0) /* the pass of half 0 brings the lines of both halves */
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
-    } else {
-        if (h == 0)
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
-        for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
-            a[i] = _mm256_and_si256(v, m4);
-            a[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-    }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + b * 16 + 8 * h)));
-    const __m256 zv = zp ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zp + b * 16 + 8 * h)))
-                         : _mm256_setzero_ps();
-    const int64_t at = aidx(KB, m0, b); /* m0 % MR == 0: row r's codes at (at + r) QB */
-    for (int r = 0; r < MR_; r++) {
-        const int64_t ai = at + r;
-        const int8_t *x = A->xq + ai * QB;
-        __m256i t;
-        if (BITS == 8) {
-            t = _mm256_setzero_si256();
-            for (int i = 0; i < 8; i++) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
-                const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(load4(x + 4 * i)), c);
-                t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], s), ones));
-            }
-        } else {
-            __m256i s16 = _mm256_maddubs_epi16(a[0], _mm256_set1_epi32(load4(x)));
-            for (int i = 1; i < 8; i++)
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(a[i], _mm256_set1_epi32(load4(x + 4 * i))));
-            t = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(A->xo[ai]));
-        }
-        f[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(t), dv), _mm256_set1_ps(A->xd[ai]), f[r]);
-        if (zp) f[r] = _mm256_fmadd_ps(_mm256_set1_ps(A->xz[ai]), zv, f[r]);
-    }
-}
-
-/* Up to 2 rows: both halves of each block in one pass over the panel (the weight read once, in
- * order); more rows: one pass per half (the rows' accumulators and a block's 8 vectors fill the
- * registers). The same operations per channel in the same order either way. */
-INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                  float *out, const int BITS, const int MR_) {
-    const int64_t KB = A->K / QB;
-    __m256 f[2][MR];
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < MR_; r++) f[h][r] = _mm256_setzero_ps();
-    if (MR_ <= 2) {
-        for (int64_t b = 0; b < KB; b++) {
-            half_block(A, m0, wp, dp, zp, b, f[0], BITS, MR_, 0);
-            half_block(A, m0, wp, dp, zp, b, f[1], BITS, MR_, 1);
-        }
-    } else {
-        for (int64_t b = 0; b < KB; b++) half_block(A, m0, wp, dp, zp, b, f[0], BITS, MR_, 0);
-        for (int64_t b = 0; b < KB; b++) half_block(A, m0, wp, dp, zp, b, f[1], BITS, MR_, 1);
-    }
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < MR_; r++) _mm256_storeu_ps(out + 16 * r + 8 * h, f[h][r]);
-}
+#include "cpu_i8dot_avx2.h" /* half_block, panel */
 
 #else /* portable C: signed codes */
 #define OFF8 0
 #define OFF4 0
+#define OFF4F 0
 /* A block's codes are put back in channel order (c[j][k], once per block for all rows), so each
  * channel's block dot is a contiguous 32-term integer reduction the compiler vectorizes. */
 static __attribute__((noinline)) void dots16(const int8_t (*restrict c)[QB], const int8_t *restrict x,
@@ -267,12 +226,15 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
                 for (int j = 0; j < 16; j++) memcpy(&cb[j][4 * i], p + 64 * i + 4 * j, 4);
             for (int j = 0; j < 16; j++)
                 for (int k = 0; k < QB / 2; k++) {
-                    c[j][k] = (int8_t)((cb[j][k] & 0x0f) - 8);
-                    c[j][k + QB / 2] = (int8_t)((cb[j][k] >> 4) - 8);
+                    /* folded: c = 8 u + zc - 128 (zc 0..135: -128..127); else c = u - 8 */
+                    const int zc = BITS == FOLD4 ? (int)zp[b * 16 + j] : 0;
+                    c[j][k] = (int8_t)(BITS == FOLD4 ? 8 * (cb[j][k] & 0x0f) + zc - 128 : (cb[j][k] & 0x0f) - 8);
+                    c[j][k + QB / 2] = (int8_t)(BITS == FOLD4 ? 8 * (cb[j][k] >> 4) + zc - 128 : (cb[j][k] >> 4) - 8);
                 }
         }
+        const int ZP = zp && BITS != FOLD4;
         float dv[16], zv[16];
-        for (int j = 0; j < 16; j++) dv[j] = f16_to_f32(dp[b * 16 + j]), zv[j] = zp ? f16_to_f32(zp[b * 16 + j]) : 0.0f;
+        for (int j = 0; j < 16; j++) dv[j] = f16_to_f32(dp[b * 16 + j]), zv[j] = ZP ? f16_to_f32(zp[b * 16 + j]) : 0.0f;
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
             const int64_t ai = aidx(KB, m, b);
@@ -281,7 +243,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
             int32_t t[16];
             dots16((const int8_t(*)[QB])c, x, t);
             for (int j = 0; j < 16; j++) f[r][j] = (float)t[j] * dv[j] * xd + f[r][j];
-            if (zp)
+            if (ZP)
                 for (int j = 0; j < 16; j++) f[r][j] = xz * zv[j] + f[r][j];
         }
     }
@@ -306,6 +268,9 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
         if (bits == 8) {
 #define P8(R) panel(A, m0, wp, dp, zp, out, 8, R)
             DISPATCH(P8, mr)
+        } else if (bits == FOLD4) {
+#define PF(R) panel(A, m0, wp, dp, zp, out, FOLD4, R)
+            DISPATCH(PF, mr)
         } else {
 #define P4(R) panel(A, m0, wp, dp, zp, out, 4, R)
             DISPATCH(P4, mr)
@@ -315,26 +280,28 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
     }
 }
 
-/* Row m of x into the scratch: codes, scales, xz = xd S, xo = -off S (S the block's code sum). */
+/* Row m of x into the scratch: codes, scales, xz = xd S (off -1: S), xo = -off S (S the block's
+ * code sum). */
 static void act_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, float *xz, int32_t *xo,
                     int64_t m) {
     const int64_t KB = K / QB, a0 = aidx(KB, m, 0);
     quantize_row(x + m * K, K, xq + a0 * QB, xd + a0, xo + a0, MR * QB, MR); /* xo: S for now */
     for (int64_t b = 0; b < KB; b++) {
         const int64_t ai = a0 + b * MR;
-        xz[ai] = xd[ai] * (float)xo[ai];
+        xz[ai] = off == -1 ? (float)xo[ai] : xd[ai] * (float)xo[ai]; /* -1: S itself (AVX2 folded) */
         xo[ai] *= -off;
     }
 }
 
 /* x bfloat16 (M, K); w, d, z in panels of 16 channels (kernels/i8dot_pack.py: codes int8 (P, K/32,
- * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4; d, z float16 bits (P, K/32,
- * 16), z NULL: symmetric), P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1
- * when the scratch memory cannot be allocated. */
+ * 8, 16, 4) when bits == 8, nibbles (P, K/32, 4, 16, 4) when bits == 4 or FOLD4; d, z float16 bits
+ * (P, K/32, 16), z NULL: symmetric; FOLD4: z the int16 folded zeros zc (P, K/32, 16)),
+ * P = ceil(N / 16); r float32 (N,); y float32 (M, N). Returns 0, or -1 when the scratch memory
+ * cannot be allocated. */
 int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
                        float *y, int64_t M, int64_t N, int64_t K, int64_t bits) {
     const int64_t KB = K / QB;
-    const int32_t off = bits == 8 ? OFF8 : OFF4;
+    const int32_t off = bits == 8 ? OFF8 : bits == FOLD4 ? OFF4F : OFF4;
     /* scratch: codes, scales, xd x S, -off S */
     const int64_t Mp = (M + MR - 1) / MR * MR; /* whole tiles (rows past M unused) */
     const size_t bytes = (size_t)Mp * (size_t)(K + 12 * KB) + 64;

@@ -25,7 +25,8 @@ Numerics, by engine dtype:
 - activation_quant "int8" (an engine option, docs/quantization.md#integer-dot-w8a8--w4a8): int8
   and int4 linears run the integer-dot kernel (cpu_gemm_i8dot.c; W8A8 / W4A8: activations
   quantized per row and block of 32) for every row count, so a row's result is the same alone,
-  in a batch or in a prefill; the weight is repacked once (i8dot_pack.repack) and no weight-only
+  in a batch or in a prefill; the weight is repacked once (i8dot_pack.repack; asymmetric int4:
+  its zeros folded into the integer codes where every block allows it) and no weight-only
   copy is kept. Where the kernel cannot run (no native library, K or the group size not a
   multiple of 32) the layer keeps its weight-only kernel. An int6 head (pack_int6) runs
   cpu_head.c on its 6-bit codes instead (W6A8, the same bits as its codes widened to int8
@@ -53,6 +54,7 @@ DEQUANT_MIN_ROWS = 64
 # Largest K for which oneDNN's pre-packed bf16 GEMM gave every row the same bits for every M
 # (1..512, SmolLM2 and test shapes, 1 and 2 threads); from K = 1088 on, rows differ from M = 2..23.
 ONEDNN_INVARIANT_MAX_K = 1024
+I4_FOLD_ENV = "TRITIUM_I4_FOLD"  # "0": W4A8 keeps the float zero term (the stored grid exactly)
 HEAD_DOT_ENV = "TRITIUM_HEAD_DOT"  # "0": LM heads of weight-only engines stay weight-only (backend/quant.py)
 ONEDNN_ENV = "TRITIUM_CPU_ONEDNN"  # "1": dense bf16 weights with K <= ONEDNN_INVARIANT_MAX_K on oneDNN
 _scratch = threading.local()  # .bufs: numel -> bf16 buffer shared by a thread's quantized layers
@@ -152,6 +154,16 @@ def pack_int8(qweight, scales, zeros, group_size, dtype: torch.dtype, activation
     return CpuLinear("int8pack", (qw, scales.to(torch.bfloat16), scales.float().contiguous()))
 
 
+def i4_fold_enabled() -> bool:
+    """TRITIUM_I4_FOLD (default 1): asymmetric int4 layers of W4A8 engines fold their zeros into
+    the integer codes (i8dot_pack.repack fold, the zeros rounded to 1/8 of the block scale); 0 keeps
+    the float zero term (the stored grid exactly; the kernels' former numerics). Read at load."""
+    v = os.environ.get(I4_FOLD_ENV, "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"{I4_FOLD_ENV} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def head_dot_enabled() -> bool:
     """TRITIUM_HEAD_DOT (default 1): the int6 / grouped int8 LM heads of bfloat16 weight-only
     engines run integer-dot (backend/quant.py head_activation_quant); 0 keeps them weight-only."""
@@ -218,7 +230,8 @@ def pack_int4(qweight, scales, zeros, group_size: int, g_idx, dtype: torch.dtype
     k = 2 * qweight.shape[1]
     if _i8dot_ok(k, group_size, activation_quant):
         q, perm = _int4_codes(qweight, g_idx, group_size, k)
-        return CpuLinear("i8dot", (i8dot_pack.repack(q - 8, scales, zeros, group_size, 4),), group_size, perm)
+        return CpuLinear("i8dot", (i8dot_pack.repack(q - 8, scales, zeros, group_size, 4, fold=i4_fold_enabled()),),
+                         group_size, perm)
     if dtype != torch.bfloat16:
         return CpuLinear("dense_f32", (dequantize_int4(qweight, scales, zeros, group_size, g_idx,
                                                        torch.float32).contiguous(),))

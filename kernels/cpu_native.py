@@ -32,7 +32,7 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_
                                                  "cpu_decode_layer.c",
                                                   "cpu_gemm_i8dot.c", "cpu_i8dot_peak.c", "cpu_lora.c", "cpu_head.c",
                                                   "cpu_decode_step.c")]
-_HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_rows.h", "cpu_q8.h",
+_HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_rows.h", "cpu_q8.h", "cpu_i8dot_avx2.h",
                                                    "cpu_attention_tile.h", "cpu_step_sync.h", "cpu_step_attention.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
@@ -231,7 +231,7 @@ def i8dot_gemm(x: torch.Tensor, w) -> torch.Tensor:
     y = torch.empty(xb.shape[0], n, dtype=torch.float32)
     rc = _lib().tritium_i8dot_gemm(xb.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(),
                                    w.z.data_ptr() if w.z is not None else None, w.r.data_ptr(), y.data_ptr(),
-                                   xb.shape[0], n, k, w.bits)
+                                   xb.shape[0], n, k, w.kernel_bits)
     if rc != 0:
         raise MemoryError(f"i8dot_gemm: no memory for the quantized activations of {tuple(xb.shape)}")
     return y

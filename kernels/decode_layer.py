@@ -50,7 +50,7 @@ def _fill_linear(dst: _Linear, p: CpuLinear, bias: Optional[torch.Tensor], keep:
     if p.kind == "i8dot":  # one I8DotWeight (kernels/i8dot_pack.py): codes, float16 d / z, float32 r
         q = t[0]
         t = (q.codes, q.d, q.r) + ((q.z,) if q.z is not None else ())
-        dst.kind, (dst.n, dst.k), dst.group, dst.nz = kind, q.shape, q.bits, 0  # group: the code width
+        dst.kind, (dst.n, dst.k), dst.group, dst.nz = kind, q.shape, q.kernel_bits, 0  # group: the code layout
         dst.w, dst.d16, dst.scale = q.codes.data_ptr(), q.d.data_ptr(), q.r.data_ptr()
         dst.z16 = q.z.data_ptr() if q.z is not None else None
     else:

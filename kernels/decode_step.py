@@ -102,7 +102,7 @@ def head_source(packed, bias, in_mean: Optional[torch.Tensor], out_mean: Optiona
         return None
     if packed.kind == "i8dot":
         q = packed.tensors[0]
-        return HEAD_I8DOT, q.shape[0], q.bits, (q.codes, q.d, q.z, q.r), in_mean, out_mean
+        return HEAD_I8DOT, q.shape[0], q.kernel_bits, (q.codes, q.d, q.z, q.r), in_mean, out_mean
     if packed.kind == "head6":
         q = packed.tensors[0]
         return HEAD_HEAD6, q.shape[0], q.group_size, (q.codes, q.d, None, q.r), in_mean, out_mean

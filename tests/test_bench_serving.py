@@ -148,6 +148,37 @@ def test_bench_url_json_against_real_server(served, capsys, tmp_path):
     assert err.startswith("host: ") or "\nhost: " in err
 
 
+def test_triton_driver_shares_one_stream_and_reports_a_failed_request(served):
+    """The Triton driver's sessions share one gRPC stream: concurrent requests of different lengths
+    each get exactly their own tokens, one response per token; a request the server refuses
+    fails alone (the only one in flight) and the stream serves the next ones."""
+    import threading
+    from tritium.client.bench.bench_drivers import TritonGrpcDriver
+    from tritium.client.bench.bench_workload import BenchRequest
+    _, srv = served
+    drv = TritonGrpcDriver(srv.grpc_url, NAME)
+    try:
+        sessions = [drv.session() for _ in range(3)]
+        assert len({id(s.stream) for s in sessions}) == 1
+        reqs = [BenchRequest(i, f"Passage s.{i}: the river runs past", 5, 3 + 2 * i) for i in range(3)]
+        out = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, sessions[i].run(reqs[i], f"share-{i}")))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for r, q in zip(out, reqs):
+            assert r.ok and r.num_output_tokens == q.max_tokens == sum(r.chunk_tokens) == len(r.chunk_tokens)
+            assert r.num_prompt_tokens > 0 and r.chunk_times == sorted(r.chunk_times) and r.t_end >= r.chunk_times[-1]
+        bad = sessions[0].run(BenchRequest(9, "Passage: too long", 3, 10 ** 6), "share-bad")
+        assert not bad.ok and "max_tokens" in bad.error
+        again = sessions[1].run(reqs[0], "share-again")
+        assert again.ok and again.num_output_tokens == reqs[0].max_tokens
+    finally:
+        drv.close()
+
+
 @pytest.mark.slow
 def test_bench_url_poisson_arrivals(served, capsys):
     _, srv = served

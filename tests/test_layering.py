@@ -167,7 +167,8 @@ def test_collapsing_finds_a_loop_through_a_package():
 # client/ by job: cli/ (every command) may import everything; nothing imports cli/. serve/ (the
 # server process, launch checks, HTTP guard) and openai/ (the OpenAI API) do not import each
 # other; the low modules (triton_client.py, security.py, sockets.py) import no folder.
-CLIENT_LOW = {"tritium.client.triton_client", "tritium.client.security", "tritium.client.sockets"}
+CLIENT_LOW = {"tritium.client.triton_client", "tritium.client.security", "tritium.client.sockets",
+              "tritium.client.grpc_setup"}
 CLIENT_FOLDERS = ("cli", "serve", "openai", "bench", "tools")
 CLIENT_FORBIDDEN = {"serve": {"cli", "openai", "bench", "tools"}, "openai": {"cli", "serve", "bench", "tools"},
                     "bench": {"cli", "tools"}, "tools": {"cli", "bench"}, "low": set(CLIENT_FOLDERS)}

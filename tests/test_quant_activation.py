@@ -75,6 +75,18 @@ def test_smoothquant_is_exact_and_balances_ranges(engines):
             assert torch.allclose(x1[ok], w1[ok], rtol=1e-3), f"{lin}: ranges not balanced"
 
 
+def _folded_int4(qdir: str, name: str, cfg) -> torch.Tensor:
+    """An int4 layer's float64 weights (N, K) from the stored layout with the folded zeros'
+    definition (kernels/i8dot_pack.py): w = s (q - 8) + round(8 z / s) s / 8, per group."""
+    from safetensors.torch import load_file
+    t = load_file(os.path.join(qdir, cfg.weights_file(0)))
+    q, s, z = t[f"{name}.qweight"], t[f"{name}.scales"].double(), t[f"{name}.zeros"].double()
+    c = torch.stack((q & 0x0F, q >> 4), dim=2).reshape(q.shape[0], -1).double() - 8
+    g = c.shape[1] // s.shape[0]
+    zr = torch.where(s != 0, torch.round(8 * z / torch.where(s != 0, s, torch.ones_like(s))) * s / 8, z)
+    return c * s.t().repeat_interleave(g, 1) + zr.t().repeat_interleave(g, 1)
+
+
 def _fake_quant(x: torch.Tensor) -> torch.Tensor:
     """x with each row's blocks of 32 replaced by their int8 quantization (the definition)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -87,7 +99,8 @@ def test_activation_quant_engine_matches_fake_quant_oracle(engines, method):
     """Every quantized linear of an --activation-quant int8 engine, on the inputs it saw in a
     forward pass, against the oracle: the stored layout dequantized with its formulas
     (test_quant_pipeline._dequantized_model, no quantized kernel) times the activations quantized
-    per 32-block by the definition. End to end, the engine stays close to the weight-only numerics."""
+    per 32-block by the definition (int4: its zeros folded into the codes, rounded to 1/8 of the
+    scale, kernels/i8dot_pack.py). End to end, the engine stays close to the weight-only numerics."""
     from tritium.backend.config import EngineConfig
     qdir = engines(quantization=method, activation_quant="int8")
     with open(os.path.join(qdir, "engine.json")) as f:
@@ -120,7 +133,14 @@ def test_activation_quant_engine_matches_fake_quant_oracle(engines, method):
     for n in names:
         _, i, lin = n.split(".")
         x, y = seen[n]
-        ref = _fake_quant(x) @ getattr(dense.layers[int(i)], lin).weight.double().t()
+        packed = getattr(model.layers[int(i)], lin)._packed.tensors[0]
+        if method == "int4-rtn":  # a min/max grid: every block's zero folds
+            assert packed.fold, f"{n}: int4 zeros not folded"
+            wt = _folded_int4(qdir, n, cfg)
+        else:
+            assert not packed.fold
+            wt = getattr(dense.layers[int(i)], lin).weight.double()
+        ref = _fake_quant(x) @ wt.t()
         # the same integer codes; only float32 sums differ
         err = (y.double().reshape(ref.shape) - ref).abs().max() / ref.abs().max()
         assert err <= 1e-5, f"{method} {n}: relative error {err:.3g}"

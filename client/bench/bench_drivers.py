@@ -10,6 +10,7 @@ system generates exactly `max_tokens` tokens; a different count is reported as a
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -18,8 +19,9 @@ import numpy as np
 
 from tritium.client.bench.bench_workload import BenchRequest
 
-# The outputs the Triton driver asks for (a client that streams text and counts its tokens)
-REQUESTED_OUTPUTS = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens")
+# The outputs the Triton driver asks for: those it reads from every response (each output of a
+# response costs the backend a tensor, tritonserver a copy and gRPC a field; docs/serving.md).
+REQUESTED_OUTPUTS = ("output_ids", "num_input_tokens", "num_output_tokens")
 
 now = time.perf_counter
 
@@ -63,7 +65,8 @@ class RequestResult:
 
 
 class TritonGrpcDriver:
-    """Tritium's LLM model on tritonserver, through tritonclient's gRPC bidirectional stream."""
+    """Tritium's LLM model on tritonserver, through tritonclient's gRPC bidirectional stream (one
+    for all the driver's sessions: _SharedStream)."""
     name = "triton-grpc"
     in_process = False
 
@@ -71,6 +74,8 @@ class TritonGrpcDriver:
         self.url = url.split("://", 1)[-1].rstrip("/")
         self.model = model
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._stream: Optional[_SharedStream] = None  # made by the first session
 
     def describe(self) -> dict:
         return {"driver": self.name, "url": self.url, "model": self.model}
@@ -88,79 +93,133 @@ class TritonGrpcDriver:
             raise ValueError(f"--model {self.model}: not ready on the Triton server at {self.url}")
 
     def session(self) -> "_TritonSession":
-        return _TritonSession(self)
+        with self._lock:
+            if self._stream is None:
+                self._stream = _SharedStream(self)
+            return _TritonSession(self._stream)
 
     def close(self) -> None:
-        pass
+        with self._lock:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
 
-class _TritonSession:
+class _SharedStream:
+    """One gRPC stream for every concurrent request of a driver, as a front end would keep it: the
+    bidirectional stream carries many requests at once and their responses are told apart by
+    request id. Each stream costs the client a reader thread that wakes once per response; with
+    one stream a step's burst of responses is read by one thread in a row (at concurrency 16 the
+    client's CPU per token fell to about half of one stream per worker, docs/benchmarks.md).
+
+    Responses are read where they arrive (tritonclient's reader thread); a request's worker is
+    woken only for its final response or an error. tritonclient reports a failed request
+    without its id: with one request in flight it is that one's, else every request in flight
+    on the stream fails with it (a benchmark request that fails is a failed run either way)."""
+
     def __init__(self, drv: TritonGrpcDriver):
         import tritonclient.grpc as grpcclient
         self.drv, self.grpc = drv, grpcclient
-        self.client = grpcclient.InferenceServerClient(drv.url)
-        # What a streaming client reads: the text, and the counts the benchmark checks (the other
-        # outputs of the contract, e.g. log probs and context ids, are not asked for).
+        # What this client reads: the new token ids and the counts the benchmark checks (the
+        # other outputs of the contract, e.g. the text, log probs and context ids, are not asked for).
         self._outputs = [grpcclient.InferRequestedOutput(n) for n in REQUESTED_OUTPUTS]
-        self.events: "queue.Queue" = queue.Queue()
-        # The callback only stamps the arrival time; decoding happens in the worker thread.
-        self.client.start_stream(callback=lambda result, error: self.events.put((now(), result, error)))
+        self._lock = threading.Lock()
+        self._pending = {}    # request id -> (RequestResult, queue of its worker)
+        self._broken = False  # the stream failed: start a new one before the next request
+        self.client = grpcclient.InferenceServerClient(drv.url)
+        self.client.start_stream(callback=self._on_response)
 
-    def _inputs(self, req: BenchRequest):
-        return greedy_stream_inputs(self.grpc, req.prompt, req.max_tokens)
+    def submit(self, req: BenchRequest, request_id: str, res: RequestResult, done: "queue.Queue") -> None:
+        inputs = greedy_stream_inputs(self.grpc, req.prompt, req.max_tokens)
+        with self._lock:
+            if self._broken:
+                try:
+                    self.client.stop_stream(cancel_requests=True)
+                except Exception:
+                    pass
+                self.client.start_stream(callback=self._on_response)
+                self._broken = False
+            self._pending[request_id] = (res, done)
+            try:
+                self.client.async_stream_infer(self.drv.model, inputs, request_id=request_id,
+                                               outputs=self._outputs, enable_empty_final_response=True)
+            except Exception:
+                del self._pending[request_id]
+                raise
 
-    def run(self, req: BenchRequest, request_id: str) -> RequestResult:
-        res = RequestResult(req.index, req.max_tokens, now())
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def _on_response(self, result, error) -> None:
+        t = now()
+        if error is not None:
+            with self._lock:
+                failed, self._pending = list(self._pending.values()), {}
+                self._broken = self._broken or error.status() is not None  # a gRPC error: the stream is gone
+            for _, done in failed:
+                done.put((t, str(error)))
+            return
+        resp = result.get_response()
+        with self._lock:
+            entry = self._pending.get(resp.id)  # None: a late answer to a timed-out request
+        if entry is None:
+            return
+        res, done = entry
         try:
-            self.client.async_stream_infer(self.drv.model, self._inputs(req), request_id=request_id,
-                                           outputs=self._outputs, enable_empty_final_response=True)
-            while True:
-                t, result, error = self.events.get(timeout=self.drv.timeout)
-                if error is not None:
-                    res.error, res.t_end = str(error), t
-                    self._restart()
-                    return res
-                resp = result.get_response()
-                if resp.id != request_id:  # a late answer to an earlier, timed-out request
-                    continue
-                if resp.outputs:
-                    ids = result.as_numpy("output_ids")
-                    if ids is not None and ids.size:
-                        res.chunk_times.append(t)
-                        res.chunk_tokens.append(int(ids.size))
-                    for name, attr in (("num_output_tokens", "num_output_tokens"),
-                                       ("num_input_tokens", "num_prompt_tokens")):
-                        a = result.as_numpy(name)
-                        if a is not None and a.size:
-                            setattr(res, attr, int(a.reshape(-1)[0]))
-                final = resp.parameters.get("triton_final_response")
-                if final is not None and final.bool_param:
-                    res.t_end = t
-                    return res
-        except queue.Empty:
-            res.error, res.t_end = f"no response within {self.drv.timeout:.0f} s", now()
-            self._restart()
-        except Exception as e:  # a broken stream must not kill the worker: count it, go on
-            res.error, res.t_end = f"{type(e).__name__}: {e}", now()
-            self._restart()
-        return res
-
-    def _restart(self) -> None:
-        try:
-            self.client.stop_stream(cancel_requests=True)
-        except Exception:
-            pass
-        self.events = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((now(), result, error)))
+            if resp.outputs:
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    res.chunk_times.append(t)
+                    res.chunk_tokens.append(int(ids.size))
+                for name, attr in (("num_output_tokens", "num_output_tokens"),
+                                   ("num_input_tokens", "num_prompt_tokens")):
+                    a = result.as_numpy(name)
+                    if a is not None and a.size:
+                        setattr(res, attr, int(a.reshape(-1)[0]))
+            final = resp.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                self.forget(resp.id)
+                done.put((t, None))
+        except Exception as e:  # reported by the worker as this request's error
+            self.forget(resp.id)
+            done.put((t, f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
         # Nothing is in flight here (each request returns on its final response). Cancelling a
         # stream whose requests already finished keeps tritonserver 2.51 from unloading the model
         # for 15-30 s, so a server stopped right after would exit on its timeout.
         try:
-            self.client.stop_stream(cancel_requests=False)
+            self.client.stop_stream(cancel_requests=self._broken)
         finally:
             self.client.close()
+
+
+class _TritonSession:
+    """A benchmark worker's requests, one at a time, on the driver's shared stream."""
+
+    def __init__(self, stream: _SharedStream):
+        self.stream = stream
+        self.done: "queue.Queue" = queue.Queue()
+
+    def run(self, req: BenchRequest, request_id: str) -> RequestResult:
+        res = RequestResult(req.index, req.max_tokens, now())
+        try:
+            self.stream.submit(req, request_id, res, self.done)
+            t, error = self.done.get(timeout=self.stream.drv.timeout)
+            res.t_end = t
+            if error is not None:
+                res.error = error
+        except queue.Empty:
+            self.stream.forget(request_id)
+            res.error, res.t_end = f"no response within {self.stream.drv.timeout:.0f} s", now()
+        except Exception as e:  # a broken stream must not kill the worker: count it, go on
+            self.stream.forget(request_id)
+            res.error, res.t_end = f"{type(e).__name__}: {e}", now()
+        return res
+
+    def close(self) -> None:
+        pass
 
 
 class InProcessDriver:

@@ -8,7 +8,8 @@ SmolLM2-135M's linears (gate_up 3072x576, gate or up 1536x576, down 576x1536, q 
 192x576), --layers distinct copies of each (30 layers: 212 MB of bf16 weights, more than any L3
 here, so the weights come from DRAM as in a decode step; one copy measures the caches), called
 layer by layer in the model's order: the bf16 GEMM (kernels/cpu_gemm_bf16.c) and the integer-dot
-W8A8 / W4A8 GEMM (cpu_gemm_i8dot.c, asymmetric groups of 32 as the default builds store them). Each
+W8A8 / W4A8 GEMM (cpu_gemm_i8dot.c, asymmetric groups of 32 as the default builds store them;
+W4A8 with its zeros folded into the codes, kernels/i8dot_pack.py). Each
 round runs every path (forced with TRITIUM_CPU_ISA), kind and row count in turn, then a plain read
 of the same bytes in the same order (a small C loop XOR-ing 64-byte words, asking for the lines
 16 KB ahead); prints each shape's GB/s of weight bytes (codes, scales and zeros for the integer
@@ -19,7 +20,9 @@ preempted does not count. --pages: where the weights lie, 4k (torch's allocation
 the integer-dot kernels told so: tritium_i8dot_huge_pages), each placement timed in every round.
 --base-kernels DIR: also time the kernels compiled from DIR (another revision's kernels/*.c, *.h,
 e.g. `git archive main kernels | tar -x -C DIR`, then DIR/kernels) in every round, interleaved with
-this tree's: rows `path+base`.
+this tree's: rows `path+base` (W4A8: a base library from before the folded zeros reads the same
+bytes through its float-zero int4 kernel, int16 zc taken as float16 zeros: the same work, its
+values meaningless).
 """
 from __future__ import annotations
 
@@ -71,8 +74,11 @@ def _weights(kind: str, layers: int, huge: bool = False) -> List[List[Tuple]]:
         else:
             bits = 8 if kind == "w8a8" else 4
             lo, hi = (-128, 128) if bits == 8 else (-8, 8)
-            w = ip.repack(torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 50 + 1e-3,
-                          torch.randn(k // 32, n) / 50, 32, bits)
+            s = torch.rand(k // 32, n) / 50 + 1e-3
+            # int4: zeros of a min/max (GGUF Q4_1) grid, z = min + 8 d, min in [-15 d, 0]: folded
+            z = torch.randn(k // 32, n) / 50 if bits == 8 else s * (torch.rand(k // 32, n) * 15 - 7)
+            w = ip.repack(torch.randint(lo, hi, (n, k)), s, z, 32, bits)
+            assert bits == 8 or w.fold
             base.append((n, k, w))
     flat = [t for _ in range(layers) for _, _, w in base
             for t in ((w,) if kind == "bf16" else (w.codes, w.d, w.z, w.r))]
@@ -104,7 +110,7 @@ def _round(lib, kind: str, m: int, ws, x, y) -> List[List[float]]:
             if kind == "bf16":
                 lib.tritium_bf16_gemm(x.data_ptr(), args[0], y.data_ptr(), m, n, k)
             else:
-                lib.tritium_i8dot_gemm(x.data_ptr(), *args, y.data_ptr(), m, n, k, 8 if kind == "w8a8" else 4)
+                lib.tritium_i8dot_gemm(x.data_ptr(), *args, y.data_ptr(), m, n, k, 8 if kind == "w8a8" else ip.FOLD4)
             out[-1].append(time.perf_counter() - t0)
     return out
 

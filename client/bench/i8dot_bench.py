@@ -20,7 +20,8 @@ block kernel's core instructions, AVX-512 VPDPBUSD; AVX2 VPSIGNB + VPMADDUBSW + 
 for int8, VPMADDUBSW + VPADDW for int4), and each GEMM's share of that peak. --base-kernels DIR
 (another revision's kernels/*.c and *.h, e.g. `git archive main kernels | tar -x`): the same GEMMs
 through that revision's library too, interleaved, with the ratio, after checking that both give
-the same bits.
+the same bits (int4: on the float-zero layout, `repack(fold=False)`, which the base library runs;
+this tree runs int4 with the zeros folded into the codes, kernels/i8dot_pack.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import time
 
 import torch
 
-from tritium.kernels import cpu_native, ops
+from tritium.kernels import cpu_native, i8dot_pack, ops
 
 SHAPES = (("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536))
 
@@ -41,9 +42,19 @@ def _buffers(method: str, n: int, k: int, g: int = 32) -> dict:
     if method == "int8":
         return {"qweight": torch.randint(-128, 128, (n, k), dtype=torch.int8),
                 "scales": torch.rand(k // g, n) / 50 + 1e-3, "zeros": torch.randn(k // g, n) / 50}
+    scales = (torch.rand(k // g, n) / 10 + 1e-3).half()
     return {"qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
-            # float16, as engines store int4 parameters (the int4 kernels read them as stored)
-            "scales": (torch.rand(k // g, n) / 10 + 1e-3).half(), "zeros": (torch.randn(k // g, n) / 10).half()}
+            # float16, as engines store int4 parameters (the int4 kernels read them as stored); zeros
+            # as a GGUF Q4_1 grid gives them (the block minimum m in [-15 d, 0]: z = m + 8 d)
+            "scales": scales, "zeros": (scales.float() * (torch.rand(k // g, n) * 15 - 7)).half()}
+
+
+def _int4_classic(b: dict, g: int = 32):
+    """The int4 buffers' integer-dot weight with the float zero term (repack fold=False: the
+    layout and numerics before the folded zeros; what --base-kernels' library reads)."""
+    q = b["qweight"]
+    c = torch.stack((q & 0x0F, q >> 4), dim=2).reshape(q.shape[0], -1).to(torch.int32) - 8
+    return i8dot_pack.repack(c, b["scales"], b["zeros"], g, 4, fold=False)
 
 
 def _gemm(lib, x: torch.Tensor, w) -> torch.Tensor:
@@ -51,7 +62,7 @@ def _gemm(lib, x: torch.Tensor, w) -> torch.Tensor:
     n, k = w.shape
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     lib.tritium_i8dot_gemm(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.z.data_ptr() if w.z is not None else None,
-                           w.r.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.bits)
+                           w.r.data_ptr(), y.data_ptr(), x.shape[0], n, k, w.kernel_bits)
     return y
 
 
@@ -67,25 +78,32 @@ def _gops(rows, reps: int, base_dir=None) -> None:
           + ("; base: the kernels of --base-kernels, the same calls interleaved, outputs compared bit for bit"
              if base_dir else ""))
     torch.manual_seed(0)
-    packs = {}
+    packs, classic = {}, {}  # classic: int4 with the float zero term, what base's library reads
     for method in ("int8", "int4"):
-        packs[method] = [ops.pack_cpu_linear(method, _buffers(method, n, k), torch.bfloat16, 32,
-                                             activation_quant="int8").tensors[0] for _, n, k in SHAPES]
+        bufs = [_buffers(method, n, k) for _, n, k in SHAPES]
+        packs[method] = [ops.pack_cpu_linear(method, b, torch.bfloat16, 32, activation_quant="int8").tensors[0]
+                         for b in bufs]
+        classic[method] = packs[method] if method == "int8" else [_int4_classic(b) for b in bufs]
     for m in rows:
         xs = [torch.randn(m, k).to(torch.bfloat16) for _, _, k in SHAPES]
         work = sum(2 * m * n * k for _, n, k in SHAPES)
         best = collections.defaultdict(float)
         for method, ws in packs.items():
-            for x, w in zip(xs, ws):
-                if base_dir and not torch.equal(_gemm(lib, x, w), _gemm(libs["base "], x, w)):
+            for x, w, wc in zip(xs, ws, classic[method]):
+                if base_dir and not torch.equal(_gemm(lib, x, wc), _gemm(libs["base "], x, wc)):
                     raise SystemExit(f"{method} rows {m}: this tree's bits differ from --base-kernels'")
+                if w is not wc:  # folded zeros: the zero moves by at most d / 16, so the results stay close
+                    y, yc = _gemm(lib, x, w), _gemm(lib, x, wc)
+                    if (y - yc).norm() > 0.05 * yc.norm():
+                        raise SystemExit(f"{method} rows {m}: folded zeros far from the float zero term")
         for _ in range(reps):
             for form in (8, 4):
                 t0 = time.perf_counter()
                 macs = lib.tritium_i8dot_peak(200000, form)
                 best[form] = max(best[form], 2 * macs / (time.perf_counter() - t0) / 1e9)
-            for method, ws in packs.items():
+            for method in packs:
                 for tag, lb in libs.items():
+                    ws = classic[method] if tag else packs[method]
                     t0 = time.perf_counter()
                     for x, w in zip(xs, ws):
                         _gemm(lb, x, w)

@@ -35,7 +35,8 @@ import threading
 import time
 from typing import Dict, Optional
 
-from tritium.client.bench.bench_drivers import greedy_stream_inputs
+from tritium.client import grpc_setup
+from tritium.client.bench.bench_drivers import REQUESTED_OUTPUTS, greedy_stream_inputs
 
 ROLES = ("tritium-loop", "loop workers", "stub unnamed", "tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")
 OVERHEAD = ("tritium-deliver", "tritium-stats", "stub main", "tritonserver", "client")  # beside the step
@@ -118,6 +119,8 @@ class _Stream:
         resp = result.get_response()
         if resp.outputs:
             self.responses += 1
+            for out in resp.outputs:  # read every output asked for, as a client would
+                result.as_numpy(out.name)
         final = resp.parameters.get("triton_final_response")
         if final is not None and final.bool_param:
             self.done.set()
@@ -260,13 +263,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2", help="the tritium model (not its ensemble or BLS)")
     ap.add_argument("--tokens", type=int, default=384, help="tokens per single stream (default 384)")
     ap.add_argument("--rounds", type=int, default=3, help="single streams measured (default 3)")
-    ap.add_argument("--outputs", default="all", help="outputs the client requests: all, or a comma list")
+    ap.add_argument("--outputs", default="bench",
+                    help="outputs the client requests and reads: bench (those of the serving benchmark: "
+                         + ", ".join(REQUESTED_OUTPUTS) + "), all, or a comma list")
     ap.add_argument("--concurrency", type=int, default=0,
                     help="measure the default 32-request workload at this concurrency instead of single streams")
     ap.add_argument("--engine", default=None,
                     help="with --concurrency: also run ENGINE_DIR in this process, alternating with the server")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
+    grpc_setup.apply()  # before tritonclient imports grpc, as the `tritium` command does
     for flag, v, low in (("--tokens", a.tokens, 16), ("--rounds", a.rounds, 1)):
         if v < low:
             print(f"{flag} must be >= {low}, got {v}", file=sys.stderr)
@@ -291,7 +297,8 @@ def main(argv=None) -> int:
             return 2
         print(json.dumps(res)) if a.json else _print_workload(res)
         return 0
-    outputs = None if a.outputs == "all" else [s for s in a.outputs.split(",") if s]
+    outputs = None if a.outputs == "all" else list(REQUESTED_OUTPUTS) if a.outputs == "bench" \
+        else [s for s in a.outputs.split(",") if s]
     try:
         res = measure(a.url, a.model, a.tokens, a.rounds, outputs)
     except (OSError, ValueError) as e:

@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     server = TritonServer(repo, log_file=os.path.join(repo, "tritonserver.log"), load_models=names)
     server.start(timeout=600)
     rates = {n: {} for n in names}
+    targets = {}
     try:
         targets = {n: TritonGrpcDriver(server.grpc_url, n) for n in names}
         for d in targets.values():
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
                 for run in runs:
                     rates[n].setdefault(run["label"], []).append(run["output_tok_s"])
     finally:
+        for d in targets.values():  # each driver's gRPC stream
+            d.close()
         server.stop()
     print(f"load after {os.getloadavg()[0]:.2f}", file=sys.stderr)
     labels = list(next(iter(rates.values())))

@@ -283,7 +283,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
                           log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"), isa=args.isa)
               for t in args.llama_threads}
     triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
-    inproc = None
+    inproc, targets = None, {}
     try:
         for llama in llamas.values():
             llama.start()
@@ -311,8 +311,8 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
         return {"reps": reps, "idle_server_cores": idle, "host_load": load,
                 "llama_server_cmd": [" ".join(x.cmd[1:]) for x in llamas.values()]}
     finally:
-        if inproc is not None:
-            inproc.close()
+        for d in targets.values():  # the Triton driver's stream, the in-process engine
+            d.close()
         triton.stop()
         for llama in llamas.values():
             llama.stop()

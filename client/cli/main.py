@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from tritium.client import grpc_setup
+    grpc_setup.apply()  # before any subcommand imports grpc (client/grpc_setup.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

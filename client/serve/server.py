@@ -33,6 +33,7 @@ import time
 import urllib.request
 from typing import List, Optional
 
+from tritium.client import grpc_setup
 from tritium.client.serve.http_checks import GuardLimits
 from tritium.client.serve.launch_checks import new_shm_prefix, remove_shm_files, shm_backend_args, start_guard
 from tritium.client.security import Security, local_client_ssl_context
@@ -149,7 +150,7 @@ class PortPicker:
 def server_env() -> dict:
     """Environment for tritonserver: this Python first on PATH, the wheel's libs on LD_LIBRARY_PATH,
     OMP_WAIT_POLICY=PASSIVE unless set."""
-    env = dict(os.environ)
+    env = grpc_setup.server_environment(dict(os.environ))
     bindir = os.path.dirname(os.path.abspath(sys.executable))
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     libs = wheel_paths()["libs"]
