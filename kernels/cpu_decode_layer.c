@@ -145,7 +145,7 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
 #define CLAIM_CHUNKS 4
 #define CLAIM_CHUNKS_ROWS 2 /* above CLAIM_FEW_ROWS rows */
 #define CLAIM_FEW_ROWS 4
-#define STEP_COUNTERS 5 /* a layer's: qkv, attention, o, gate_up, down */
+#define STEP_COUNTERS 6 /* a layer's: qkv, attention, o, gate_up, down, RoPE rows */
 
 /* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
  * their weights ahead inside a call, so without this a chunk would start cold). */
@@ -270,11 +270,16 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         rc |= linear_run(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt, c);
         TICK(OP_QKV)
         BARRIER()
-        if (nt_rows)
+        if (roped) /* rows claimed one by one (the first thread out of the qkv barrier takes them), each
+                    * flagged once its q and keys are out: attention items needing only it may start */
+            for (int64_t t = claim_next(c + 5); t < T; t = claim_next(c + 5)) {
+                tritium_rope_kv_write_bf16(qkv + t * nqkv, cos + t * D, ssin + t * D, slots + t, 1, hq, hkv, D,
+                                           q + t * hq * D, L->k_cache, L->v_cache);
+                __atomic_store_n(&roped[t], l + 1, __ATOMIC_RELEASE);
+            }
+        else if (nt_rows)
             tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
-        if (roped) /* these rows' q and keys are out: attention items that need only them may start */
-            for (int64_t t = t0; t < t1; t++) __atomic_store_n(&roped[t], l + 1, __ATOMIC_RELEASE);
         TICK(OP_ROPE)
         if (!roped) BARRIER() /* attention rows read keys other threads may have just written */
         if (c)
