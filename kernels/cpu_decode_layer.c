@@ -249,7 +249,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     }
     /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
      * buffers (priv: x, act, a residual scratch), so the linears that follow read them without
-     * waiting for the others: 6 barriers a layer instead of 9. Only thread 0 writes the shared
+     * waiting for the others: 6 barriers a layer (5 claimed: none after RoPE) instead of 9. Only thread 0 writes the shared
      * residual, alternating between `residual` and res_alt (norm1 reads ra, writes rb; norm2 reads
      * rb, writes ra), so no thread reads rows another is writing; after each layer it is back in
      * `residual`. The same kernel on the same row gives the same bits on every thread. */
