@@ -105,13 +105,13 @@ INLINE void prefetch_row(const uint16_t *cache, const int32_t *table, int64_t po
  * the values are), so each chunk's first positions are not read cold. */
 static void widen_rows(const uint16_t *cache, const int32_t *table, int64_t j0, int64_t nj, int64_t end,
                        int64_t row, int64_t BS, float *kf, int64_t ahead, const uint16_t *pf_cache,
-                       int64_t pf_ahead) {
+                       int64_t pf_ahead, int64_t c0, int64_t c1) {
     for (int64_t j = 0; j < nj; j++) {
         const int64_t pos = j0 + j;
         const uint16_t *kp = cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
         if (ahead && pos + ahead < end) prefetch_row(cache, table, pos + ahead, row, BS);
         if (pos + pf_ahead < end) prefetch_row(pf_cache, table, pos + pf_ahead, row, BS);
-        for (int64_t d = 0; d < row; d += 8) _mm256_storeu_ps(kf + j * row + d, bf16x8_to_f32(kp + d));
+        for (int64_t d = c0; d < c1; d += 8) _mm256_storeu_ps(kf + j * row + d, bf16x8_to_f32(kp + d));
     }
 }
 static __thread float kf_tls[CHUNK * MAXROWB]; /* one chunk of keys or values, float32 */
@@ -132,8 +132,9 @@ static int64_t tile_rows(int64_t hq, int64_t D) {
 static void decode_tile_blocked(const uint16_t *q, const int64_t *tok, int64_t n, const uint16_t *k_cache,
                                 const uint16_t *v_cache, const int32_t *table, int64_t lo, int64_t len0,
                                 int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
-                                uint16_t *out) {
+                                int64_t r0, int64_t r1, uint16_t *out) {
     const int64_t grp = hq / hkv, row = hkv * D, QD = hq * D, per = 2 * QD + hq * CHUNK + 2 * hq;
+    const int64_t c0 = r0 / grp * D, c1 = ((r1 - 1) / grp + 1) * D; /* the KV heads of query heads [r0, r1) */
     const int64_t end = len0 + n - 1;
     float *kf = kf_tls;
     for (int64_t t = 0; t < n; t++) {
@@ -150,17 +151,17 @@ static void decode_tile_blocked(const uint16_t *q, const int64_t *tok, int64_t n
     }
     for (int64_t j0 = lo; j0 < end; j0 += CHUNK) {
         const int64_t njmax = end - j0 < CHUNK ? end - j0 : CHUNK, t0 = j0 - len0 + 1 > 0 ? j0 - len0 + 1 : 0;
-        widen_rows(k_cache, table, j0, njmax, end, row, BS, kf, j0 == lo ? PFD : 0, v_cache, 0);
+        widen_rows(k_cache, table, j0, njmax, end, row, BS, kf, j0 == lo ? PFD : 0, v_cache, 0, c0, c1);
         for (int64_t t = t0; t < n; t++) { /* rows t < t0 end before this chunk */
             float *qf = tile_tls + t * per, *o = qf + QD, *s = o + QD, *m = s + hq * CHUNK, *l = m + hq;
             const int64_t len = len0 + t, nj = len - j0 < CHUNK ? len - j0 : CHUNK;
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t r = h * grp; r < (h + 1) * grp; r++) {
+            for (int64_t r = r0; r < r1; r++) {
+                    const int64_t h = r / grp;
                     score_block(qf + r * D, kf + h * D, nj, D, row, scale, s + r * CHUNK);
                     if (softcap > 0.0f)
                         for (int64_t j = 0; j < nj; j++) s[r * CHUNK + j] = softcap * tanhf(s[r * CHUNK + j] / softcap);
                 }
-            for (int64_t r = 0; r < hq; r++) {
+            for (int64_t r = r0; r < r1; r++) {
                 const float mx = max_run(s + r * CHUNK, nj, m[r]);
                 const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
                 l[r] = l[r] * corr + exp_sub_sum(s + r * CHUNK, nj, mx);
@@ -168,19 +169,18 @@ static void decode_tile_blocked(const uint16_t *q, const int64_t *tok, int64_t n
                 for (int64_t d = 0; d < D; d++) o[r * D + d] *= corr;
             }
         }
-        widen_rows(v_cache, table, j0, njmax, end, row, BS, kf, 0, k_cache, CHUNK);
+        widen_rows(v_cache, table, j0, njmax, end, row, BS, kf, 0, k_cache, CHUNK, c0, c1);
         for (int64_t t = t0; t < n; t++) {
             float *o = tile_tls + t * per + QD, *s = o + QD;
             const int64_t len = len0 + t, nj = len - j0 < CHUNK ? len - j0 : CHUNK;
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t r = h * grp; r < (h + 1) * grp; r++)
-                    pv_block(o + r * D, s + r * CHUNK, kf + h * D, nj, D, row);
+            for (int64_t r = r0; r < r1; r++)
+                    pv_block(o + r * D, s + r * CHUNK, kf + r / grp * D, nj, D, row);
         }
     }
     for (int64_t t = 0; t < n; t++) {
         const float *o = tile_tls + t * per + QD, *l = o + QD + hq * CHUNK + hq;
         uint16_t *ot = out + tok[t] * QD;
-        for (int64_t r = 0; r < hq; r++) {
+        for (int64_t r = r0; r < r1; r++) {
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
             for (int64_t d = 0; d < D; d++) ot[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
         }

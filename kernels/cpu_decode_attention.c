@@ -33,18 +33,22 @@
 #define CHUNK 64
 
 #if defined(TRITIUM_AVX512)
-/* One decode row, every head: the keys of a position are contiguous over the KV heads in the
- * cache (Hkv * D values), so the row's cache lines are read once, in order, for all heads. */
+/* One decode row, query heads [r0, r1) (every head: 0, hq): the keys of a position are contiguous
+ * over the KV heads in the cache (Hkv * D values), so the row's cache lines are read once, in
+ * order, for all its heads. Each head's scores, softmax and sums are its own (no value crosses
+ * heads), so a head's bits do not depend on the range it is computed in. */
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
-                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
+                       int64_t D, int64_t BS, float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out) {
     const int64_t grp = hq / hkv, dv = (D + 15) / 16, dp = (D + 31) / 32, DP = 16 * dv;
+    const int64_t h0 = r0 / grp, h1 = (r1 - 1) / grp + 1; /* the KV heads of query heads [r0, r1) */
+    const int64_t pf0 = (h0 * D * 2) & ~(int64_t)63, pf1 = h1 * D * 2; /* their bytes in a cache slot */
     /* lanes of the last 32-wide (dot) and 16-wide (value) chunk of a head */
     const __mmask32 mlast = D % 32 ? (__mmask32)((1u << (D % 32)) - 1) : 0xFFFFFFFFu;
     const __mmask16 vlast = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : 0xFFFF;
     __m512bh qv[MAXQD / 32 + MAXH];        /* q rows as bf16 pairs for VDPBF16PS */
     float o[MAXQD + 16 * MAXH], m[MAXH], l[MAXH], s[MAXH][CHUNK];
-    for (int64_t r = 0; r < hq; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int64_t c = 0; c < dp; c++)
             qv[r * dp + c] = (__m512bh)_mm512_maskz_loadu_epi16(c == dp - 1 ? mlast : 0xFFFFFFFFu,
                                                                 (const void *)(q + r * D + 32 * c));
@@ -65,12 +69,11 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 kp[t] = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
                 if (pos + 16 < len) { /* the next block of keys, every head */
                     const char *nk = (const char *)(k_cache + ((int64_t)table[(pos + 16) / BS] * BS + (pos + 16) % BS) * row);
-                    for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                    for (int64_t b = pf0; b < pf1; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
                 }
             }
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t g = 0; g < grp; g++) {
-                    const int64_t r = h * grp + g;
+            for (int64_t r = r0; r < r1; r++) {
+                    const int64_t h = r / grp;
                     __m512 acc[16];
                     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
                     for (int64_t c = 0; c < dp; c++)
@@ -93,11 +96,10 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
             if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
                 const int64_t p4 = pos + 4;
                 const char *nk = (const char *)(k_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row);
-                for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+                for (int64_t b = pf0; b < pf1; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
             }
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t g = 0; g < grp; g++) {
-                    const int64_t r = h * grp + g;
+            for (int64_t r = r0; r < r1; r++) {
+                    const int64_t h = r / grp;
                     __m512 acc = _mm512_setzero_ps();
                     for (int64_t c = 0; c < dp; c++)
                         acc = _mm512_dpbf16_ps(acc, qv[r * dp + c],
@@ -108,7 +110,7 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
                     s[r][j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
                 }
         }
-        for (int64_t r = 0; r < hq; r++) {
+        for (int64_t r = r0; r < r1; r++) {
             __m512 vm = _mm512_set1_ps(m[r]); /* max in registers: its order does not change it */
             for (int64_t j = 0; j < nj; j += 16)
                 vm = _mm512_mask_max_ps(vm, nj - j >= 16 ? 0xFFFF : (__mmask16)((1u << (nj - j)) - 1), vm,
@@ -134,22 +136,21 @@ static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_
             if (j + 4 < nj) {
                 const int64_t p4 = pos + 4;
                 const char *nv = (const char *)(v_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row);
-                for (int64_t b = 0; b < row * 2; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
+                for (int64_t b = pf0; b < pf1; b += 64) _mm_prefetch(nv + b, _MM_HINT_T0);
             }
-            for (int64_t h = 0; h < hkv; h++)
+            for (int64_t h = h0; h < h1; h++)
                 for (int64_t c = 0; c < dv; c++) {
                     __m256i raw = _mm256_maskz_loadu_epi16(c == dv - 1 ? vlast : 0xFFFF,
                                                            (const void *)(vp + h * D + 16 * c));
                     __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-                    for (int64_t g = 0; g < grp; g++) {
-                        const int64_t r = h * grp + g;
+                    for (int64_t r = h * grp > r0 ? h * grp : r0; r < (h + 1) * grp && r < r1; r++) {
                         float *op = &o[r * DP + 16 * c];
                         _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, _mm512_loadu_ps(op)));
                     }
                 }
         }
     }
-    for (int64_t r = 0; r < hq; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * DP + d] * inv);
     }
@@ -220,11 +221,11 @@ INLINE float exp_sub_sum(float *s, int64_t n, float mx) {
 
 #include "cpu_attention_tile.h" /* the blocked rows: decode_tile_blocked */
 
-/* One decode row, every head, as the AVX-512 kernel: GQA groups read each key and value once. */
+/* One decode row, query heads [r0, r1), as the AVX-512 kernel: GQA groups read each key and value once. */
 static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
-                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
-    const int64_t grp = hq / hkv, row = hkv * D;
+                       int64_t D, int64_t BS, float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out) {
+    const int64_t grp = hq / hkv, row = hkv * D, h0 = r0 / grp, h1 = (r1 - 1) / grp + 1;
     float qf[MAXQD], o[MAXQD], m[MAXH], l[MAXH], s[MAXH][CHUNK];
     for (int64_t d = 0; d < hq * D; d++) {
         qf[d] = bf16_to_f32(q[d]);
@@ -242,16 +243,15 @@ static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const u
             if (j + 4 < nj) { /* the next positions may sit in another block: prefetch them */
                 const int64_t p4 = pos + 4;
                 const uint16_t *nk = k_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row;
-                for (int64_t b = 0; b < row; b += 32) PREFETCH(nk + b);
+                for (int64_t b = h0 * D; b < h1 * D; b += 32) PREFETCH(nk + b);
             }
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t g = 0; g < grp; g++) {
-                    const int64_t r = h * grp + g;
+            for (int64_t r = r0; r < r1; r++) {
+                    const int64_t h = r / grp;
                     const float sc = dot_qk(qf + r * D, kp + h * D, D) * scale;
                     s[r][j] = softcap > 0.0f ? softcap * tanhf(sc / softcap) : sc;
                 }
         }
-        for (int64_t r = 0; r < hq; r++) {
+        for (int64_t r = r0; r < r1; r++) {
             float mx = m[r];
             for (int64_t j = 0; j < nj; j++) mx = s[r][j] > mx ? s[r][j] : mx;
             const float corr = expf(m[r] - mx); /* 0 on the first chunk (m = -inf) */
@@ -265,16 +265,15 @@ static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const u
             if (j + 4 < nj) {
                 const int64_t p4 = pos + 4;
                 const uint16_t *nv = v_cache + ((int64_t)table[p4 / BS] * BS + p4 % BS) * row;
-                for (int64_t b = 0; b < row; b += 32) PREFETCH(nv + b);
+                for (int64_t b = h0 * D; b < h1 * D; b += 32) PREFETCH(nv + b);
             }
-            for (int64_t h = 0; h < hkv; h++)
-                for (int64_t g = 0; g < grp; g++) {
-                    const int64_t r = h * grp + g;
+            for (int64_t r = r0; r < r1; r++) {
+                    const int64_t h = r / grp;
                     axpy_v(o + r * D, s[r][j], vp + h * D, D);
                 }
         }
     }
-    for (int64_t r = 0; r < hq; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int64_t d = 0; d < D; d++) out[r * D + d] = f32_to_bf16(o[r * D + d] * inv);
     }
@@ -282,8 +281,8 @@ static void decode_row_plain(const uint16_t *q, const uint16_t *k_cache, const u
 
 static void decode_row(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *table, int64_t lo, int64_t len, int64_t hq, int64_t hkv,
-                       int64_t D, int64_t BS, float scale, float softcap, uint16_t *out) {
-    decode_row_plain(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, out);
+                       int64_t D, int64_t BS, float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out) {
+    decode_row_plain(q, k_cache, v_cache, table, lo, len, hq, hkv, D, BS, scale, softcap, r0, r1, out);
 }
 #endif
 
@@ -311,7 +310,7 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
             for (int64_t t = 0; t < ntiles; t++) {
                 const int64_t i = start[t];
                 decode_tile_blocked(q, tok + i, start[t + 1] - i, k_cache, v_cache, block_tables + seq[i] * table_stride,
-                                    lo[i], len[i], hq, hkv, D, BS, scale, softcap, out);
+                                    lo[i], len[i], hq, hkv, D, BS, scale, softcap, 0, hq, out);
             }
             free(start);
             return;
@@ -322,6 +321,26 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
     for (int64_t i = 0; i < nrows; i++) {
         const int64_t off = tok[i] * hq * D;
         decode_row(q + off, k_cache, v_cache, block_tables + seq[i] * table_stride, lo[i], len[i], hq, hkv, D,
-                   BS, scale, softcap, out + off);
+                   BS, scale, softcap, 0, hq, out + off);
     }
+}
+
+/* Query heads [r0, r1) of one decode row (tok, seq, lo, len as one entry of the arrays above),
+ * computed by the code tritium_paged_decode_bf16 runs for that row, on the calling thread: the
+ * same bits, head by head (kernels/cpu_decode_layer.c splits a step's attention into such items). */
+void tritium_paged_decode_heads_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                     const int32_t *block_tables, int64_t table_stride, int64_t tok, int64_t seq,
+                                     int64_t lo, int64_t len, int64_t hq, int64_t hkv, int64_t D, int64_t BS,
+                                     float scale, float softcap, int64_t r0, int64_t r1, uint16_t *out) {
+    if (r1 <= r0) return;
+#if defined(TRITIUM_AVX2)
+    if (D % 8 == 0 && hkv * D <= MAXROWB) {
+        decode_tile_blocked(q, &tok, 1, k_cache, v_cache, block_tables + seq * table_stride, lo, len, hq, hkv, D, BS,
+                            scale, softcap, r0, r1, out);
+        return;
+    }
+#endif
+    const int64_t off = tok * hq * D;
+    decode_row(q + off, k_cache, v_cache, block_tables + seq * table_stride, lo, len, hq, hkv, D, BS, scale, softcap,
+               r0, r1, out + off);
 }

@@ -22,11 +22,12 @@
  *
  * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
- * parallel region: the threads split each GEMM's output channels (in units of 32, so every
- * channel is computed by the same code and in the same order as in the whole GEMM: the bits do
- * not depend on the thread count) and meet at a barrier between ops (it spins, then sleeps);
- * each thread runs the norms and SiLU on every row itself, rotary splits the rows, attention its
- * rows by keys to read. A fork/join
+ * parallel region: the threads claim each GEMM's output channels in chunks of 32-channel units
+ * from a counter of that op (every channel is computed by the same code and in the same order as
+ * in the whole GEMM: the bits depend neither on the thread count nor on which thread claims it),
+ * and attention's (row, query heads) items likewise (TRITIUM_STEP_CLAIM=0: static shares instead),
+ * and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
+ * the norms and SiLU on every row itself, rotary splits the rows. A fork/join
  * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
  * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
  * a column slice cannot address, so they take the per-op regions.
@@ -34,22 +35,17 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall() */
 #endif
-#include <limits.h>
 #include <stdlib.h>
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
-#ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "cpu_simd.h"
+#include "cpu_step_sync.h"
+#include "cpu_step_attention.h"
 
 /* The kernels this file calls (cpu_gemm.c, cpu_gemm_bf16.c, cpu_glue.c, cpu_decode_attention.c). */
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -72,7 +68,6 @@ void tritium_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, float softcap,
                                uint16_t *out);
-
 /* A linear layer's weight as cpu_linear.CpuLinear holds it (kernels/decode_layer.py fills these). */
 enum { LIN_BF16 = 0, LIN_INT8 = 1, LIN_INT8G = 2, LIN_INT4 = 3, LIN_I8DOT = 4 };
 typedef struct {
@@ -142,78 +137,47 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
     return linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1 < n0 ? n0 : n1);
 }
 
-/* A barrier for the threads of one parallel region: spin (the others are usually microseconds
- * away: thread 0 runs a norm or the attention while the rest wait), then sleep on a futex (one of
- * them lost its core to another process): a spinning thread would keep the core its peer needs.
- * The spin is bounded by time, not by a count of pause instructions, whose latency differs from
- * CPU to CPU by 20x (and a guest's pause loop may exit to the hypervisor): waking a sleeping
- * thread costs tens of microseconds in a VM, more than most ops of a small step take, so a spin
- * of a few microseconds slept at almost every barrier and made two threads slower than one on
- * an idle host; on a busy one long spins made them slower still (backend/thread_policy.py then
- * picks one thread). */
-typedef struct {
-    int count, gen, sleepers;
-} step_barrier_t;
+/* Chunks per thread a GEMM's output units (32 channels) are cut into when the threads claim them:
+ * enough that a preempted thread leaves little behind, few enough that each call of a kernel
+ * still streams a long run of weights (a chunk of a 576-channel GEMM on two threads: 64 channels).
+ * Steps of more rows take half as many: each call quantizes its rows' activations again (W8A8 /
+ * W4A8) and starts its tiles' weights cold, a cost that grows with the rows. */
+#define CLAIM_CHUNKS 4
+#define CLAIM_CHUNKS_ROWS 2 /* above CLAIM_FEW_ROWS rows */
+#define CLAIM_FEW_ROWS 4
+#define STEP_COUNTERS 6 /* a layer's: qkv, attention, o, gate_up, down, RoPE rows */
 
-/* The spin budget adapts: doubled after a wait that ended within BARRIER_MAX_NS (spinning or
- * not: a longer spin would have met the peers without a futex wake-up), halved after a longer
- * one (a peer had lost its core: spinning on only keeps a core from whoever took it), between
- * BARRIER_MIN_NS and BARRIER_MAX_NS (0.3 ms: longer than any op of a step of <= 32 rows
- * here). Shared by the process's steps; a stale value costs speed, never correctness. */
-#define BARRIER_MIN_NS 2000
-#define BARRIER_MAX_NS 300000
-static int64_t barrier_spin_ns = BARRIER_MAX_NS;
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+/* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
+ * their weights ahead inside a call, so without this a chunk would start cold). */
+static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
+    const int64_t K = L->k, rowb = L->kind == LIN_BF16 ? 2 * K : L->kind == LIN_I8DOT && L->group == 4 ? K / 2 : K;
+    const int64_t n = L->n - n0 < 32 ? L->n - n0 : 32;
+    const char *p = (const char *)L->w + n0 * rowb, *e = p + n * rowb;
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
-static void futex_wait(int *addr, int val) {
-#ifdef __linux__
-    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
-#else
-    (void)addr, (void)val;
-    sched_yield();
-#endif
-}
-
-static void barrier(step_barrier_t *b, int nt) {
-    if (nt == 1) return;
-    const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
-        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_SEQ_CST);
-#ifdef __linux__
-        if (__atomic_load_n(&b->sleepers, __ATOMIC_SEQ_CST))
-            syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-#endif
-        return;
+/* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
+ * share). A chunk's bounds are multiples of 32 (or N), as linear_part's. A thread claims its next
+ * chunk as it starts one, and asks for that chunk's first weights while it computes this one (so
+ * it holds at most two chunks when it loses its core). */
+static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
+                      int tid, int nt, step_counter_t *c) {
+    if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
+    const int64_t cpt = T <= CLAIM_FEW_ROWS ? CLAIM_CHUNKS : CLAIM_CHUNKS_ROWS;
+    const int64_t units = (L->n + 31) / 32, per = (units + cpt * nt - 1) / (cpt * nt);
+    const int64_t chunks = (units + per - 1) / per;
+    int rc = 0;
+    int64_t t = now_ns(), longest = 0;
+    for (int64_t k = claim_next(c), next; k < chunks; k = next) {
+        next = claim_next(c);
+        if (next < chunks) prefetch_unit(L, next * per * 32);
+        const int64_t n0 = k * per * 32, n1 = (k + 1) * per * 32 < L->n ? (k + 1) * per * 32 : L->n;
+        rc |= linear_cols(L, x, T, ws + T * n0, out, mult, n0, n1);
+        const int64_t t1 = now_ns();
+        longest = t1 - t > longest ? t1 - t : longest, t = t1;
     }
-    const int64_t budget = __atomic_load_n(&barrier_spin_ns, __ATOMIC_RELAXED);
-    const int64_t start = now_ns(), until = start + budget;
-    for (int spins = 1;; spins++) {
-        if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
-            if (budget < BARRIER_MAX_NS)
-                __atomic_store_n(&barrier_spin_ns, budget * 2 < BARRIER_MAX_NS ? budget * 2 : BARRIER_MAX_NS,
-                                 __ATOMIC_RELAXED);
-            return;
-        }
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-        if ((spins & 63) == 0 && now_ns() > until) break;
-    }
-    __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
-    __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
-    /* the whole wait: within the longest spin, a longer spin would have met the peer (grow);
-     * beyond it, the peer had lost its core (shrink) */
-    const int64_t next = now_ns() - start <= BARRIER_MAX_NS ? 2 * budget : budget / 2;
-    __atomic_store_n(&barrier_spin_ns,
-                     next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
-                     __ATOMIC_RELAXED);
+    piece_ns = longest;
+    return rc;
 }
 
 /* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
@@ -252,23 +216,6 @@ void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t h
     *bf16_elems = T * (H + nqkv + 2 * hq * D + 3 * I);
 }
 
-/* Attention rows [a0, a1) of thread `tid` of `nt`: contiguous, split where the running count of
- * keys to read (len - lo, plus one per row) crosses tid / nt of the total, so a long-context row
- * and many short ones weigh alike. */
-static void attention_share(const int64_t *lo, const int64_t *len, int64_t nrows, int tid, int nt, int64_t *a0,
-                            int64_t *a1) {
-    int64_t total = 0;
-    for (int64_t r = 0; r < nrows; r++) total += len[r] - lo[r] + 1;
-    int64_t run = 0, r = 0;
-    *a0 = *a1 = nrows;
-    for (int t = 0; t <= tid + 1 && t <= nt; t++) {
-        if (t == nt) break; /* the last bound is nrows */
-        while (r < nrows && run * nt < total * t) run += len[r] - lo[r] + 1, r++;
-        if (t == tid) *a0 = r;
-        if (t == tid + 1) *a1 = r;
-    }
-}
-
 /* The layer loop as thread `tid` of `nt` runs it (nt == 1: every kernel opens its own parallel
  * region; nt > 1: inside the caller's parallel region, see the top of this file). */
 static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_layers, int64_t T, int64_t H, int64_t hq,
@@ -277,7 +224,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                          const uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
                          uint16_t *ws_bf16, uint16_t *priv, uint16_t *res_alt, int tid, int nt,
-                         step_barrier_t *bar) {
+                         step_barrier_t *bar, step_counter_t *ctr, int64_t *roped, const uint32_t *deps) {
     const int64_t nqkv = (hq + 2 * hkv) * D;
     uint16_t *x = ws_bf16, *qkv = x + T * H, *q = qkv + T * nqkv, *attn = q + T * hq * D, *gu = attn + T * hq * D,
              *act = gu + T * 2 * I;
@@ -302,7 +249,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     }
     /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
      * buffers (priv: x, act, a residual scratch), so the linears that follow read them without
-     * waiting for the others: 6 barriers a layer instead of 9. Only thread 0 writes the shared
+     * waiting for the others: 6 barriers a layer (5 claimed: none after RoPE) instead of 9. Only thread 0 writes the shared
      * residual, alternating between `residual` and res_alt (norm1 reads ra, writes rb; norm2 reads
      * rb, writes ra), so no thread reads rows another is writing; after each layer it is back in
      * `residual`. The same kernel on the same row gives the same bits on every thread. */
@@ -312,26 +259,38 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t n0 = red ? 0 : t0, nn = red ? T : nt_rows;
     for (int64_t l = 0; l < num_layers; l++) {
         const tritium_decoder_layer_t *L = layers + l;
+        /* this layer's counters (ctr NULL: static shares): qkv, attention, o, gate_up, down */
+        step_counter_t *c = ctr ? ctr + STEP_COUNTERS * l : NULL;
         const uint16_t *res_in = has_residual || l ? ra + n0 * H : NULL;
         if (nn)
             tritium_add_rms_norm_bf16(hidden + n0 * H, res_in, L->input_norm, eps, nn, H, xm + n0 * H,
                                       red && tid ? rs : rb + n0 * H);
         TICK(OP_NORM1)
         if (!red) BARRIER()
-        rc |= linear_part(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt);
+        rc |= linear_run(&L->qkv, xm, T, ws_f32, qkv, 1.0f, tid, nt, c);
         TICK(OP_QKV)
         BARRIER()
-        if (nt_rows)
+        if (roped) /* rows claimed one by one (the first thread out of the qkv barrier takes them), each
+                    * flagged once its q and keys are out: attention items needing only it may start */
+            for (int64_t t = claim_next(c + 5); t < T; t = claim_next(c + 5)) {
+                tritium_rope_kv_write_bf16(qkv + t * nqkv, cos + t * D, ssin + t * D, slots + t, 1, hq, hkv, D,
+                                           q + t * hq * D, L->k_cache, L->v_cache);
+                __atomic_store_n(&roped[t], l + 1, __ATOMIC_RELEASE);
+            }
+        else if (nt_rows)
             tritium_rope_kv_write_bf16(qkv + t0 * nqkv, cos + t0 * D, ssin + t0 * D, slots + t0, nt_rows, hq, hkv, D,
                                        q + t0 * hq * D, L->k_cache, L->v_cache);
         TICK(OP_ROPE)
-        BARRIER() /* attention rows read keys other threads may have just written */
-        if (a1 > a0)
+        if (!roped) BARRIER() /* attention rows read keys other threads may have just written */
+        if (c)
+            attention_claimed(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq, hkv,
+                              D, BS, scale, attn, nt, c + 1, roped, deps, l + 1);
+        else if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
         TICK(OP_ATTN)
         BARRIER()
-        rc |= linear_part(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt);
+        rc |= linear_run(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 2 : NULL);
         TICK(OP_O)
         BARRIER()
         if (nn)
@@ -339,13 +298,13 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
                                       red && tid ? rs : ra + n0 * H);
         TICK(OP_NORM2)
         if (!red) BARRIER()
-        rc |= linear_part(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt);
+        rc |= linear_run(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt, c ? c + 3 : NULL);
         TICK(OP_GATE_UP)
         BARRIER()
         if (nn) tritium_silu_mul_bf16(gu + n0 * 2 * I, nn, I, actm + n0 * I);
         TICK(OP_SILU)
         if (!red) BARRIER()
-        rc |= linear_part(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt);
+        rc |= linear_run(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 4 : NULL);
         TICK(OP_DOWN)
         BARRIER()
     }
@@ -369,30 +328,45 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
                                const int32_t *block_tables, int64_t table_stride, const int64_t *rows, int64_t nrows,
                                int64_t BS, float *ws_f32, uint16_t *ws_bf16, int64_t threads) {
     step_barrier_t bar = {0, 0, 0};
+    uint32_t *deps = NULL;
     int rc = 0;
-#define LAYERS(TID, NT, PRIV, ALT)                                                                                   \
+#define LAYERS(TID, NT, PRIV, ALT, CTR, RP)                                                                                 \
     layers_thread(layers, num_layers, T, H, hq, hkv, D, I, eps, scale, residual_mult, hidden, residual,           \
                   has_residual, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, PRIV, \
-                  ALT, TID, NT, &bar)
+                  ALT, TID, NT, &bar, CTR, RP, deps)
 #ifdef _OPENMP
     if (threads > 1 && !omp_in_parallel()) {
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
         const int64_t per = T * (2 * H + I);
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
-        if (!mem) return -1;
+        /* the work counters (TRITIUM_STEP_CLAIM=0: static shares, the comparison's baseline) */
+        const char *e = getenv("TRITIUM_STEP_CLAIM");
+        const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
+        step_counter_t *ctr = e && !strcmp(e, "0") ? NULL
+                              : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));
+        /* with the counters: each row's roped layer (T) and each attention row's rows (nrows) */
+        int64_t *roped = ctr ? (int64_t *)(ctr + nc) : NULL;
+        deps = ctr ? (uint32_t *)(ctr + nc + nflag) : NULL;
+        if (ctr && !attention_deps(slots, T, block_tables, table_stride, rows, rows + nrows, rows + 2 * nrows,
+                                   rows + 3 * nrows, nrows, BS, deps))
+            roped = NULL;
+        if (!mem || (!ctr && !(e && !strcmp(e, "0")))) {
+            free(mem), free(ctr);
+            return -1;
+        }
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
         {
             /* this thread's own ICV: the kernels' parallel regions nested in this one get one
              * thread (torch's OpenMP runtime allows nested teams) */
             omp_set_num_threads(1);
             const int tid = omp_get_thread_num();
-            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads);
+            rc |= LAYERS(tid, omp_get_num_threads(), mem + per * tid, mem + per * threads, ctr, roped);
         }
-        free(mem);
+        free(mem), free(ctr);
         return rc ? -1 : 0;
     }
 #endif
     (void)threads;
-    return LAYERS(0, 1, NULL, NULL) ? -1 : 0;
+    return LAYERS(0, 1, NULL, NULL, NULL, NULL) ? -1 : 0;
 #undef LAYERS
 }

@@ -33,7 +33,7 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_
                                                   "cpu_gemm_i8dot.c", "cpu_i8dot_peak.c", "cpu_lora.c", "cpu_head.c",
                                                   "cpu_decode_step.c")]
 _HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_rows.h", "cpu_q8.h", "cpu_i8dot_avx2.h",
-                                                   "cpu_attention_tile.h", "cpu_split.h")]
+                                                   "cpu_attention_tile.h", "cpu_split.h", "cpu_step_sync.h", "cpu_step_attention.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 
 
@@ -70,6 +70,9 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.tritium_paged_decode_bf16.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
                                               ctypes.c_float, ctypes.c_float, p]
     lib.tritium_paged_decode_bf16.restype = None
+    lib.tritium_paged_decode_heads_bf16.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                                                    ctypes.c_float, ctypes.c_float, i64, i64, p]
+    lib.tritium_paged_decode_heads_bf16.restype = None
     lib.tritium_w8g_gemm.argtypes = [p, p, p, i64, p, i64, i64, i64, i64]
     lib.tritium_w8g_gemm.restype = None
     lib.tritium_i8dot_gemm.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64]

@@ -16,6 +16,9 @@ from tritium.backend.engine import LLMEngine
 from tritium.backend.models import native_step
 from tritium.backend.models.native_step import NativeStep, refusal
 
+from tritium.kernels import ops
+from tritium.kernels.attention_metadata import AttentionMetadata
+
 from test_native_step import SHAPES, _count_native, _steps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +56,8 @@ def _run(model, monkeypatch, native: str, threads: int, logits: bool = False):
         torch.set_num_threads(1)
 
 
-CASES = [("llama-gqa", "bf16", 2), ("qwen2-mha-bias", "bf16", 3), ("granite-bias-multipliers", "int8-g32", 2),
+# granite on 3 threads: 4 rows x 1 KV head < 2 items a thread, so attention splits by query head
+CASES = [("llama-gqa", "bf16", 2), ("qwen2-mha-bias", "bf16", 3), ("granite-bias-multipliers", "int8-g32", 3),
          ("llama-gqa", "w8a8", 1), ("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "w4a8", 3),
          ("llama-gqa", "int4", 2)]
 
@@ -105,3 +109,43 @@ def test_greedy_tokens_same_on_one_and_two_threads(engine_dir, native_bf16, monk
             torch.set_num_threads(1)
         outs[threads] = (out.token_ids, out.logprobs)
     assert len(outs[1][0]) == 10 and outs[1] == outs[2], outs
+
+
+def _one_row_steps(model, seed: int):
+    """A 9-token prompt then 14 decode steps of that one sequence, block size 4: every step's hidden states and
+    the KV caches. One row: the native step splits its attention by query head across threads."""
+    m, bs = model.cfg.model, model.cfg.limits.block_size
+    kv = [(torch.zeros(16, bs, m.num_kv_heads, m.head_dim, dtype=torch.bfloat16),
+           torch.zeros(16, bs, m.num_kv_heads, m.head_dim, dtype=torch.bfloat16)) for _ in range(m.num_layers)]
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for q, n in [(9, 9)] + [(1, 10 + i) for i in range(14)]:
+        ids = torch.randint(3, 1000, (q,), generator=gen)
+        meta = AttentionMetadata.build([q], [n], [list(range(16))], bs)
+        meta.cpu_plan = ops.attention_plan(meta)
+        outs.append(model(ids, torch.arange(n - q, n), kv, meta))
+    return outs, kv
+
+
+@pytest.mark.parametrize("shape,weights", [("llama-gqa", "w8a8"), ("qwen2-mha-bias", "bf16")])
+@pytest.mark.parametrize("threads,claim", [(2, "1"), (3, "1"), (2, "0")])
+def test_one_row_steps_bit_identical_on_threads(engine_dir, shape, weights, threads, claim, native_bf16, monkeypatch):
+    """Single-stream decode steps (one row: its attention split by query head over the threads,
+    GEMM channels claimed; claim 0: the static shares, attention on one thread) give the per-op
+    path's bits on one thread, hidden states and KV cache."""
+    model = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    monkeypatch.setenv(native_step.ENV, "0")
+    ref_h, ref_kv = _one_row_steps(model, seed=5)
+    monkeypatch.setenv(native_step.ENV, "1")
+    monkeypatch.setenv("TRITIUM_STEP_CLAIM", claim)
+    calls = _count_native(monkeypatch)
+    torch.set_num_threads(threads)
+    try:
+        got_h, got_kv = _one_row_steps(model, seed=5)
+    finally:
+        torch.set_num_threads(1)
+    assert calls[-14:] == [1] * 14, calls
+    for i, (a, b) in enumerate(zip(ref_h, got_h)):
+        assert torch.equal(a, b), (native_bf16, shape, weights, threads, claim, i)
+    for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, layer)

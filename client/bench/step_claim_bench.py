@@ -1,0 +1,118 @@
+"""The native decode step's work claiming against static shares, in-process: a benchmark that
+prints figures.
+
+    python -m tritium.client.bench.step_claim_bench ENGINE_DIR [ENGINE_DIR ...] [--batch 1,16]
+        [--tokens 64] [--rounds 4] [--threads 2] [--load-ms 1] [--load-period-ms 4]
+
+The native step runs on --threads threads in one parallel region (kernels/cpu_decode_layer.c).
+Rounds alternate two schedules of its work on the same engine: each GEMM's output channels and
+attention's (row, query heads) items claimed from a counter by whichever thread is free (the
+default), and the static shares (TRITIUM_STEP_CLAIM=0: thread i takes the i-th share of each
+GEMM, attention rows split by keys to read); both with and without a background load, a process
+that keeps one core busy --load-ms of every --load-period-ms (what a server's delivery thread,
+tritonserver and client do to a step; 0 turns the loaded half off). The order flips every round.
+Each cell: --tokens greedy decode tokens of --batch requests (EOS ignored) after a short prompt,
+the steps after the first timed: best and median decode tokens/s over the rounds, and best
+tokens per CPU-second of this process (its threads only: the load is another process). Both
+schedules give the same bits (tests/test_native_step_threads.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+from tritium.backend.engine import LLMEngine
+from tritium.backend.models.native_step import ENV
+from tritium.client.bench.native_step_bench import _decode_rate, engine_bytes
+
+CLAIM_ENV = "TRITIUM_STEP_CLAIM"
+
+_LOAD = ("import sys, time\n"
+         "busy, period = float(sys.argv[1]), float(sys.argv[2])\n"
+         "while True:\n"
+         "    t = time.perf_counter()\n"
+         "    while time.perf_counter() - t < busy:\n"
+         "        pass\n"
+         "    time.sleep(max(0.0, period - (time.perf_counter() - t)))\n")
+
+
+def start_load(busy_ms: float, period_ms: float) -> subprocess.Popen:
+    """A process that keeps one core busy busy_ms of every period_ms (stop it with .kill())."""
+    return subprocess.Popen([sys.executable, "-c", _LOAD, str(busy_ms / 1e3), str(period_ms / 1e3)])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engines", nargs="+")
+    p.add_argument("--batch", default="1,16", help="comma list of concurrent requests (default 1,16)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="threads of the native step (default 2)")
+    p.add_argument("--load-ms", type=float, default=1.0, help="background load: busy ms per period (0: no loaded runs)")
+    p.add_argument("--load-period-ms", type=float, default=4.0)
+    args = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+        if min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--batch must be a comma list of integers >= 1, got {args.batch!r}")
+    if args.threads < 2:
+        p.error(f"--threads must be >= 2 (one thread has no shares to schedule), got {args.threads}")
+    if not 0 <= args.load_ms <= args.load_period_ms or args.load_period_ms <= 0:
+        p.error("--load-ms must be in [0, --load-period-ms] and --load-period-ms > 0")
+    torch.set_num_threads(args.threads)
+    old = {k: os.environ.get(k) for k in (ENV, CLAIM_ENV)}
+    os.environ[ENV] = "1"
+    loads = (False, True) if args.load_ms > 0 else (False,)
+    print(f"native step on {args.threads} threads, {args.tokens} tokens x {args.rounds} rounds; load: one core busy "
+          f"{args.load_ms:g} ms of every {args.load_period_ms:g} ms")
+    print(f"{'engine':20s} {'batch':>5s} {'load':>4s} {'static tok/s best/med':>22s} {'claim tok/s best/med':>21s} "
+          f"{'ratio':>6s} {'static tok/CPU-s':>16s} {'claim tok/CPU-s':>15s} {'ratio':>6s}")
+    try:
+        for path in args.engines:
+            eng = LLMEngine(path, enable_prefix_caching=False)
+            _decode_rate(eng, 4, 1)
+            why = eng.runner.model.__dict__.get("native_step_refusal")
+            if why is not None:
+                print(f"{path}: the native step does not take this engine: {why}")
+                continue
+            name = os.path.basename(os.path.normpath(path))[:20]
+            for batch in batches:
+                runs = {(m, ld): [] for m in ("0", "1") for ld in loads}
+                for r in range(args.rounds):
+                    for ld in (loads if r % 2 == 0 else loads[::-1]):
+                        proc = start_load(args.load_ms, args.load_period_ms) if ld else None
+                        try:
+                            for mode in (("0", "1") if r % 2 == 0 else ("1", "0")):
+                                os.environ[CLAIM_ENV] = mode
+                                runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch))
+                        finally:
+                            if proc is not None:
+                                proc.kill()
+                                proc.wait()
+                for ld in loads:
+                    s, c = runs[("0", ld)], runs[("1", ld)]
+                    sw, cw = [w for w, _ in s], [w for w, _ in c]
+                    scpu, ccpu = max(x for _, x in s), max(x for _, x in c)
+                    print(f"{name:20s} {batch:5d} {'on' if ld else 'off':>4s} {max(sw):11.1f} / {statistics.median(sw):7.1f}"
+                          f" {max(cw):10.1f} / {statistics.median(cw):7.1f} {statistics.median(cw) / statistics.median(sw):6.2f}"
+                          f" {scpu:16.1f} {ccpu:15.1f} {ccpu / scpu:6.2f}", flush=True)
+            print(f"{name}: {engine_bytes(path) / 1e6:.0f} MB of weights per step")
+            eng.close()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

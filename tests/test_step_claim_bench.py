@@ -1,0 +1,50 @@
+"""client/bench/step_claim_bench.py and step_claim_server_bench.py: their arguments, and the
+background load's duty cycle (the measurements print figures and are run by hand:
+docs/benchmarks.md)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tritium.client.bench import step_claim_bench, step_claim_server_bench
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["E", "--threads", "1"], "--threads must be >= 2"),
+    (["E", "--batch", "0"], "--batch must be a comma list"),
+    (["E", "--load-ms", "5", "--load-period-ms", "4"], "--load-ms must be in"),
+])
+def test_bad_flags_name_the_flag(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        step_claim_bench.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_server_bench_flags(tmp_path):
+    with pytest.raises(SystemExit, match="no engine.json"):
+        step_claim_server_bench.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="--rounds"):
+        step_claim_server_bench.main([str(tmp_path), "--rounds", "0"])
+
+
+def test_load_keeps_one_core_busy_a_quarter_of_the_time():
+    """1 ms of every 4 ms: the process's CPU time over 1 s of wall clock is at most about 0.25 s
+    (less where other processes take its core: the duty is wall clock) and more than none; a
+    whole core (a loop without its sleep) fails, measured from /proc."""
+    proc = step_claim_bench.start_load(1.0, 4.0)
+    try:
+        time.sleep(0.3)
+
+        def cpu_s():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        c0, t0 = cpu_s(), time.monotonic()
+        time.sleep(1.0)
+        share = (cpu_s() - c0) / (time.monotonic() - t0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert 0.02 < share < 0.6, share  # CPU time: less than its wall-clock duty on a busy host
