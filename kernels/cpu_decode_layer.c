@@ -22,11 +22,12 @@
  *
  * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
- * parallel region: the threads claim each GEMM's output channels in chunks of 32-channel units
- * from a counter of that op (every channel is computed by the same code and in the same order as
- * in the whole GEMM: the bits depend neither on the thread count nor on which thread claims it),
- * and attention's (row, query heads) items likewise (TRITIUM_STEP_CLAIM=0: static shares instead),
- * and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
+ * parallel region: each thread takes a static share of each GEMM's output channels (in units of
+ * 32) and of attention's rows (by keys to read), or with TRITIUM_STEP_CLAIM=1 the threads claim
+ * each GEMM's output channels in chunks of 32-channel units from a counter of that op, and
+ * attention's (row, query heads) items likewise (every channel is computed by the same code and
+ * in the same order as in the whole GEMM: the bits depend neither on the thread count nor on
+ * which thread computes it; claiming is off by default: slower on a quiet host), and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
  * the norms and SiLU on every row itself, rotary splits the rows. A fork/join
  * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
  * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
@@ -339,10 +340,11 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
         const int64_t per = T * (2 * H + I);
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
-        /* the work counters (TRITIUM_STEP_CLAIM=0: static shares, the comparison's baseline) */
+        /* the work counters (TRITIUM_STEP_CLAIM=1; else the static shares, the default) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
+        const int claim = e && !strcmp(e, "1");
         const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
-        step_counter_t *ctr = e && !strcmp(e, "0") ? NULL
+        step_counter_t *ctr = !claim ? NULL
                               : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));
         /* with the counters: each row's roped layer (T) and each attention row's rows (nrows) */
         int64_t *roped = ctr ? (int64_t *)(ctr + nc) : NULL;
@@ -350,7 +352,7 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         if (ctr && !attention_deps(slots, T, block_tables, table_stride, rows, rows + nrows, rows + 2 * nrows,
                                    rows + 3 * nrows, nrows, BS, deps))
             roped = NULL;
-        if (!mem || (!ctr && !(e && !strcmp(e, "0")))) {
+        if (!mem || (!ctr && claim)) {
             free(mem), free(ctr);
             return -1;
         }

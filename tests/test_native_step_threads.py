@@ -62,8 +62,10 @@ CASES = [("llama-gqa", "bf16", 2), ("qwen2-mha-bias", "bf16", 3), ("granite-bias
          ("llama-gqa", "int4", 2)]
 
 
+@pytest.mark.parametrize("claim", ["0", "1"])  # static shares (the default) and claimed pieces
 @pytest.mark.parametrize("shape,weights,threads", CASES)
-def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights, threads, native_bf16, monkeypatch):
+def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights, threads, claim, native_bf16,
+                                                     monkeypatch):
     eng = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False)
     model = eng.runner.model
     assert refusal(model) is None, refusal(model)
@@ -73,12 +75,14 @@ def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights,
     assert NativeStep.get(model).native.splittable == (weights != "int4")
     ref_h, ref_kv = _run(model, monkeypatch, "0", 1)
     calls = _count_native(monkeypatch)
+    monkeypatch.setenv("TRITIUM_STEP_CLAIM", claim)
     got_h, got_kv = _run(model, monkeypatch, "1", threads)
     assert calls == [8] + [4] * 12  # the 62-row prefill ran per-op, every other step natively
     for i, (a, b) in enumerate(zip(ref_h, got_h)):
-        assert torch.equal(a, b), (native_bf16, shape, weights, threads, i, (a.float() - b.float()).abs().max().item())
+        assert torch.equal(a, b), (native_bf16, shape, weights, threads, claim, i,
+                                   (a.float() - b.float()).abs().max().item())
     for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, layer)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, claim, layer)
 
 
 @pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "bf16", 3)])

@@ -6,8 +6,8 @@ prints figures.
 
 The native step runs on --threads threads in one parallel region (kernels/cpu_decode_layer.c).
 Rounds alternate two schedules of its work on the same engine: each GEMM's output channels and
-attention's (row, query heads) items claimed from a counter by whichever thread is free (the
-default), and the static shares (TRITIUM_STEP_CLAIM=0: thread i takes the i-th share of each
+attention's (row, query heads) items claimed from a counter by whichever thread is free
+(TRITIUM_STEP_CLAIM=1), and the static shares (the default, TRITIUM_STEP_CLAIM=0: thread i takes the i-th share of each
 GEMM, attention rows split by keys to read); both with and without a background load, a process
 that keeps one core busy --load-ms of every --load-period-ms (what a server's delivery thread,
 tritonserver and client do to a step; 0 turns the loaded half off). The order flips every round.

@@ -5,9 +5,9 @@ that prints figures.
         [--small-step-threads 2,auto] [--rounds 3] [--single-stream 3] [--tokens 128]
 
 Starts TWO tritonservers side by side, both serving every engine once per --small-step-threads
-value (`auto`: the server's tuned default, backend/thread_policy.py): one as the tree runs (GEMM
-channels and attention items claimed by whichever thread is free), one with TRITIUM_STEP_CLAIM=0
-in its environment (the static shares: thread i takes the i-th share of every op, one-row
+value (`auto`: the server's tuned default, backend/thread_policy.py): one with
+TRITIUM_STEP_CLAIM=1 in its environment (GEMM channels and attention items claimed by whichever
+thread is free), one with TRITIUM_STEP_CLAIM=0 (the static shares, the default: thread i takes the i-th share of every op, one-row
 attention on one thread, the barrier's spin not bounded by the piece just taken). Rounds run
 `tritium bench`'s single streams (--single-stream requests of --tokens tokens after a 12-word
 prompt, one at a time) on every model of both servers, interleaved, the starting order flipped
