@@ -309,7 +309,7 @@ def test_tensor_parallel_shards_the_grouped_embedding_by_vocabulary(gguf_src, in
                                                                          t["embed_tokens.scales"], None, 32))
 
 
-def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_path):
+def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_path, monkeypatch):
     """--embedding-quantization int4: the embedding / LM head in the int4 layout (5 bits per weight
     at groups of 32); the lookup dequantizes the gathered rows and the head runs the int4 GEMM."""
     out = str(tmp_path / "e4")
@@ -329,7 +329,12 @@ def test_int4_embedding_option_lookup_and_head_match_dequantized(gguf_src, tmp_p
     head = dequantize_int4(t["lm_head.qweight"], t["lm_head.scales"], t["lm_head.zeros"], 32)
     h = torch.randn(5, 64).to(torch.bfloat16)
     ref = h.float() @ head.t()
-    assert ((model.compute_logits(h) - ref).norm() / ref.norm()).item() < 1e-2
+    # the default folds the int4 zeros into the codes (each moved by up to 1/16 of a step,
+    # docs/quantization.md); TRITIUM_I4_FOLD=0 runs the stored grid exactly
+    assert ((model.compute_logits(h) - ref).norm() / ref.norm()).item() < 2e-2
+    monkeypatch.setenv("TRITIUM_I4_FOLD", "0")
+    _, exact, _ = load_engine(out, "cpu")
+    assert ((exact.compute_logits(h) - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -105,7 +105,7 @@ def _kl(ref_logits, logits):
 @pytest.mark.parametrize("family,method", [
     ("llama", "int8"), ("llama", "fp8"), ("llama", "int4-rtn"), ("llama", "int4-awq"),
     ("qwen2", "int4-awq"), ("llama", "int4-gptq"), ("qwen2", "int4-gptq")])
-def test_quantized_engine(tiny_engine, family, method):
+def test_quantized_engine(tiny_engine, family, method, monkeypatch):
     # int4-awq here with the per-row int8 embedding (AWQ's searches and centring run on that grid)
     extra = {"embedding_quantization": "int8"} if method == "int4-awq" else {}
     qdir = tiny_engine(family, quantization=method, calibration_samples=8, **extra)
@@ -126,7 +126,16 @@ def test_quantized_engine(tiny_engine, family, method):
     ql = _logits(qmodel, PROMPT)
     # runtime kernels (packed, bf16 activations) == float model on the dequantized weights
     dq = _logits(_dequantized_model(qdir), PROMPT)
-    assert _kl(dq, ql) < 2e-3
+    if kind == "int4":
+        # W4A8 int4 folds each block's zero into the integer codes at load (rounded to 1/8 of the
+        # block's scale: docs/quantization.md; its kernels are checked against that definition in
+        # tests/test_kernels_i8dot_fold.py). The stored grid exactly: TRITIUM_I4_FOLD=0.
+        assert _kl(dq, ql) < 2e-2
+        monkeypatch.setenv("TRITIUM_I4_FOLD", "0")
+        _, exact, _ = load_engine(qdir, "cpu")
+        assert _kl(dq, _logits(exact, PROMPT)) < 2e-3
+    else:
+        assert _kl(dq, ql) < 2e-3
     # and close to the float engine it came from (AWQ's folded scales must preserve the function)
     _, fmodel, _ = load_engine(fdir, "cpu")
     fl = _logits(fmodel, PROMPT)
