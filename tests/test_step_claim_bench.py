@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tritium.client.bench import step_claim_bench, step_claim_server_bench
+from tritium.client.bench.bg_load import Load
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -33,8 +34,8 @@ def test_load_keeps_one_core_busy_a_quarter_of_the_time():
     """1 ms of every 4 ms: the process's CPU time over 1 s of wall clock is at most about 0.25 s
     (less where other processes take its core: the duty is wall clock) and more than none; a
     whole core (a loop without its sleep) fails, measured from /proc."""
-    proc = step_claim_bench.start_load(1.0, 4.0)
-    try:
+    with Load(1.0, 4.0) as ld:
+        proc = ld.proc
         time.sleep(0.3)
 
         def cpu_s():
@@ -44,7 +45,4 @@ def test_load_keeps_one_core_busy_a_quarter_of_the_time():
         c0, t0 = cpu_s(), time.monotonic()
         time.sleep(1.0)
         share = (cpu_s() - c0) / (time.monotonic() - t0)
-    finally:
-        proc.kill()
-        proc.wait()
     assert 0.02 < share < 0.6, share  # CPU time: less than its wall-clock duty on a busy host

@@ -21,30 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 
 import torch
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.native_step import ENV
+from tritium.client.bench.bg_load import Load
 from tritium.client.bench.native_step_bench import _decode_rate, engine_bytes
 
 CLAIM_ENV = "TRITIUM_STEP_CLAIM"
-
-_LOAD = ("import sys, time\n"
-         "busy, period = float(sys.argv[1]), float(sys.argv[2])\n"
-         "while True:\n"
-         "    t = time.perf_counter()\n"
-         "    while time.perf_counter() - t < busy:\n"
-         "        pass\n"
-         "    time.sleep(max(0.0, period - (time.perf_counter() - t)))\n")
-
-
-def start_load(busy_ms: float, period_ms: float) -> subprocess.Popen:
-    """A process that keeps one core busy busy_ms of every period_ms (stop it with .kill())."""
-    return subprocess.Popen([sys.executable, "-c", _LOAD, str(busy_ms / 1e3), str(period_ms / 1e3)])
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,15 +72,10 @@ def main(argv=None) -> int:
                 runs = {(m, ld): [] for m in ("0", "1") for ld in loads}
                 for r in range(args.rounds):
                     for ld in (loads if r % 2 == 0 else loads[::-1]):
-                        proc = start_load(args.load_ms, args.load_period_ms) if ld else None
-                        try:
+                        with Load(args.load_ms if ld else 0, args.load_period_ms):
                             for mode in (("0", "1") if r % 2 == 0 else ("1", "0")):
                                 os.environ[CLAIM_ENV] = mode
                                 runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch))
-                        finally:
-                            if proc is not None:
-                                proc.kill()
-                                proc.wait()
                 for ld in loads:
                     s, c = runs[("0", ld)], runs[("1", ld)]
                     sw, cw = [w for w, _ in s], [w for w, _ in c]
