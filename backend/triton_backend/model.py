@@ -82,8 +82,10 @@ def _coalesce(params: dict) -> bool:
 # The stub's GIL switch interval (sys.setswitchinterval): how long a thread that wants the GIL
 # waits before the holder must give it up. The engine loop's Python part of each step waits for
 # the GIL whenever the delivery or housekeeping thread holds it (pb_utils calls keep it through
-# their IPC round trips); Python's default, 5000 us, lets one of them hold the loop for up to 5 ms.
-DEFAULT_SWITCH_INTERVAL_US = 200
+# their IPC round trips). The default stays Python's own, 5000 us: 200 us measured no better
+# within the noise of a shared host once the metric bursts were gone (docs/benchmarks.md
+# "Server overhead per token"), and one stub crashed at load with it (docs/serving.md).
+DEFAULT_SWITCH_INTERVAL_US = 5000
 SWITCH_INTERVAL_RANGE_US = (20, 100000)
 
 
@@ -149,11 +151,12 @@ class TritonPythonModel:
         self._cancel_cursor = 0
         self._reported_dead = False
         self._stop = threading.Event()
-        self._stats_thread = threading.Thread(target=self._stats_loop, name="tritium-stats", daemon=True)
-        self._stats_thread.start()
         pb_utils.Logger.log_info(f"tritium: model '{name}' serving engine {engine_dir} "
                                  f"({self.config.model.architecture}, {self.config.dtype}; "
                                  f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us)")
+        # Last: initialize's own IPC (the log line above) is over before this thread's begins.
+        self._stats_thread = threading.Thread(target=self._stats_loop, name="tritium-stats", daemon=True)
+        self._stats_thread.start()
 
     # ---- housekeeping: cancellation, engine stats -> gauges, metric flushes ------------------
     def _stats_loop(self):
