@@ -1,7 +1,8 @@
 """Prometheus metrics of the `tritium` backend, through pb_utils.MetricFamily.
 
 They appear on tritonserver's /metrics endpoint, each labelled with model and version:
-histograms of time to first token, inter-token latency and request latency; counters of prompt
+histograms of time to first token and request latency, the inter-token latency histogram
+as counters (CounterHistogram: one IPC per changed series a flush, not one per token); counters of prompt
 tokens, generated tokens, preemptions, speculative decoding's proposed and accepted tokens
 and (mixture-of-experts models) tokens routed to each expert
 (acceptance rate = accepted / proposed; tokens per step = generated / engine steps); gauges of KV-cache blocks and requests by state.
@@ -9,12 +10,56 @@ and (mixture-of-experts models) tokens routed to each expert
 """
 from __future__ import annotations
 
+import bisect
 import threading
 
 from tritium.backend.triton_backend.lora_metrics import LoRAMetrics
 
 # Latency buckets in seconds: 1 ms .. 60 s, roughly x2.5 apart (CPU decode steps are ~10-100 ms).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+def le_label(bound: float) -> str:
+    """A bucket bound as Triton's histograms print it: 0.0025, 1, 60, +Inf."""
+    return "+Inf" if bound == float("inf") else f"{bound:g}"
+
+
+class CounterHistogram:
+    """A Prometheus histogram kept in this process and published as counters: NAME_bucket{le=...}
+    (cumulative: values <= le), NAME_sum and NAME_count, the series a histogram NAME exposes,
+    each family of TYPE counter. Observing only counts here; publish() sends the deltas since the
+    last publish, one increment per series that changed, where a pb_utils histogram costs one IPC
+    round trip to tritonserver per observed value (the inter-token latency: one per token)."""
+
+    def __init__(self, mf, name: str, desc: str, labels: dict, buckets, families: list):
+        self.bounds = list(buckets) + [float("inf")]
+
+        def family(suffix, what):
+            fam = mf(name=name + suffix, description=f"{desc} ({what})", kind=mf.COUNTER)
+            families.append(fam)  # must stay referenced while its metrics are used
+            return fam
+        fam = family("_bucket", "histogram buckets: values <= le")
+        self._buckets = [fam.Metric(labels=dict(labels, le=le_label(b))) for b in self.bounds]
+        self._sum = family("_sum", "histogram sum").Metric(labels=dict(labels))
+        self._count = family("_count", "histogram count").Metric(labels=dict(labels))
+        self._pending = [0] * len(self.bounds)  # values per bucket (not cumulative) since publish()
+        self._pending_sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._pending[bisect.bisect_left(self.bounds, value)] += 1
+        self._pending_sum += value
+
+    def publish(self) -> None:
+        total = 0
+        for i, n in enumerate(self._pending):
+            total += n                   # cumulative: bucket le=b counts every value <= b
+            if total:
+                self._buckets[i].increment(total)
+        if total:
+            self._sum.increment(self._pending_sum)
+            self._count.increment(total)
+        self._pending = [0] * len(self.bounds)
+        self._pending_sum = 0.0
 
 
 class TritiumMetrics:
@@ -37,8 +82,8 @@ class TritiumMetrics:
         self._families = []
         f, self.ttft = hist("tritium_time_to_first_token_seconds", "Time from arrival to the first output token")
         self._families.append(f)
-        f, self.itl = hist("tritium_inter_token_latency_seconds", "Time between consecutive output tokens")
-        self._families.append(f)
+        self.itl = CounterHistogram(mf, "tritium_inter_token_latency_seconds", "Time between consecutive output "
+                                    "tokens", labels, LATENCY_BUCKETS, self._families)
         f, self.e2e = hist("tritium_request_latency_seconds", "Time from arrival to the last output token")
         self._families.append(f)
         f, self.prompt_tokens = one("tritium_prompt_tokens_total", "Prompt tokens processed", mf.COUNTER)
@@ -111,6 +156,7 @@ class TritiumMetrics:
                 for a, b in zip(tt, tt[1:]):
                     self.itl.observe(max(b - a, 0.0))
                 self.e2e.observe(max(tt[-1] - arrival, 0.0))
+            self.itl.publish()
 
     def _set(self, gauge, value: float) -> None:
         """Set a gauge when its value changed (each set is an IPC round trip to the server)."""

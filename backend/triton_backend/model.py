@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from tritium.backend.triton_backend.contract import resolve_path
 from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_backend.stream import RequestState, RowStream
+from tritium.backend.triton_backend.tensor_cache import TensorCache
 
 # Gauges and metric flushes. engine.stats() holds the engine's lock (the next step waits for it)
 # and each gauge set is an IPC round trip: at 0.05 s this thread took 0.2 ms of CPU per token of
@@ -77,6 +79,33 @@ def _coalesce(params: dict) -> bool:
     return v in ("true", "1")
 
 
+# The stub's GIL switch interval (sys.setswitchinterval): how long a thread that wants the GIL
+# waits before the holder must give it up. The engine loop's Python part of each step waits for
+# the GIL whenever the delivery or housekeeping thread holds it (pb_utils calls keep it through
+# their IPC round trips). The default stays Python's own, 5000 us: 200 us measured no better
+# within the noise of a shared host once the metric bursts were gone (docs/benchmarks.md
+# "Server overhead per token"), and one stub crashed at load with it (docs/serving.md).
+DEFAULT_SWITCH_INTERVAL_US = 5000
+SWITCH_INTERVAL_RANGE_US = (20, 100000)
+
+
+def _switch_interval_us(params: dict) -> float:
+    """Parameter gil_switch_interval_us (default DEFAULT_SWITCH_INTERVAL_US; 5000 is Python's
+    own default), docs/serving.md#per-token-work-beside-the-step."""
+    raw = (params.get("gil_switch_interval_us") or "").strip()
+    if not raw:
+        return float(DEFAULT_SWITCH_INTERVAL_US)
+    lo, hi = SWITCH_INTERVAL_RANGE_US
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not lo <= v <= hi:  # also NaN
+        raise ValueError(f"parameter gil_switch_interval_us must be a number of microseconds in [{lo}, {hi}], "
+                         f"got {raw!r}")
+    return v
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_config = json.loads(args["model_config"])
@@ -90,6 +119,8 @@ class TritonPythonModel:
         model_dir = args["model_repository"]  # the model folder (repository/NAME)
         engine_dir = resolve_path(params["engine_dir"], model_dir)
         try:
+            switch_us = _switch_interval_us(params)
+            sys.setswitchinterval(switch_us / 1e6)  # this stub process serves this model instance only
             setup = engine_setup(options_from_params(params), model_dir, _tensor_parallel_size(engine_dir),
                                  server=True)
             if not os.path.isdir(engine_dir):
@@ -114,15 +145,18 @@ class TritonPythonModel:
             self._chat_template_error = f"model '{name}': {e}"
         self._token_chars = max_token_chars(self.tokenizer) if self.tokenizer is not None else 1
         self.metrics = TritiumMetrics(pb_utils, name, version)
+        self.tensors = TensorCache(pb_utils.Tensor)  # the delivery thread's repeated small outputs
         self._rows_lock = threading.Lock()
         self._rows = {}  # open RowStreams (keys, in arrival order), polled for cancellation
         self._cancel_cursor = 0
         self._reported_dead = False
         self._stop = threading.Event()
+        pb_utils.Logger.log_info(f"tritium: model '{name}' serving engine {engine_dir} "
+                                 f"({self.config.model.architecture}, {self.config.dtype}; "
+                                 f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us)")
+        # Last: initialize's own IPC (the log line above) is over before this thread's begins.
         self._stats_thread = threading.Thread(target=self._stats_loop, name="tritium-stats", daemon=True)
         self._stats_thread.start()
-        pb_utils.Logger.log_info(f"tritium: model '{name}' serving engine {engine_dir} "
-                                 f"({self.config.model.architecture}, {self.config.dtype})")
 
     # ---- housekeeping: cancellation, engine stats -> gauges, metric flushes ------------------
     def _stats_loop(self):
@@ -236,7 +270,7 @@ class TritonPythonModel:
             return
         if self._request_log:
             _log_params(self._request_log, rows)
-        state = RequestState(pb_utils, request, sum(sp.n for _, _, sp in rows))
+        state = RequestState(pb_utils, request, sum(sp.n for _, _, sp in rows), self.tensors)
         base_id = request.request_id() or uuid.uuid4().hex
         for r, (p, ids, sp) in enumerate(rows):
             rid = f"{base_id}-{uuid.uuid4().hex[:8]}-{r}"

@@ -14,14 +14,21 @@ from typing import List, Optional
 import numpy as np
 
 from tritium.backend.errors import to_wire
-from tritium.backend.triton_backend.contract import NUM_CONTEXT_IDS, logprobs_detail, response_arrays, token_logprobs
+from tritium.backend.triton_backend.contract import (NUM_CONTEXT_IDS, OUTPUTS, logprobs_detail, response_arrays,
+                                                    token_logprobs)
+from tritium.backend.triton_backend.tensor_cache import MAX_INTS, MAX_TEXT_BYTES
+
+# The outputs of a response without log probs (logprobs_detail goes out only with them).
+_FAST_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name != "logprobs_detail")
 
 
 class RequestState:
     """Book-keeping of one Triton request (all its batch rows and samples)."""
 
-    def __init__(self, pb_utils, request, num_streams: int):
+    def __init__(self, pb_utils, request, num_streams: int, tensors=None):
         self.pb = pb_utils
+        self.cache = tensors  # the model's TensorCache (repeated small outputs built once), or None
+        self.tensor = tensors.tensor if tensors is not None else pb_utils.Tensor
         self.request = request
         self.sender = request.get_response_sender()
         self.lock = threading.Lock()
@@ -33,6 +40,11 @@ class RequestState:
     def send(self, arrays: dict, stream_done: bool) -> None:
         """One response of `arrays` (built for self.outputs only: response_arrays(names=...));
         the final flag when this was the last open stream."""
+        tensor = self.tensor
+        self.send_tensors([tensor(k, v) for k, v in arrays.items()], stream_done)
+
+    def send_tensors(self, tensors: list, stream_done: bool) -> None:
+        """One response of these pb_utils.Tensors; the final flag when this was the last open stream."""
         pb = self.pb
         with self.lock:
             if self.closed:
@@ -40,8 +52,6 @@ class RequestState:
             if stream_done:
                 self.remaining -= 1
             final = self.remaining == 0
-            tensor = pb.Tensor
-            tensors = [tensor(k, v) for k, v in arrays.items()]
             self.sender.send(pb.InferenceResponse(output_tensors=tensors),
                              flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             self.closed = final
@@ -91,6 +101,7 @@ class RowStream:
         self.over = False
         # Outputs that do not change over a stream, built once per sample (responses go out per token).
         names = state.outputs
+        self.want = tuple(k for k in _FAST_OUTPUTS if names is None or k in names)  # in contract order
         self.constants = [{k: np.array([[v]], dtype=np.int32)
                            for k, v in (("num_input_tokens", self.num_input), ("batch_index", row), ("sequence_index", i))
                            if names is None or k in names} for i in range(n)]
@@ -157,6 +168,9 @@ class RowStream:
               finished: bool) -> None:
         """One response. out_ids: what output_ids carries; gen_ids: the generated ids among them."""
         p = self.p
+        if not p.return_log_probs and self.state.cache is not None:
+            self._emit_cached(c, text, out_ids, prev_ids, finished)
+            return
         lps = token_logprobs(c.logprobs, list(c.token_ids)) if p.return_log_probs else []
         new_lps = lps[len(lps) - len(gen_ids):] if lps and gen_ids else []
         cum: Optional[float] = c.cum_logprob if p.return_log_probs else None
@@ -172,3 +186,44 @@ class RowStream:
             context_ids=prev_ids[-NUM_CONTEXT_IDS:], logprobs_detail=detail, names=self.state.outputs,
             constants=self.constants[c.index])
         self.state.send(arrays, stream_done=finished)
+
+    def _emit_cached(self, c, text: str, out_ids: List[int], prev_ids: List[int], finished: bool) -> None:
+        """_emit without log probs: each output's Tensor from the model's TensorCache, looked up
+        by its value; only those not cached are built (from response_arrays, the contract's one
+        builder)."""
+        cache = self.state.cache
+        tensors, arrays = [], None
+        for name in self.want:
+            if name == "text_output":
+                v = text.encode("utf-8")
+                v = v if len(v) <= MAX_TEXT_BYTES else None
+            elif name == "output_ids":
+                v = tuple(out_ids) if len(out_ids) <= MAX_INTS else None
+            elif name == "num_output_tokens":
+                v = (len(c.token_ids),)
+            elif name == "num_input_tokens":
+                v = (self.num_input,)
+            elif name == "finish_reason":
+                v = c.finish_reason.encode() if finished and c.finish_reason else b""
+            elif name == "context_ids":
+                ctx = prev_ids[-NUM_CONTEXT_IDS:]
+                v = tuple(ctx) if len(ctx) <= MAX_INTS else None
+            elif name == "batch_index":
+                v = (self.row,)
+            elif name == "sequence_index":
+                v = (c.index,)
+            else:  # cum_log_probs, output_log_probs: constant without log probs ([[0.0]], empty)
+                v = ()
+            key = None if v is None else (name, v)
+            t = None if key is None else cache.cached(key)
+            if t is None:
+                if arrays is None:
+                    arrays = response_arrays(
+                        text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
+                        cum_log_prob=None, log_probs=[], num_input_tokens=self.num_input,
+                        num_output_tokens=len(c.token_ids), batch_index=self.row, sequence_index=c.index,
+                        context_ids=prev_ids[-NUM_CONTEXT_IDS:], names=self.state.outputs,
+                        constants=self.constants[c.index])
+                t = cache.add(key, name, arrays[name])
+            tensors.append(t)
+        self.state.send_tensors(tensors, stream_done=finished)
