@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import urllib.parse
-from typing import Optional
 
 from tritium.client.bench.bench_drivers import RequestResult
 from tritium.client.bench.bench_sse import SSESession, error_text
@@ -116,7 +115,3 @@ def make_triton_driver(protocol: str, grpc_or_http_url: str, model: str, timeout
     raise ValueError(f"--triton-protocol must be grpc or http, got {protocol!r}")
 
 
-def parse_protocol(text: Optional[str]) -> str:
-    if text not in ("grpc", "http"):
-        raise ValueError(f"--triton-protocol must be grpc or http, got {text!r}")
-    return text
