@@ -314,3 +314,49 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
 def test_completions_url_forms():
     for u in ("http://h:8080", "http://h:8080/", "http://h:8080/v1", "h:8080/v1/completions"):
         assert completions_url(u) == "http://h:8080/v1/completions"
+
+
+def test_client_nice_lowers_the_workers_and_the_threads_their_sessions_start():
+    """--client-nice: every worker thread, and a thread its session starts (as tritonclient's
+    reader is), runs at that nice value; this thread keeps its own; out-of-range values are refused."""
+    import threading
+    from tritium.client.bench.bench_suite import SuiteOptions
+    from tritium.client.bench.bench_workload import BenchRequest
+
+    def nice_of_this_thread():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = []
+
+    class Session:
+        def __init__(self):
+            started = []
+            t = threading.Thread(target=lambda: started.append(nice_of_this_thread()))
+            t.start()
+            t.join()
+            seen.append(("reader", started[0]))
+
+        def run(self, req, request_id):
+            seen.append(("worker", nice_of_this_thread()))
+            return RequestResult(req.index, req.max_tokens, 0.0, t_end=1.0)
+
+        def close(self):
+            pass
+
+    class Driver:
+        in_process = False
+
+        def session(self):
+            return Session()
+
+        def describe(self):
+            return {"driver": "nice-probe"}
+
+    base = nice_of_this_thread()
+    reqs = [BenchRequest(i, "p q", 2, 1) for i in range(4)]
+    res = run_requests(Driver(), reqs, 2, "n", progress=False, client_nice=min(19, base + 7))
+    assert len(res.results) == 4 and len(seen) == 2 + 4
+    assert {v for _, v in seen} == {min(19, base + 7)} and nice_of_this_thread() == base
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="--client-nice"):
+            SuiteOptions(client_nice=bad).validate()
