@@ -113,12 +113,13 @@ def test_bench_url_json_against_real_server(served, capsys, tmp_path):
     """--url and --engine in one run: every request completes with exactly the requested tokens,
     both systems see the same prompt token counts, and the ratio is the tok/s ratio."""
     engine, srv = served
-    res, err = run_json(capsys, "bench", "--url", srv.grpc_url, "--model", NAME, "--engine", engine,
-                        "--concurrency", "1,3", "--json", "--plot", str(tmp_path / "plots"), "--bandwidth-mb", "16",
+    res, err = run_json(capsys, "bench", "--url", srv.grpc_url, "--triton-protocol", "grpc", "--model", NAME,
+                        "--engine", engine, "--concurrency", "1,3", "--json", "--plot", str(tmp_path / "plots"), "--bandwidth-mb", "16",
                         *SMALL)
     wl = make_requests(WorkloadSpec(5, (4, 14), (2, 7), seed=3))
     want = sum(r.max_tokens for r in wl)
-    assert set(res["runs"]) == {"tritium-grpc", "in-process"}
+    assert set(res["runs"]) == {"tritium-grpc", "in-process"} and res["triton_protocol"] == "grpc"
+    assert "tritium read over grpc" in err
     for system, runs in res["runs"].items():
         assert [s["label"] for s in runs] == ["c1", "c3", "single"]
         for s in runs:
@@ -179,14 +180,83 @@ def test_triton_driver_shares_one_stream_and_reports_a_failed_request(served):
         drv.close()
 
 
-@pytest.mark.slow
-def test_bench_url_poisson_arrivals(served, capsys):
+def test_bench_url_http_default_poisson_arrivals(served, capsys):
+    """--url without --triton-protocol reads Triton's generate_stream (here through tritium serve's
+    public HTTP port, the guard relaying the events): every request its exact tokens, one event each."""
     _, srv = served
-    res, _ = run_json(capsys, "bench", "--url", srv.grpc_url, "--model", NAME, "--request-rate", "50",
-                      "--concurrency", "4", "--json", *WORKLOAD, "--single-stream", "0")
-    (s,) = res["runs"]["tritium-grpc"]
-    assert s["label"] == "r50c4" and s["request_rate"] == 50 and s["errors"] == 0
-    assert s["output_tokens"] == s["requested_tokens"]
+    res, err = run_json(capsys, "bench", "--url", srv.http_url, "--model", NAME, "--request-rate", "50",
+                        "--concurrency", "4", "--json", *WORKLOAD, "--single-stream", "0")
+    assert res["triton_protocol"] == "http" and res["systems"]["tritium-http"]["driver"] == "triton-http"
+    assert "tritium read over http" in err
+    (s,) = res["runs"]["tritium-http"]
+    assert s["label"] == "r50c4" and s["request_rate"] == 50 and s["errors"] == 0 and s["count_mismatches"] == 0
+    assert s["output_tokens"] == s["requested_tokens"] == sum(r.max_tokens for r in
+                                                              make_requests(WorkloadSpec(5, (4, 14), (2, 7), seed=3)))
+    assert s["itl_ms"]["n"] == s["output_tokens"] - s["num_requests"] and s["prompt_tokens"] > 0
+
+
+def test_triton_http_driver_matches_grpc_and_fails_a_refused_request_alone(served):
+    """The generate_stream driver against tritonserver's own HTTP port and the gRPC driver get the
+    same token ids, counts and text for the same greedy requests (one response per token); a
+    request the model refuses (max_tokens beyond the context) fails alone with the server's error
+    text while others on the same server run, and its session serves the next request."""
+    import threading
+    from tritium.client.bench.bench_drivers import TritonGrpcDriver
+    from tritium.client.bench.bench_triton_http import TritonHttpDriver
+    from tritium.client.bench.bench_workload import BenchRequest
+    _, srv = served
+    grpc = TritonGrpcDriver(srv.grpc_url, NAME, keep_token_ids=True)
+    http = TritonHttpDriver(srv.triton_http_url, NAME, keep_token_ids=True)
+    http.check()
+    reqs = [BenchRequest(i, f"Passage h.{i}: the river runs past the old mill", 8, 3 + 3 * i) for i in range(3)]
+    try:
+        gs, hs = grpc.session(), [http.session() for _ in range(3)]
+        want = [gs.run(q, f"g-{q.index}") for q in reqs]
+        out = [None] * 4
+        bad = BenchRequest(9, "Passage: too long", 3, 10 ** 6)
+        jobs = [(i, hs[i], reqs[i]) for i in range(3)] + [(3, hs[0], bad)]
+        threads = [threading.Thread(target=lambda i=i, s=s, q=q: out.__setitem__(i, s.run(q, f"h-{i}")))
+                   for i, s, q in jobs[1:]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        out[0] = hs[0].run(reqs[0], "h-0")  # after the refusal, on the same connection
+        for g, h, q in zip(want, out[:3], reqs):
+            assert g.ok and h.ok, (g.error, h.error)
+            assert h.token_ids == g.token_ids and len(h.token_ids) == q.max_tokens
+            assert h.num_output_tokens == g.num_output_tokens == q.max_tokens == len(h.chunk_tokens) == sum(h.chunk_tokens)
+            assert h.num_prompt_tokens == g.num_prompt_tokens > 0 and h.text_chars == g.text_chars > 0
+            assert h.t_send <= h.chunk_times[0] and h.chunk_times == sorted(h.chunk_times) and h.chunk_times[-1] <= h.t_end
+        refused = out[3]
+        assert not refused.ok and "max_tokens" in refused.error and "10000" in refused.error
+        assert refused.chunk_tokens == []
+        for s in hs:
+            s.close()
+    finally:
+        grpc.close()
+
+
+def test_triton_http_driver_refuses_bad_urls_naming_the_flag(served):
+    from tritium.client.bench.bench_triton_http import TritonHttpDriver, generate_stream_url
+    _, srv = served
+    assert generate_stream_url("h:8000", "m") == generate_stream_url("http://h:8000/", "m") == \
+        "http://h:8000/v2/models/m/generate_stream"
+    with pytest.raises(ValueError, match="--url"):
+        generate_stream_url("http://h:8000/v2", "m")
+    with pytest.raises(ValueError, match="--model nope"):
+        TritonHttpDriver(srv.triton_http_url, "nope").check()
+
+
+def test_sse_reader_reads_data_lines_until_done():
+    import io
+    from tritium.client.bench.bench_sse import error_text, sse_data
+    body = b'data: {"a": 1}\n\n: comment\nevent: x\ndata:{"b": 2}\r\n\ndata: [DONE]\n\ndata: {"c": 3}\n'
+    got = list(sse_data(io.BytesIO(body)))
+    assert [d for _, d in got] == [b'{"a": 1}', b'{"b": 2}'] and got[0][0] <= got[1][0]
+    assert [d for _, d in sse_data(io.BytesIO(b'data: {"a": 1}\n'))] == [b'{"a": 1}']  # the body just ends
+    assert error_text(b'{"error": "bad max_tokens"}') == "bad max_tokens"
+    assert error_text(b'{"error": {"message": "m", "code": 400}}') == "m" and error_text(b"plain") == "plain"
 
 
 def test_bench_openai_url_against_sse_endpoint(tiny_engine, capsys):
@@ -233,7 +303,8 @@ def test_bench_openai_reports_token_count_mismatch(tiny_engine, capsys):
     (["--openai-url", "ftp://h:1"], "--openai-url"), (["--url", "127.0.0.1:1"], "--url"),
     (["--engine", "x", "--request-rate", "0"], "--request-rate"),
     (["--engine", "x", "--prompt-words", "9", "3"], "--prompt-words"),
-    (["--url", "h:1", "--hf-baselines"], "--hf-baselines"), (["--engine", "x", "--bandwidth-mb", "-1"], "--bandwidth-mb")])
+    (["--url", "h:1", "--hf-baselines"], "--hf-baselines"), (["--url", "h:1/x"], "--url"),
+    (["--url", "127.0.0.1:1", "--triton-protocol", "grpc"], "--url"), (["--engine", "x", "--bandwidth-mb", "-1"], "--bandwidth-mb")])
 def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
     rc = main(["bench", *argv])
     err = capsys.readouterr().err
@@ -243,3 +314,49 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, argv, flag):
 def test_completions_url_forms():
     for u in ("http://h:8080", "http://h:8080/", "http://h:8080/v1", "h:8080/v1/completions"):
         assert completions_url(u) == "http://h:8080/v1/completions"
+
+
+def test_client_nice_lowers_the_workers_and_the_threads_their_sessions_start():
+    """--client-nice: every worker thread, and a thread its session starts (as tritonclient's
+    reader is), runs at that nice value; this thread keeps its own; out-of-range values are refused."""
+    import threading
+    from tritium.client.bench.bench_suite import SuiteOptions
+    from tritium.client.bench.bench_workload import BenchRequest
+
+    def nice_of_this_thread():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = []
+
+    class Session:
+        def __init__(self):
+            started = []
+            t = threading.Thread(target=lambda: started.append(nice_of_this_thread()))
+            t.start()
+            t.join()
+            seen.append(("reader", started[0]))
+
+        def run(self, req, request_id):
+            seen.append(("worker", nice_of_this_thread()))
+            return RequestResult(req.index, req.max_tokens, 0.0, t_end=1.0)
+
+        def close(self):
+            pass
+
+    class Driver:
+        in_process = False
+
+        def session(self):
+            return Session()
+
+        def describe(self):
+            return {"driver": "nice-probe"}
+
+    base = nice_of_this_thread()
+    reqs = [BenchRequest(i, "p q", 2, 1) for i in range(4)]
+    res = run_requests(Driver(), reqs, 2, "n", progress=False, client_nice=min(19, base + 7))
+    assert len(res.results) == 4 and len(seen) == 2 + 4
+    assert {v for _, v in seen} == {min(19, base + 7)} and nice_of_this_thread() == base
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="--client-nice"):
+            SuiteOptions(client_nice=bad).validate()

@@ -56,6 +56,7 @@ class RequestResult:
     num_output_tokens: Optional[int] = None                  # as the system reported it, if it did
     num_prompt_tokens: Optional[int] = None
     text_chars: int = 0                                      # characters of text received
+    token_ids: Optional[List[int]] = None                    # every token id, when the driver keeps them
     error: Optional[str] = None
 
     @property
@@ -73,10 +74,11 @@ class TritonGrpcDriver:
     name = "triton-grpc"
     in_process = False
 
-    def __init__(self, url: str, model: str, timeout: float = 600.0):
+    def __init__(self, url: str, model: str, timeout: float = 600.0, keep_token_ids: bool = False):
         self.url = url.split("://", 1)[-1].rstrip("/")
         self.model = model
         self.timeout = timeout
+        self.keep_token_ids = keep_token_ids  # RequestResult.token_ids too (for tests)
         self._lock = threading.Lock()
         self._stream: Optional[_SharedStream] = None  # made by the first session
 
@@ -175,6 +177,8 @@ class _SharedStream:
                 if ids is not None and ids.size:
                     res.chunk_times.append(t)
                     res.chunk_tokens.append(int(ids.size))
+                    if self.drv.keep_token_ids:
+                        res.token_ids = (res.token_ids or []) + [int(x) for x in ids.reshape(-1)]
                 text = result.as_numpy("text_output")
                 if text is not None and text.size:
                     res.text_chars += len(text.reshape(-1)[0].decode("utf-8", "replace"))

@@ -9,6 +9,7 @@ threads' own CPU time (the engine's loop thread is the system under test).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -31,8 +32,12 @@ class RunResult:
 
 def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, label: str,
                  request_rate: Optional[float] = None, seed: int = 0, progress: bool = True,
-                 desc: Optional[str] = None) -> RunResult:
-    """Send every request through `driver`; returns the RunResult (errors are counted, not raised)."""
+                 desc: Optional[str] = None, client_nice: int = 0) -> RunResult:
+    """Send every request through `driver`; returns the RunResult (errors are counted, not raised).
+
+    client_nice > 0: each worker thread lowers its own priority to that nice value before it opens
+    its session, so the threads a session starts (tritonclient's stream reader, grpc's) inherit
+    it (Linux: nice is per thread); the process's other threads keep theirs."""
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
     arrivals = poisson_arrivals(len(requests), request_rate, seed)
@@ -49,6 +54,8 @@ def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, lab
 
     def worker(w: int) -> None:
         try:
+            if client_nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), client_nice)
             session = driver.session()
         except BaseException as e:  # e.g. the server is gone: fail the run with its reason
             failures.append(e)

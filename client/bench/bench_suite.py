@@ -26,6 +26,7 @@ class SuiteOptions:
     single_stream_tokens: int = 128        # output tokens of those
     warmup: int = 2                        # unmeasured short requests per system first
     tag: str = ""                          # mixed into prompt text: distinct tags share no prompt text
+    client_nice: int = 0                   # the benchmark's client threads at this nice value (0: as started)
     progress: bool = True
 
     def validate(self) -> None:
@@ -38,13 +39,15 @@ class SuiteOptions:
             raise ValueError(f"--request-rate must be > 0 requests/s, got {self.request_rate}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.client_nice <= 19:
+            raise ValueError(f"--client-nice must be in [0, 19], got {self.client_nice}")
 
 
-def warm_up(name: str, driver, n: int, tag: str) -> None:
+def warm_up(name: str, driver, n: int, tag: str, client_nice: int = 0) -> None:
     """n short requests, one at a time, not measured (connections, allocator, first-call costs)."""
     if n:
         reqs = single_stream_requests(n, num_words=8, max_tokens=8, seed=12345, tag=f"warm{tag}")
-        res = run_requests(driver, reqs, 1, "warmup", progress=False)
+        res = run_requests(driver, reqs, 1, "warmup", progress=False, client_nice=client_nice)
         bad = [r.error for r in res.results if not r.ok]
         if bad:
             raise OSError(f"{name}: warm-up request failed: {bad[0]}")
@@ -59,7 +62,7 @@ def run_suite(targets: Dict[str, object], opts: SuiteOptions, order_offset: int 
     opts.validate()
     names = list(targets)
     for name in names:
-        warm_up(name, targets[name], opts.warmup, opts.tag)
+        warm_up(name, targets[name], opts.warmup, opts.tag, opts.client_nice)
     plan: List[Tuple[str, list, int, Optional[float]]] = []
     for i, c in enumerate(opts.concurrencies):
         label = f"c{c}" if opts.request_rate is None else f"r{opts.request_rate:g}c{c}"
@@ -73,12 +76,13 @@ def run_suite(targets: Dict[str, object], opts: SuiteOptions, order_offset: int 
         order = names if (k + order_offset) % 2 == 0 else names[::-1]
         for name in order:
             raw[name].append(run_requests(targets[name], reqs, conc, label, rate, opts.workload.seed,
-                                          opts.progress, desc=f"{name} {label}"))
+                                          opts.progress, desc=f"{name} {label}", client_nice=opts.client_nice))
     summaries = {n: [summarize(r) for r in raw[n]] for n in names}
     result = {"workload": {**asdict(opts.workload), "concurrency": opts.concurrencies,
                            "request_rate": opts.request_rate, "single_stream": opts.single_stream,
                            "single_stream_words": opts.single_stream_words,
-                           "single_stream_tokens": opts.single_stream_tokens, "warmup": opts.warmup},
+                           "single_stream_tokens": opts.single_stream_tokens, "warmup": opts.warmup,
+                           "client_nice": opts.client_nice},
               "systems": {n: targets[n].describe() for n in names},
               "runs": summaries, "ratios": ratios(summaries)}
     return result, raw

@@ -12,6 +12,10 @@ the server's host (it reads /proc):
     python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --model smollm2
     python -m tritium.client.bench.server_cpu_bench --url 127.0.0.1:8001 --concurrency 16 --engine ENGINE_DIR
 
+`--protocol grpc,http` reads the same server both ways, rounds alternated (grpc: tritonclient's
+stream; http: Triton's generate_stream SSE, the serving benchmark's HTTP driver, on the HTTP port
+of tritonserver's command line). The client column is this process's CPU over the round.
+
 With --engine the server and the in-process engine (AsyncLLMEngine, the server's thread policy)
 alternate round by round in one run; the in-process rows count this process's threads by the
 same names (tritium-loop: the step; tritium-deliver; the rest of the process: the benchmark's
@@ -143,23 +147,65 @@ class _Stream:
         self.client.close()
 
 
-def measure(url: str, model: str, tokens: int, rounds: int, outputs: Optional[list]) -> dict:
+def http_url(server_pid: int) -> str:
+    """tritonserver's own HTTP HOST:PORT, from its command line."""
+    cmd = _cmdline(server_pid) + " "
+    port = re.search(r"--http-port=(\d+) ", cmd)
+    addr = re.search(r"--http-address=(\S+) ", cmd)
+    if port is None:
+        raise OSError(f"tritonserver {server_pid} runs no HTTP service (no --http-port)")
+    return f"{addr.group(1) if addr else '127.0.0.1'}:{port.group(1)}"
+
+
+class _HttpStream:
+    """One keep-alive generate_stream session (the benchmark's HTTP driver)."""
+
+    def __init__(self, url: str, model: str):
+        from tritium.client.bench.bench_triton_http import TritonHttpDriver
+        self.drv = TritonHttpDriver(url, model)
+        self.drv.check()
+        self.session, self.n = self.drv.session(), 0
+
+    def run(self, tokens: int) -> int:
+        from tritium.client.bench.bench_workload import BenchRequest
+        self.n += 1
+        res = self.session.run(BenchRequest(0, "Passage CPU: the river runs past the old mill and", 10, tokens),
+                               f"cpu-{self.n}")
+        if not res.ok or res.output_tokens != tokens:
+            raise RuntimeError(f"the server failed the request: {res.error or res.output_tokens}")
+        return len(res.chunk_tokens)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def measure(url: str, model: str, tokens: int, rounds: int, outputs: Optional[list],
+            protocols=("grpc",)) -> dict:
+    """Single streams of `tokens` tokens, `rounds` per protocol; with two protocols the rounds
+    alternate, the order flipped each round. The client's CPU is this process's (process_time)."""
     procs = find_processes(int(url.rsplit(":", 1)[1]), model)
-    stream = _Stream(url, model, outputs)
+    streams = {}
     try:
-        stream.run(8)  # warm-up
+        for proto in protocols:
+            streams[proto] = _Stream(url, model, outputs) if proto == "grpc" else \
+                _HttpStream(http_url(procs["server"]), model)
+            streams[proto].run(8)  # warm-up
         rows = []
-        for _ in range(rounds):
-            before, t0 = thread_cpu(procs), time.perf_counter()
-            responses = stream.run(tokens)
-            wall, after = time.perf_counter() - t0, thread_cpu(procs)
-            ms = {r: 1000 * (after[r] - before[r]) / tokens for r in ROLES}
-            ms["overhead"] = sum(ms[r] for r in OVERHEAD)
-            rows.append({"tok_s": tokens / wall, "responses": responses, "ms_per_token": ms})
+        for r in range(rounds):
+            for proto in (protocols if r % 2 == 0 else protocols[::-1]):
+                before, c0, t0 = thread_cpu(procs), time.process_time(), time.perf_counter()
+                responses = streams[proto].run(tokens)
+                wall, c1, after = time.perf_counter() - t0, time.process_time(), thread_cpu(procs)
+                ms = {k: 1000 * (after[k] - before[k]) / tokens for k in ROLES}
+                ms["client"] = 1000 * (c1 - c0) / tokens
+                ms["overhead"] = sum(ms[k] for k in OVERHEAD)
+                rows.append({"round": r, "protocol": proto, "tok_s": tokens / wall, "responses": responses,
+                             "ms_per_token": ms})
     finally:
-        stream.close()
+        for st in streams.values():
+            st.close()
     return {"url": url, "model": model, "tokens": tokens, "outputs": outputs or "all", "processes": procs,
-            "rounds": rows}
+            "protocols": list(protocols), "rounds": rows}
 
 
 def _own_cpu() -> Dict[str, float]:
@@ -193,15 +239,19 @@ def _in_process_driver(engine_dir: str):
     return InProcessDriver(engine_dir, thread_policy=setup.thread_policy, **setup.engine_kwargs)
 
 
-def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine_dir: Optional[str]) -> dict:
-    """The default serving workload at `concurrency`, through the server (per-role CPU from /proc)
-    and, with engine_dir, in this process; alternating, the order flipped each round."""
-    from tritium.client.bench.bench_drivers import TritonGrpcDriver
+def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine_dir: Optional[str],
+                     protocols=("grpc",)) -> dict:
+    """The default serving workload at `concurrency`, through the server (per-role CPU from /proc;
+    a row per protocol: server-grpc, server-http) and, with engine_dir, in this process;
+    alternating, the order flipped each round."""
     from tritium.client.bench.bench_runner import run_requests
+    from tritium.client.bench.bench_triton_http import make_triton_driver
     from tritium.client.bench.bench_workload import WorkloadSpec, make_requests
     procs = find_processes(int(url.rsplit(":", 1)[1]), model)
-    drivers = {"server": TritonGrpcDriver(url, model)}
-    drivers["server"].check()
+    drivers = {f"server-{p}": make_triton_driver(p, url if p == "grpc" else http_url(procs["server"]), model)
+               for p in protocols}
+    for d in drivers.values():
+        d.check()
     if engine_dir:
         drivers["in-process"] = _in_process_driver(engine_dir)
     rows = []
@@ -222,7 +272,7 @@ def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine
                 # The benchmark's workers and gRPC threads end with the run, and /proc forgets an
                 # ended thread's CPU: the client's share is the process's CPU time over the run.
                 client = 1000 * res.client_cpu_s / tokens
-                if name == "server":
+                if name.startswith("server"):
                     ms = {k: 1000 * (srv1[k] - srv0[k]) / tokens for k in ROLES}
                     ms["client"] = client
                     ms["overhead"] = sum(ms[k] for k in OVERHEAD)
@@ -249,10 +299,10 @@ def measure_workload(url: str, model: str, concurrency: int, rounds: int, engine
 def _print_workload(res: dict) -> None:
     print(f"{res['model']} at {res['url']}: default workload at concurrency {res['concurrency']}; "
           f"CPU ms per output token (in-process: unnamed = the process's other threads)")
-    print("round  system      tok/s  tok/CPU-s  tok/resp  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
+    print("round  system         tok/s  tok/CPU-s  tok/resp  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
     for row in res["rounds"]:
         ms = row["ms_per_token"]
-        print(f"{row['round']:5d}  {row['system']:<10} {row['tok_s']:6.1f}  {row['tok_per_cpu_s'] or 0:9.1f}  "
+        print(f"{row['round']:5d}  {row['system']:<12} {row['tok_s']:6.1f}  {row['tok_per_cpu_s'] or 0:9.1f}  "
               f"{row['tokens_per_response'] or 0:8.2f}  "
               + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
 
@@ -270,8 +320,13 @@ def main(argv=None) -> int:
                     help="measure the default 32-request workload at this concurrency instead of single streams")
     ap.add_argument("--engine", default=None,
                     help="with --concurrency: also run ENGINE_DIR in this process, alternating with the server")
+    ap.add_argument("--protocol", default="grpc", choices=("grpc", "http", "grpc,http", "http,grpc"),
+                    help="how the client reads the server: grpc (tritonclient's stream), http (generate_stream "
+                         "SSE, the benchmark's HTTP driver; the port is read from tritonserver's command line) or "
+                         "both, rounds alternated (default grpc); --outputs applies to grpc only")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     a = ap.parse_args(argv)
+    protocols = tuple(a.protocol.split(","))
     grpc_setup.apply()  # before tritonclient imports grpc, as the `tritium` command does
     for flag, v, low in (("--tokens", a.tokens, 16), ("--rounds", a.rounds, 1)):
         if v < low:
@@ -291,7 +346,7 @@ def main(argv=None) -> int:
         return 2
     if a.concurrency:
         try:
-            res = measure_workload(a.url, a.model, a.concurrency, a.rounds, a.engine)
+            res = measure_workload(a.url, a.model, a.concurrency, a.rounds, a.engine, protocols)
         except (OSError, ValueError) as e:
             print(str(e), file=sys.stderr)
             return 2
@@ -300,7 +355,7 @@ def main(argv=None) -> int:
     outputs = None if a.outputs == "all" else list(REQUESTED_OUTPUTS) if a.outputs == "bench" \
         else [s for s in a.outputs.split(",") if s]
     try:
-        res = measure(a.url, a.model, a.tokens, a.rounds, outputs)
+        res = measure(a.url, a.model, a.tokens, a.rounds, outputs, protocols)
     except (OSError, ValueError) as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -308,10 +363,10 @@ def main(argv=None) -> int:
         print(json.dumps(res))
         return 0
     print(f"{a.model} at {a.url}: {a.tokens} tokens a stream, outputs {res['outputs']}; CPU ms per token")
-    print("round  tok/s  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
-    for i, row in enumerate(res["rounds"]):
+    print("round  protocol  tok/s  " + "  ".join(f"{r:>15}" for r in ROLES) + "  overhead")
+    for row in res["rounds"]:
         ms = row["ms_per_token"]
-        print(f"{i:5d} {row['tok_s']:6.1f}  " + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
+        print(f"{row['round']:5d}  {row['protocol']:<8} {row['tok_s']:6.1f}  " + "  ".join(f"{ms[r]:15.3f}" for r in ROLES) + f"  {ms['overhead']:8.3f}")
     return 0
 
 

@@ -1,7 +1,10 @@
 """`tritium bench`: serving benchmark of Tritium (and any OpenAI-compatible server), streaming.
 
 Systems (give one or more; each runs the identical workload, interleaved run by run):
-  --url HOST:PORT --model NAME   a Tritium model on tritonserver, tritonclient gRPC streaming
+  --url HOST:PORT --model NAME   a Tritium model on tritonserver: --triton-protocol http (default)
+                                 reads Triton's HTTP generate_stream (server-sent events) with the
+                                 same client as --openai-url, --url the HTTP port; grpc uses
+                                 tritonclient's gRPC stream, --url the gRPC port
   --openai-url URL               any OpenAI-compatible /v1/completions with stream: true
                                  (e.g. llama.cpp's llama-server), ignore_eos sent
   --engine DIR                   the same engine in this process through AsyncLLMEngine
@@ -23,15 +26,23 @@ import sys
 
 from tritium.client.bench.bench_workload import WorkloadSpec, parse_concurrency
 
+# How `tritium bench --url` and `tritium compare` read Tritium (--triton-protocol): by default with
+# the same kind of client as llama-server (docs/benchmarks.md#server-overhead-per-token).
+DEFAULT_PROTOCOL = "http"
+
 _HF_ONLY = ("hf_model", "hf_batch_size", "hf_sequential_requests", "prompt_len")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="serving benchmark: Triton gRPC, OpenAI SSE or in-process (or vs HF)",
+    p = sub.add_parser("bench", help="serving benchmark: Triton HTTP SSE or gRPC, OpenAI SSE or in-process (or vs HF)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("systems")
-    g.add_argument("--url", default=None, help="Triton gRPC endpoint HOST:PORT (e.g. 127.0.0.1:8001)")
+    g.add_argument("--url", default=None, help="tritonserver HOST:PORT: its HTTP port (e.g. 127.0.0.1:8000), or "
+                                               "with --triton-protocol grpc its gRPC port (e.g. 127.0.0.1:8001)")
     g.add_argument("--model", default="smollm2", help="Triton model name with --url (default smollm2)")
+    g.add_argument("--triton-protocol", default=DEFAULT_PROTOCOL, choices=("http", "grpc"),
+                   help=f"how --url is read (default {DEFAULT_PROTOCOL}): http = Triton's generate_stream SSE, "
+                        "the same client as --openai-url; grpc = tritonclient's gRPC stream")
     g.add_argument("--openai-url", default=None,
                    help="OpenAI-compatible server, http://HOST:PORT[/v1[/completions]]")
     g.add_argument("--openai-model", default=None, help="model name sent to it (default: first of /v1/models)")
@@ -54,6 +65,10 @@ def register(sub) -> None:
     w.add_argument("--single-stream-tokens", type=int, default=128, help="their output tokens (default 128)")
     w.add_argument("--warmup", type=int, default=2, help="unmeasured requests per system first (default 2)")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a response (default 600)")
+    w.add_argument("--client-nice", type=int, default=0, metavar="N",
+                   help="run the benchmark's client threads (its workers and the threads their sessions start) "
+                        "at nice N, 1-19, for every system alike: a client that yields the cores to the server, "
+                        "as a remote one would (default 0: as started)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
@@ -96,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                                      args.seed),
                         parse_concurrency(args.concurrency), args.request_rate, args.single_stream,
                         args.single_stream_words, args.single_stream_tokens, args.warmup,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, client_nice=args.client_nice)
     opts.validate()
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
@@ -108,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         for d in targets.values():
             d.close()
     result["host"] = host
+    if args.url:
+        result["triton_protocol"] = args.triton_protocol
     out = sys.stderr if args.json else sys.stdout
     print_result(result, out)
     if args.plot:
@@ -124,9 +141,11 @@ def make_targets(args) -> dict:
     """{name: driver} for the systems given on the command line, each checked to answer."""
     from tritium.client.bench import bench_drivers as bd
     from tritium.client.bench import bench_openai as bo
+    from tritium.client.bench.bench_triton_http import make_triton_driver
     targets = {}
     if args.url:
-        targets["tritium-grpc"] = bd.TritonGrpcDriver(args.url, args.model, args.timeout)
+        targets[f"tritium-{args.triton_protocol}"] = make_triton_driver(args.triton_protocol, args.url, args.model,
+                                                                         args.timeout)
     if args.openai_url:
         targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
     for d in targets.values():
@@ -166,6 +185,10 @@ def print_result(result: dict, out) -> None:
             print(f"single-stream limit of the in-process engine: {h['bandwidth_limit_tok_s']:.0f} tok/s (memory "
                   f"read {h['memory']['read_gbs']:.1f} GB/s / {h['engine_weight_bytes'] / 1e6:.0f} MB of weights "
                   f"per token)", file=out)
+    if result.get("triton_protocol"):
+        print(f"tritium read over {result['triton_protocol']} ("
+              f"{'generate_stream SSE' if result['triton_protocol'] == 'http' else 'tritonclient gRPC stream'})",
+              file=out)
     wl = result["workload"]
     print(f"workload: {wl['num_requests']} requests, prompts {wl['prompt_words'][0]}-{wl['prompt_words'][1]} "
           f"words, outputs {wl['output_tokens'][0]}-{wl['output_tokens'][1]} tokens (seed {wl['seed']}), EOS "

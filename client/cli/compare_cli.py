@@ -8,11 +8,12 @@ the weight-only engines of the same weights, on request):
      one server per --llama-threads value T, default 1 and 2) and `tritium serve`'s tritonserver
      on that engine start on free ports, and the engine is also loaded in this process
      (AsyncLLMEngine, --threads torch threads);
-  3. `tritium bench`'s suite runs on every system: warm-up, the workload (32 requests at
-     concurrency 16), then 3 single streams of 128 tokens. Every run goes to each system before
-     the next run starts, the order flipping between runs and between pairs, so host drift
-     favours none; the servers wait idle while another system is measured (their idle CPU is
-     measured and printed);
+  3. `tritium bench`'s suite runs on every system (tritium serve read over --triton-protocol: by
+     default Triton's HTTP generate_stream, by the SSE client that reads llama-server): warm-up,
+     the workload (32 requests at concurrency 16), then 3 single streams of 128 tokens. Every run
+     goes to each system before the next run starts, the order flipping between runs and between
+     pairs, so host drift favours none; the servers wait idle while another system is measured
+     (their idle CPU is measured and printed);
   4. the servers stop (always: try/finally), and the next pair starts.
 It prints the host first (CPU model, the ISA path Tritium's kernels take, cores, and the memory
 bandwidth measured with --threads threads, with each engine's single-stream decode limit: read
@@ -33,6 +34,7 @@ import time
 
 from tritium.client.bench.bench_workload import WorkloadSpec, parse_concurrency
 from tritium.client.bench.compare_report import PAIRS, format_table, summary
+from tritium.client.cli.bench_cli import DEFAULT_PROTOCOL
 
 MODEL = "smollm2"
 
@@ -62,6 +64,12 @@ def register(sub) -> None:
                    help="buffer for the memory-bandwidth measurement (default 256 MB; 0 skips it)")
     p.add_argument("--llama-server-args", default="", metavar="ARGS",
                    help='extra llama-server arguments, one string (e.g. "--poll 0")')
+    p.add_argument("--triton-protocol", default=DEFAULT_PROTOCOL, choices=("http", "grpc"),
+                   help=f"how tritium serve is read (default {DEFAULT_PROTOCOL}): http = Triton's generate_stream "
+                        "SSE on tritonserver's own HTTP port, the client that reads llama-server; grpc = "
+                        "tritonclient's gRPC stream")
+    p.add_argument("--client-nice", type=int, default=0, metavar="N",
+                   help="the benchmark's client threads at nice N (1-19) for every system (default 0)")
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per run (default 32)")
     p.add_argument("--concurrency", default="16", help="comma list (default 16)")
@@ -224,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     args.llama_threads = parse_threads(args.llama_threads)
     opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
                         parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
-                        args.warmup, progress=not args.no_progress)
+                        args.warmup, progress=not args.no_progress, client_nice=args.client_nice)
     opts.validate()
     out = sys.stderr if args.json else sys.stdout
 
@@ -252,10 +260,12 @@ def run(args: argparse.Namespace) -> int:
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "isa": args.isa, "host": host, "gguf": args.gguf, "engines": engines,
-                   "threads": args.threads,
+                   "threads": args.threads, "triton_protocol": args.triton_protocol,
                    "llama_threads": args.llama_threads,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
-    print(format_host_section(host) + "\n" + format_table(report), file=out, flush=True)
+    print(format_host_section(host) + "\n" + format_table(report) + f"\ntritium serve read over {args.triton_protocol} "
+          f"({'generate_stream SSE' if args.triton_protocol == 'http' else 'tritonclient gRPC stream'})",
+          file=out, flush=True)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     return 0
@@ -266,7 +276,8 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     import dataclasses
 
     from tritium.builder.repository import write_repository
-    from tritium.client.bench.bench_drivers import InProcessDriver, TritonGrpcDriver
+    from tritium.client.bench.bench_drivers import InProcessDriver
+    from tritium.client.bench.bench_triton_http import make_triton_driver
     from tritium.client.bench.bench_openai import OpenAIDriver
     from tritium.client.bench.bench_suite import run_suite
     from tritium.client.bench.llamacpp import LlamaServer
@@ -289,7 +300,9 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
             llama.start()
         triton.start(timeout=600)
         targets = {name: OpenAIDriver(llama.url) for name, llama in llamas.items()}
-        targets["tritium-serve"] = TritonGrpcDriver(triton.grpc_url, MODEL)
+        # http: tritonserver's own HTTP port (as gRPC, no proxy between the client and the server)
+        url = triton.triton_http_url if args.triton_protocol == "http" else triton.grpc_url
+        targets["tritium-serve"] = make_triton_driver(args.triton_protocol, url, MODEL)
         if not args.no_in_process:
             targets["in-process"] = inproc = InProcessDriver(engine)
         for d in targets.values():

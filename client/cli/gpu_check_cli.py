@@ -223,7 +223,8 @@ def check_serving(rep: Report, root: str, work: str, layers: int) -> None:
     cmd = ["bench", "--model", "synthetic8b", "--num-requests", "64", "--concurrency", "1,16,64",
            "--output-len", "128", "128", "--no-progress"]
     with TritonServer(repo) as srv:
-        r = _run([sys.executable, "-m", "tritium.client.cli"] + cmd + ["--url", srv.grpc_url.split("://")[-1]],
+        r = _run([sys.executable, "-m", "tritium.client.cli"] + cmd + ["--url", srv.grpc_url.split("://")[-1],
+                                                                     "--triton-protocol", "grpc"],
                  root, 3600)
     rep.add("serving", "PASS" if r.returncode == 0 else "FAIL",
             f"Llama-3-8B shapes, {layers} of 32 layers, random bf16 weights, KIND_GPU on GPU 0"

@@ -1,0 +1,117 @@
+"""The serving benchmark's Triton HTTP driver: Triton's generate extension, POST
+/v2/models/<model>/generate_stream (server-sent events), read by the same SSE client as the
+OpenAI driver (bench_sse.py): one keep-alive connection per benchmark worker, one readline and one
+json.loads per response.
+
+tritonserver 2.51 turns each top-level field of the body into an input tensor of the Tritium
+contract (a scalar for the [1]-shaped inputs; the batch dimension of max_batch_size is its own),
+sends one `data: {...}` event per response of the decoupled model with every output as a field
+(output_ids a number for one token, a list for several; text_output; num_input_tokens /
+num_output_tokens; the generate extension cannot name outputs, so the others come too), an
+event `{"error": "..."}` for a request the model refuses, and ends the body after the final
+response (the empty final response itself sends no event).
+"""
+from __future__ import annotations
+
+import http.client
+import urllib.parse
+
+from tritium.client.bench.bench_drivers import RequestResult
+from tritium.client.bench.bench_sse import SSESession, error_text
+from tritium.client.bench.bench_workload import BenchRequest
+
+
+def generate_stream_url(url: str, model: str) -> str:
+    """HOST:PORT or http(s)://HOST:PORT -> that server's generate_stream URL of `model`."""
+    if "://" not in url:
+        url = "http://" + url
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.netloc or u.path.strip("/"):
+        raise ValueError(f"--url with --triton-protocol http must be [http(s)://]HOST:PORT of tritonserver's "
+                         f"HTTP service, got {url!r}")
+    return f"{u.scheme}://{u.netloc}/v2/models/{urllib.parse.quote(model, safe='')}/generate_stream"
+
+
+class TritonHttpDriver:
+    """Tritium's LLM model on tritonserver, through Triton's HTTP generate_stream endpoint.
+
+    Sends the greedy request of the gRPC driver (text_input, max_tokens, stream, temperature 0,
+    sampling_parameters {"ignore_eos": true}); counts the tokens of each event's output_ids and
+    takes the counts the last event reports. keep_token_ids: also keep every token id
+    (RequestResult.token_ids; for tests)."""
+    name = "triton-http"
+    in_process = False
+
+    def __init__(self, url: str, model: str, timeout: float = 600.0, keep_token_ids: bool = False):
+        self.url = generate_stream_url(url, model)
+        self.model = model
+        self.timeout = timeout
+        self.keep_token_ids = keep_token_ids
+
+    def describe(self) -> dict:
+        return {"driver": self.name, "url": self.url, "model": self.model}
+
+    def check(self) -> None:
+        """Fail early, naming the flag, when the server or the model is not there."""
+        u = urllib.parse.urlsplit(self.url)
+        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(u.netloc, timeout=30)
+        try:
+            conn.request("GET", u.path[: -len("/generate_stream")] + "/ready")
+            r = conn.getresponse()
+            body = r.read()
+        except OSError as e:
+            raise OSError(f"--url {u.netloc}: no Triton HTTP server answers ({e})") from None
+        finally:
+            conn.close()
+        if r.status != 200:
+            raise ValueError(f"--model {self.model}: not ready on the Triton server at {u.netloc} "
+                             f"(HTTP {r.status}: {error_text(body)[:200]})")
+
+    def session(self) -> SSESession:
+        return SSESession(self)
+
+    def close(self) -> None:
+        pass
+
+    def body(self, req: BenchRequest, request_id: str) -> dict:
+        return {"id": request_id, "text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+                "temperature": 0.0, "sampling_parameters": '{"ignore_eos": true}'}
+
+    def on_event(self, res: RequestResult, t: float, d: dict) -> bool:
+        if "error" in d:
+            res.error = str(d["error"])[:300]
+            return False
+        ids = d.get("output_ids")
+        if ids is not None:
+            ids = ids if isinstance(ids, list) else [ids]
+            if ids:
+                res.chunk_times.append(t)
+                res.chunk_tokens.append(len(ids))
+                if self.keep_token_ids:
+                    res.token_ids = (res.token_ids or []) + [int(x) for x in ids]
+        text = d.get("text_output")
+        if text:
+            res.text_chars += len(text)
+        n_out, n_in = d.get("num_output_tokens"), d.get("num_input_tokens")
+        if n_out is not None:
+            res.num_output_tokens = int(n_out)
+        if n_in is not None:
+            res.num_prompt_tokens = int(n_in)
+        return True
+
+    @staticmethod
+    def finish(res: RequestResult) -> None:
+        pass
+
+
+def make_triton_driver(protocol: str, grpc_or_http_url: str, model: str, timeout: float = 600.0):
+    """The Triton driver of `protocol` ("grpc" or "http"; --triton-protocol) at that URL."""
+    if protocol == "http":
+        return TritonHttpDriver(grpc_or_http_url, model, timeout)
+    if protocol == "grpc":
+        from tritium.client.bench.bench_drivers import TritonGrpcDriver
+        return TritonGrpcDriver(grpc_or_http_url, model, timeout)
+    raise ValueError(f"--triton-protocol must be grpc or http, got {protocol!r}")
+
+
