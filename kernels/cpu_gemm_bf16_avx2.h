@@ -14,11 +14,11 @@ INLINE const uint16_t *tail16(const uint16_t *p, int64_t n, uint16_t *buf) {
     return buf;
 }
 
-/* hsum8 of 8 accumulators, 4 rows x 2 channels (a0 a1: row 0, channels 0 and 1; b: row 1; ...),
- * stored as out[r * ldo + c]: the same adds as hsum8 on each (lanes i and i + 4 first, then
- * (t0 + t2) + (t1 + t3)), 8 at a time in 12 shuffles and 8 adds instead of 48 scalar-tree steps. */
+/* hsum8 of 8 accumulators as 4 pairs (a0 a1 to oa[0], oa[1]; b0 b1 to ob; c to oc; d to od): the
+ * same adds as hsum8 on each (lanes i and i + 4 first, then (t0 + t2) + (t1 + t3)), 8 at a time in
+ * 12 shuffles and 8 adds instead of 8 scalar trees of 5 steps each. */
 INLINE void hsum8x8(__m256 a0, __m256 a1, __m256 b0, __m256 b1, __m256 c0, __m256 c1, __m256 d0, __m256 d1,
-                    float *out, int64_t ldo) {
+                    float *oa, float *ob, float *oc, float *od) {
     /* t: [t(P) | t(Q)], t_i = v_i + v_{i+4}, for (P, Q) = (a0, c0), (a1, c1), (b0, d0), (b1, d1) */
     const __m256 ta = _mm256_add_ps(_mm256_permute2f128_ps(a0, c0, 0x20), _mm256_permute2f128_ps(a0, c0, 0x31));
     const __m256 tb = _mm256_add_ps(_mm256_permute2f128_ps(a1, c1, 0x20), _mm256_permute2f128_ps(a1, c1, 0x31));
@@ -33,10 +33,10 @@ INLINE void hsum8x8(__m256 a0, __m256 a1, __m256 b0, __m256 b1, __m256 c0, __m25
     const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
     const __m128 lo = _mm256_castps256_ps128(s), hi = _mm256_extractf128_ps(s, 1);
-    _mm_storel_pi((__m64 *)out, lo);
-    _mm_storeh_pi((__m64 *)(out + ldo), lo);
-    _mm_storel_pi((__m64 *)(out + 2 * ldo), hi);
-    _mm_storeh_pi((__m64 *)(out + 3 * ldo), hi);
+    _mm_storel_pi((__m64 *)oa, lo);
+    _mm_storeh_pi((__m64 *)ob, lo);
+    _mm_storel_pi((__m64 *)oc, hi);
+    _mm_storeh_pi((__m64 *)od, hi);
 }
 
 INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *out, int64_t ldo,
@@ -69,7 +69,8 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
         }
     }
     if (MR_ == 4 && NR_ == 2) { /* the full tile: its 8 sums at once, each in hsum8's order */
-        hsum8x8(acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1], out, ldo);
+        hsum8x8(acc[0][0], acc[0][1], acc[1][0], acc[1][1], acc[2][0], acc[2][1], acc[3][0], acc[3][1], out,
+                out + ldo, out + 2 * ldo, out + 3 * ldo);
         return;
     }
     for (int r = 0; r < MR_; r++)
