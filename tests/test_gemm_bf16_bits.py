@@ -31,7 +31,7 @@ def _seed() -> int:
 
 
 def _avx2_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """cpu_gemm_bf16.c's AVX2 sum order, in float32 torch ops."""
+    """The AVX2 sum order (cpu_gemm_bf16_avx2.h), in float32 torch ops."""
     m, k = x.shape
     pad = (-k) % 16
     xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, 8, 2)  # (M, blocks, lane, even/odd)

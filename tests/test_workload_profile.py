@@ -24,6 +24,44 @@ def test_base_kernels_must_be_a_directory(tmp_path, capsys):
     assert "--base-kernels" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["0", "512,x", "", "512,-1"])
+def test_budgets_are_checked_and_named(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        wp.main([str(tmp_path), "--budgets", bad])
+    assert e.value.code == 2
+    assert "--budgets" in capsys.readouterr().err
+
+
+def test_budgets_and_base_kernels_are_one_comparison_at_a_time(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        wp.main([str(tmp_path), "--budgets", "512,2048", "--base-kernels", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budgets" in err and "--base-kernels" in err
+
+
+def test_the_whole_native_step_is_counted_as_the_native_step(monkeypatch):
+    """NativeStep.run_step (the step of <= 32 rows in one call, the head too with logits=True) gets a
+    key of its own instead of falling into the runner's remainder."""
+    import torch
+    from tritium.backend.models import native_step
+    for cls, name in ((wp.linear.DenseLinear, "forward"), (wp.quant._QuantLinearBase, "_cpu"),
+                      (wp.decoder.DecoderLM, "compute_logits"), (wp.decoder.DecoderLM, "embed"),
+                      (native_step.NativeStep, "run"), (native_step.NativeStep, "run_step"),
+                      (wp.model_runner.ModelRunner, "sample"), (wp.model_runner.ModelRunner, "execute"),
+                      (wp.engine_mod.LLMEngine, "step")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
+    for name in ("paged_attention", "rms_norm", "silu_mul", "rotary_kv_write", "kv_write", "rotary"):
+        monkeypatch.setattr(wp.ops, name, getattr(wp.ops, name))
+    monkeypatch.setattr(native_step.NativeStep, "run_step", lambda self, model, ids, *a, logits=False: _spin(0.01))
+    timer = wp.OpTimer()
+    wp.install(timer)
+    ns = object.__new__(native_step.NativeStep)
+    ns.run_step(None, torch.zeros(16, dtype=torch.int64), None, None, None, logits=True)
+    ns.run_step(None, torch.zeros(3, dtype=torch.int64), None, None, None)
+    assert timer.calls == {"native decode step + LM head, rows 2-32": 1, "native decode step, rows 2-32": 1}
+
+
 def test_base_kernels_missing_sources_are_named(tmp_path):
     with pytest.raises(SystemExit) as e:
         wp.base_lib(str(tmp_path))

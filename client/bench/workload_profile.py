@@ -1,7 +1,7 @@
 """Where the serving workload's time goes, in-process: a benchmark that prints figures.
 
     python -m tritium.client.bench.workload_profile ENGINE_DIR [--threads 1] [--num-requests 32]
-        [--concurrency 16] [--rounds 1] [--base-kernels DIR] [--no-split] [--load W/P]
+        [--concurrency 16] [--rounds 1] [--base-kernels DIR] [--budgets N,N...] [--no-split] [--load W/P]
 
 Runs `tritium bench`'s workload (bench_workload.make_requests: seeded prompts of 12-384 words,
 16-256 output tokens, EOS ignored) on an LLMEngine in this process, keeping --concurrency requests
@@ -18,6 +18,10 @@ with another revision's kernels/*.c and *.h, e.g. `git archive main kernels | ta
 with this tree's kernels round by round (this tree first on even rounds, DIR first on odd ones),
 each round on new prompt text; the ratio this tree / DIR is printed per round. The host's
 instruction-set path follows TRITIUM_CPU_ISA as everywhere.
+
+--budgets N,N...: run every round once per step token budget (the scheduler's
+max_num_batched_tokens: how many prompt tokens a step takes beside the decodes), in turn (reversed
+on odd rounds), on one engine; the budget is printed with each run. Default: the engine's (2048).
 
 --load W/P: a background process busy W ms of every P ms runs during the workload (as the server's
 delivery thread, tritonserver and the client take a core for a moment; bg_load.Load).
@@ -97,6 +101,9 @@ def install(timer: OpTimer) -> None:
     lm.embed = timer.wrap(lm.embed, lambda self, ids: "embedding")
     ns = native_step.NativeStep
     ns.run = timer.wrap(ns.run, lambda self, h, *a: f"native decode step, rows {rc(h)}")
+    # the whole step in one call (embedding, layers, final norm; with logits=True the LM head too)
+    ns.run_step = timer.wrap(ns.run_step, lambda self, model, ids, *a, logits=False, **k:
+                             f"native decode step{' + LM head' if logits else ''}, rows {rc(ids)}")
     mr = model_runner.ModelRunner
     mr.sample = timer.wrap(mr.sample, lambda *a: "sampling")
     mr.execute = timer.wrap(mr.execute, lambda *a: "runner, other")
@@ -151,11 +158,23 @@ def main(argv=None) -> int:
     p.add_argument("--no-split", action="store_true", help="no per-op timers (tok/s only)")
     p.add_argument("--load", type=parse_load, default=None,
                    help="W/P: a background process busy W ms of every P ms during the workload")
+    p.add_argument("--budgets", default=None,
+                   help="comma-separated step token budgets (max_num_batched_tokens) to alternate, e.g. 512,2048")
     args = p.parse_args(argv)
+    budgets = [None]
+    if args.budgets is not None:
+        try:
+            budgets = [int(b) for b in args.budgets.split(",")]
+        except ValueError:
+            budgets = [0]
+        if not budgets or min(budgets) < 1:
+            p.error(f"--budgets: comma-separated integers >= 1, got {args.budgets!r}")
     for flag, v in (("--threads", args.threads), ("--num-requests", args.num_requests),
                     ("--concurrency", args.concurrency), ("--rounds", args.rounds)):
         if v < 1:
             p.error(f"{flag} must be >= 1, got {v}")
+    if args.base_kernels is not None and args.budgets is not None:
+        p.error("--budgets and --base-kernels: one comparison at a time")
     if args.base_kernels is not None and not os.path.isdir(args.base_kernels):
         p.error(f"--base-kernels: {args.base_kernels!r} is not a directory")
     torch.set_num_threads(args.threads)
@@ -180,13 +199,16 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             order = list(libs) if rnd % 2 == 0 else list(libs)[::-1]
             rates = {}
-            for name in order:
+            for name, budget in [(n, b) for n in order for b in (budgets if rnd % 2 == 0 else budgets[::-1])]:
                 current["lib"] = name
+                if budget is not None:
+                    eng.scheduler.max_num_batched_tokens = budget
                 timer.reset()
                 with Load(*(args.load or (0.0, 1.0))):
-                    toks, wall, cpu = run_workload(eng, spec, args.concurrency, f"r{rnd}{name[0]}")
+                    toks, wall, cpu = run_workload(eng, spec, args.concurrency, f"r{rnd}{name[0]}{budget or ''}")
                 rates[name] = (toks / wall, toks / cpu)
-                print(f"round {rnd} kernels {name}: {toks} tokens, {wall:.1f} s, {cpu:.1f} CPU-s: "
+                tb = "" if budget is None else f", budget {budget}"
+                print(f"round {rnd} kernels {name}{tb}: {toks} tokens, {wall:.1f} s, {cpu:.1f} CPU-s: "
                       f"{toks / wall:.1f} tok/s, {toks / cpu:.1f} tok/CPU-s", flush=True)
                 for key, secs in sorted(timer.secs.items(), key=lambda kv: -kv[1]):
                     print(f"    {key:48s} {secs:8.2f} CPU-s {100 * secs / cpu:5.1f} %  ({timer.calls[key]} calls)")
