@@ -23,16 +23,16 @@
  * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
  * parallel region: each thread takes a static share of each GEMM's output channels (in units of
- * 32) and of attention's rows (by keys to read), or with TRITIUM_STEP_CLAIM=1 the threads claim
- * each GEMM's output channels in chunks of 32-channel units from a counter of that op, and
- * attention's (row, query heads) items likewise (every channel is computed by the same code and
- * in the same order as in the whole GEMM: the bits depend neither on the thread count nor on
- * which thread computes it; claiming is off by default: slower on a quiet host), and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
- * the norms and SiLU on every row itself, rotary splits the rows. A fork/join
- * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
- * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
- * a column slice cannot address, so they take the per-op regions.
- */
+ * 32) and of attention's rows (by keys to read; fewer rows than threads: by query heads), or with
+ * TRITIUM_STEP_CLAIM=1 the threads claim each GEMM's chunks of 32-channel units from a counter of
+ * that op, and attention's (row, query heads) items likewise (every channel is computed by the
+ * same code and in the same order as in the whole GEMM: the bits depend neither on the thread
+ * count nor on which thread computes it; claiming is off by default: slower on a quiet host), and
+ * meet at a barrier between ops (cpu_step_sync.h: it spins, prefetching the next GEMM's share,
+ * then sleeps); each thread runs the norms and SiLU on every row itself, rotary splits the rows.
+ * A fork/join per op costs a futex wake-up each when idle threads sleep (OMP_WAIT_POLICY=PASSIVE,
+ * as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N),
+ * which a column slice cannot address, so they take the per-op regions. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall() */
 #endif
@@ -148,13 +148,29 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
 #define CLAIM_FEW_ROWS 4
 #define STEP_COUNTERS 6 /* a layer's: qkv, attention, o, gate_up, down, RoPE rows */
 
+static int64_t row_bytes(const tritium_linear_t *L) { /* of one output channel's weights */
+    return L->kind == LIN_BF16 ? 2 * L->k : L->kind == LIN_I8DOT && L->group == 4 ? L->k / 2 : L->k;
+}
 /* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
  * their weights ahead inside a call, so without this a chunk would start cold). */
 static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
-    const int64_t K = L->k, rowb = L->kind == LIN_BF16 ? 2 * K : L->kind == LIN_I8DOT && L->group == 4 ? K / 2 : K;
-    const int64_t n = L->n - n0 < 32 ? L->n - n0 : 32;
+    const int64_t rowb = row_bytes(L), n = L->n - n0 < 32 ? L->n - n0 : 32;
     const char *p = (const char *)L->w + n0 * rowb, *e = p + n * rowb;
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
+/* TRITIUM_STEP_PREFETCH (KiB, read each step; 0: off; default 256): how much of its static share
+ * of the next GEMM's weights a thread waiting at the barrier before it asks for (barrier_pf); the
+ * claimed schedule (c not NULL) does not know its next chunk. Returns the share's first byte. */
+#define STEP_PREFETCH_KIB 256
+static int64_t step_pf_bytes;
+static const char *share_head(const tritium_linear_t *L, int tid, int nt, const step_counter_t *c, int64_t *bytes) {
+    *bytes = 0;
+    if (c || !L || L->kind == LIN_INT4 || step_pf_bytes <= 0) return NULL;
+    const int64_t units = (L->n + 31) / 32, rb = row_bytes(L), n0 = units * tid / nt * 32;
+    const int64_t n1 = units * (tid + 1) / nt * 32 < L->n ? units * (tid + 1) / nt * 32 : L->n;
+    *bytes = n1 <= n0 ? 0 : (n1 - n0) * rb < step_pf_bytes ? (n1 - n0) * rb : step_pf_bytes;
+    return (const char *)L->w + n0 * rb;
 }
 
 /* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
@@ -181,15 +197,13 @@ static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, f
     return rc;
 }
 
-/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
- * per step and one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
- * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
+/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv per
+ * step and one branch per op): ns summed per op since the last read, barrier waits apart
+ * (client/bench/step_profile.py prints them). */
 enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
 static int64_t prof_ns[OP_COUNT], prof_calls;
-
 static int prof_on;
-static int64_t cpu_ns(void) { /* this thread's CPU time (the time another process held the core does
-                               * not count), or the wall clock with TRITIUM_STEP_PROFILE=wall */
+static int64_t cpu_ns(void) { /* this thread's CPU time, or the wall clock (TRITIUM_STEP_PROFILE=wall) */
     struct timespec t;
     clock_gettime(prof_on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
@@ -208,7 +222,6 @@ void tritium_decode_layers_profile(int64_t *out) {
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
-
 /* Sizes of the scratch the caller passes, for T rows: float32 and bf16 element counts. */
 void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t hkv, int64_t D, int64_t I,
                                      int64_t *f32_elems, int64_t *bf16_elems) {
@@ -243,9 +256,12 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         const int64_t t_ = cpu_ns();                                                                                 \
         prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
     }
-#define BARRIER()                                                                                                    \
+#define BARRIER() BARRIER_TO(NULL)
+#define BARRIER_TO(NEXT) /* NEXT: the GEMM after this barrier, whose share a waiting thread prefetches */       \
     {                                                                                                                \
-        barrier(bar, nt);                                                                                            \
+        int64_t pb_;                                                                                                 \
+        const char *pf_ = nt > 1 ? share_head(NEXT, tid, nt, c, &pb_) : NULL;                                        \
+        barrier_pf(bar, nt, pf_, pf_ ? pb_ : 0);                                                                     \
         if (nt > 1) TICK(OP_WAIT)                                                                                    \
     }
     /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
@@ -286,14 +302,17 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         if (c)
             attention_claimed(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq, hkv,
                               D, BS, scale, attn, nt, c + 1, roped, deps, l + 1);
+        else if (nrows < nt && step_attn_items) /* a single stream: its query heads split between the threads */
+            attention_static_items(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq,
+                                   hkv, D, BS, scale, attn, tid, nt);
         else if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
         TICK(OP_ATTN)
-        BARRIER()
+        BARRIER_TO(&L->o)
         rc |= linear_run(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 2 : NULL);
         TICK(OP_O)
-        BARRIER()
+        BARRIER_TO(&L->gate_up)
         if (nn)
             tritium_add_rms_norm_bf16(hidden + n0 * H, rb + n0 * H, L->post_attn_norm, eps, nn, H, xm + n0 * H,
                                       red && tid ? rs : ra + n0 * H);
@@ -301,16 +320,17 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         if (!red) BARRIER()
         rc |= linear_run(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt, c ? c + 3 : NULL);
         TICK(OP_GATE_UP)
-        BARRIER()
+        BARRIER_TO(&L->down)
         if (nn) tritium_silu_mul_bf16(gu + n0 * 2 * I, nn, I, actm + n0 * I);
         TICK(OP_SILU)
         if (!red) BARRIER()
         rc |= linear_run(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 4 : NULL);
         TICK(OP_DOWN)
-        BARRIER()
+        BARRIER_TO(l + 1 < num_layers ? &L[1].qkv : NULL)
     }
     if (prof) prof_calls++;
 #undef BARRIER
+#undef BARRIER_TO
 #undef TICK
     return rc;
 }
@@ -343,6 +363,10 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* the work counters (TRITIUM_STEP_CLAIM=1; else the static shares, the default) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
         const int claim = e && !strcmp(e, "1");
+        e = getenv("TRITIUM_STEP_PREFETCH");
+        step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
+        e = getenv("TRITIUM_STEP_ATTN_ITEMS");
+        step_attn_items = !(e && !strcmp(e, "0"));
         const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
         step_counter_t *ctr = !claim ? NULL
                               : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));

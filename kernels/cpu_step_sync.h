@@ -55,7 +55,11 @@ static void futex_wait(int *addr, int val) {
 static __thread int64_t piece_ns;
 #define PIECE_SPIN(ns) (3 * (ns) + 5000)
 
-static void barrier(step_barrier_t *b, int nt) {
+/* barrier() for a thread that asks, while it waits, for the first bytes of its share of the next
+ * op's weights in L2 ([pf, pf + pf_bytes), one 64-byte line per spin): the memory bus keeps
+ * streaming weights while the last thread finishes the op, and the next op starts hot. A thread
+ * that arrives last prefetches nothing; a wait that turns into a sleep stops prefetching. */
+static void barrier_pf(step_barrier_t *b, int nt, const char *pf, int64_t pf_bytes) {
     if (nt == 1) return;
     const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
     if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
@@ -71,6 +75,7 @@ static void barrier(step_barrier_t *b, int nt) {
     const int64_t budget = piece > 0 && PIECE_SPIN(piece) < global ? PIECE_SPIN(piece) : global;
     piece_ns = 0;
     const int64_t start = now_ns(), until = start + budget;
+    const char *pf_end = pf ? pf + pf_bytes : NULL;
     for (int spins = 1;; spins++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
             if (global < BARRIER_MAX_NS)
@@ -78,8 +83,13 @@ static void barrier(step_barrier_t *b, int nt) {
                                  __ATOMIC_RELAXED);
             return;
         }
+        if (pf < pf_end) {
+            __builtin_prefetch(pf, 0, 2);
+            pf += 64;
+        }
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+        else
+            __builtin_ia32_pause();
 #endif
         if ((spins & 63) == 0 && now_ns() > until) break;
     }
@@ -93,6 +103,8 @@ static void barrier(step_barrier_t *b, int nt) {
                      next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
                      __ATOMIC_RELAXED);
 }
+
+static void barrier(step_barrier_t *b, int nt) { barrier_pf(b, nt, NULL, 0); }
 
 /* Work claiming: the threads take an op's pieces (a GEMM's chunks of output channels, attention's
  * (row, query heads) items) from one counter, in increasing order, until it passes the count; a
