@@ -35,24 +35,22 @@ static void attention_share(const int64_t *lo, const int64_t *len, int64_t nrows
  * 0 alone under the static shares, not split by heads (attention_static_items). */
 static int step_attn_items = 1;
 
-/* The (row, query heads) items of attention_claimed (w query heads an item: one, or a KV head's
- * group where there are at least two such items a thread), cut into nt contiguous runs: thread
- * tid computes run tid, a row's heads [r0, r1) in one call. The static shares' split where the
- * step has fewer rows than threads (a single stream), so one row's attention runs on every
- * thread; each head's bits are the whole kernel's. */
+/* The static shares' attention where the step has fewer rows than threads (a single stream): the
+ * (row, query head) pairs in order, cut into nt contiguous runs; thread tid computes run tid, a
+ * row's heads [r0, r1) in one call (contiguous heads: a KV head's group stays on one thread but
+ * at a run's edge). One row's attention runs on every thread; each head's bits are the whole
+ * kernel's (tritium_paged_decode_heads_bf16). */
 static void attention_static_items(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                    const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
                                    const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
                                    int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out,
                                    int tid, int nt) {
-    const int64_t w = nrows * hkv >= 2 * nt ? hq / hkv : 1, per = (hq + w - 1) / w, items = nrows * per;
-    const int64_t k1 = items * (tid + 1) / nt;
+    const int64_t items = nrows * hq, k1 = items * (tid + 1) / nt;
     for (int64_t k = items * tid / nt, e; k < k1; k = e) {
-        const int64_t i = k / per, r0 = k % per * w;
-        e = (i + 1) * per < k1 ? (i + 1) * per : k1;
-        const int64_t r1 = (e - i * per) * w < hq ? (e - i * per) * w : hq;
+        const int64_t i = k / hq;
+        e = (i + 1) * hq < k1 ? (i + 1) * hq : k1;
         tritium_paged_decode_heads_bf16(q, k_cache, v_cache, block_tables, table_stride, tok[i], seq[i], lo[i],
-                                        len[i], hq, hkv, D, BS, scale, 0.0f, r0, r1, out);
+                                        len[i], hq, hkv, D, BS, scale, 0.0f, k - i * hq, e - i * hq, out);
     }
 }
 
