@@ -47,6 +47,7 @@
 #include "cpu_simd.h"
 #include "cpu_step_sync.h"
 #include "cpu_step_attention.h"
+#include "cpu_step_profile.h"
 
 /* The kernels this file calls (cpu_gemm.c, cpu_gemm_bf16.c, cpu_glue.c, cpu_decode_attention.c). */
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -179,7 +180,13 @@ static const char *share_head(const tritium_linear_t *L, int tid, int nt, const 
  * it holds at most two chunks when it loses its core). */
 static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
                       int tid, int nt, step_counter_t *c) {
-    if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
+    if (!c || L->kind == LIN_INT4) {
+        if (!step_share_spin || nt == 1) return linear_part(L, x, T, ws, out, mult, tid, nt);
+        const int64_t t0 = now_ns(); /* the share is this thread's piece: a peer later by much more lost its core */
+        const int rc = linear_part(L, x, T, ws, out, mult, tid, nt);
+        piece_ns = now_ns() - t0;
+        return rc;
+    }
     const int64_t cpt = T <= CLAIM_FEW_ROWS ? CLAIM_CHUNKS : CLAIM_CHUNKS_ROWS;
     const int64_t units = (L->n + 31) / 32, per = (units + cpt * nt - 1) / (cpt * nt);
     const int64_t chunks = (units + per - 1) / per;
@@ -195,30 +202,6 @@ static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, f
     }
     piece_ns = longest;
     return rc;
-}
-
-/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv per
- * step and one branch per op): ns summed per op since the last read, barrier waits apart
- * (client/bench/step_profile.py prints them). */
-enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
-static int64_t prof_ns[OP_COUNT], prof_calls;
-static int prof_on;
-static int64_t cpu_ns(void) { /* this thread's CPU time, or the wall clock (TRITIUM_STEP_PROFILE=wall) */
-    struct timespec t;
-    clock_gettime(prof_on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static int profiling(void) { /* read at every step: a benchmark may switch it on after the load */
-    const char *e = getenv("TRITIUM_STEP_PROFILE");
-    prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
-    return prof_on;
-}
-
-/* out[OP_COUNT + 1]: the per-op sums and the count of steps since the last call, then reset. */
-void tritium_decode_layers_profile(int64_t *out) {
-    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[i], prof_ns[i] = 0;
-    out[OP_COUNT] = prof_calls, prof_calls = 0;
 }
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -367,6 +350,8 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
         e = getenv("TRITIUM_STEP_ATTN_ITEMS");
         step_attn_items = !(e && !strcmp(e, "0"));
+        e = getenv("TRITIUM_STEP_SHARE_SPIN");
+        step_share_spin = e && !strcmp(e, "1");
         const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
         step_counter_t *ctr = !claim ? NULL
                               : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));

@@ -53,6 +53,8 @@ static void futex_wait(int *addr, int val) {
  * when its peers run, the last of them arrives within about one piece, so a wait much longer
  * means one lost its core, and the spin stops to hand the core back. */
 static __thread int64_t piece_ns;
+/* TRITIUM_STEP_SHARE_SPIN=1 (read each step): a static share's GEMM time bounds the spin likewise. */
+static int step_share_spin;
 #define PIECE_SPIN(ns) (3 * (ns) + 5000)
 
 /* barrier() for a thread that asks, while it waits, for the first bytes of its share of the next
