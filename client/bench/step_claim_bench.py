@@ -18,9 +18,11 @@ tokens per CPU-second of this process (its threads only: the load is another pro
 schedules give the same bits (tests/test_native_step_threads.py).
 
 --knob VAR=A,B alternates that environment variable's two values instead (default
-TRITIUM_STEP_CLAIM=0,1), e.g. TRITIUM_STEP_PREFETCH=0,256 (the barrier's prefetch of the next
-GEMM's share, KiB) or TRITIUM_STEP_ATTN_ITEMS=0,1 (a single stream's attention split by query
-heads under the static shares); the columns then name the values. Each cell's median tokens/s
+TRITIUM_STEP_CLAIM=0,1; repeated, A takes every first value and B every second), e.g.
+TRITIUM_STEP_PREFETCH=0,256 (the barrier's prefetch of the next GEMM's share, KiB),
+TRITIUM_STEP_ATTN_ITEMS=0,1 (a single stream's attention split by query heads under the static
+shares), TRITIUM_STEP_SHARE_SPIN=0,1 (the barrier's spin bounded by the share's time); the
+header names A and B. Each cell's median tokens/s
 is also printed as a share of the memory-bandwidth limit: engine bytes / the 2-thread read
 bandwidth on 2 MiB pages (--bandwidth-gbs, or measured here as native_step_bench does).
 """
@@ -48,13 +50,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads of the native step (default 2)")
     p.add_argument("--load-ms", type=float, default=1.0, help="background load: busy ms per period (0: no loaded runs)")
     p.add_argument("--load-period-ms", type=float, default=4.0)
-    p.add_argument("--knob", default=f"{CLAIM_ENV}=0,1", help="VAR=A,B: the two settings alternated")
+    p.add_argument("--knob", action="append", default=None,
+                   help=f"VAR=A,B: the two settings alternated (repeatable: A sets every first value; default {CLAIM_ENV}=0,1)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="2 MiB-page read bandwidth (default: measured)")
     args = p.parse_args(argv)
-    knob, _, vals = args.knob.partition("=")
-    modes = tuple(vals.split(","))
-    if not knob.startswith("TRITIUM_") or len(modes) != 2 or not all(modes):
-        p.error(f"--knob must be TRITIUM_VAR=A,B (two values), got {args.knob!r}")
+    knobs = {}
+    for k in args.knob or [f"{CLAIM_ENV}=0,1"]:
+        var, _, vals = k.partition("=")
+        knobs[var] = tuple(vals.split(","))
+        if not var.startswith("TRITIUM_") or len(knobs[var]) != 2 or not all(knobs[var]):
+            p.error(f"--knob must be TRITIUM_VAR=A,B (two values), got {k!r}")
+    modes = ("A", "B")
     try:
         batches = [int(b) for b in args.batch.split(",")]
         if min(batches) < 1:
@@ -66,12 +72,13 @@ def main(argv=None) -> int:
     if not 0 <= args.load_ms <= args.load_period_ms or args.load_period_ms <= 0:
         p.error("--load-ms must be in [0, --load-period-ms] and --load-period-ms > 0")
     torch.set_num_threads(args.threads)
-    old = {k: os.environ.get(k) for k in (ENV, CLAIM_ENV, knob)}
+    old = {k: os.environ.get(k) for k in (ENV, CLAIM_ENV, *knobs)}
     os.environ[ENV] = "1"
     loads = (False, True) if args.load_ms > 0 else (False,)
     bw = args.bandwidth_gbs or read_bandwidth_gbs(huge=True)
     print(f"native step on {args.threads} threads, {args.tokens} tokens x {args.rounds} rounds; load: one core busy "
-          f"{args.load_ms:g} ms of every {args.load_period_ms:g} ms; {knob}={modes[0]} (A) vs {modes[1]} (B); "
+          f"{args.load_ms:g} ms of every {args.load_period_ms:g} ms; "
+          f"A: {' '.join(f'{k}={v[0]}' for k, v in knobs.items())}, B: {' '.join(f'{k}={v[1]}' for k, v in knobs.items())}; "
           f"2 MiB-page read bandwidth {bw:.1f} GB/s")
     print(f"{'engine':20s} {'batch':>5s} {'load':>4s} {'A tok/s best/med':>22s} {'B tok/s best/med':>21s} "
           f"{'B/A':>6s} {'A tok/CPU-s':>16s} {'B tok/CPU-s':>15s} {'B/A':>6s} {'A limit':>7s} {'B limit':>7s}")
@@ -91,7 +98,8 @@ def main(argv=None) -> int:
                     for ld in (loads if r % 2 == 0 else loads[::-1]):
                         with Load(args.load_ms if ld else 0, args.load_period_ms):
                             for mode in (modes if r % 2 == 0 else modes[::-1]):
-                                os.environ[knob] = mode
+                                for var, vals in knobs.items():
+                                    os.environ[var] = vals[modes.index(mode)]
                                 runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch))
                 for ld in loads:
                     s, c = runs[(modes[0], ld)], runs[(modes[1], ld)]
