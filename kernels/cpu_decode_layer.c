@@ -174,6 +174,17 @@ static const char *share_head(const tritium_linear_t *L, int tid, int nt, const 
     return (const char *)L->w + n0 * rb;
 }
 
+/* TRITIUM_STEP_CLAIM=auto: whether this step claims, i.e. a barrier wait of one of the last
+ * AUTO_CLAIM_STEPS steps of several threads exceeded STEP_LONG_WAIT_NS (a thread lost its core:
+ * claiming lets its peer take what is left of each op); static shares otherwise, the faster on a
+ * quiet host. Both schedules give the same bits, so the switch between steps changes none. */
+#define AUTO_CLAIM_STEPS 32
+static int auto_claim(void) {
+    static int64_t quiet_steps = AUTO_CLAIM_STEPS + 1; /* steps since the last long wait */
+    quiet_steps = __atomic_exchange_n(&step_long_waits, 0, __ATOMIC_RELAXED) ? 0 : quiet_steps + 1;
+    return quiet_steps <= AUTO_CLAIM_STEPS;
+}
+
 /* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
  * share). A chunk's bounds are multiples of 32 (or N), as linear_part's. A thread claims its next
  * chunk as it starts one, and asks for that chunk's first weights while it computes this one (so
@@ -343,9 +354,9 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
         const int64_t per = T * (2 * H + I);
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
-        /* the work counters (TRITIUM_STEP_CLAIM=1; else the static shares, the default) */
+        /* the work counters (TRITIUM_STEP_CLAIM=1, or =auto after a long wait; else the static shares) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
-        const int claim = e && !strcmp(e, "1");
+        const int claim = e && (!strcmp(e, "1") || (!strcmp(e, "auto") && auto_claim()));
         e = getenv("TRITIUM_STEP_PREFETCH");
         step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
         e = getenv("TRITIUM_STEP_ATTN_ITEMS");

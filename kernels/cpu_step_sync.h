@@ -55,6 +55,10 @@ static void futex_wait(int *addr, int val) {
 static __thread int64_t piece_ns;
 /* TRITIUM_STEP_SHARE_SPIN=1 (read each step): a static share's GEMM time bounds the spin likewise. */
 static int step_share_spin;
+/* Waits at a barrier longer than STEP_LONG_WAIT_NS (a peer lost its core: no op of a step of <= 32
+ * rows runs that long here), counted process-wide for TRITIUM_STEP_CLAIM=auto. */
+#define STEP_LONG_WAIT_NS 200000
+static int64_t step_long_waits;
 #define PIECE_SPIN(ns) (3 * (ns) + 5000)
 
 /* barrier() for a thread that asks, while it waits, for the first bytes of its share of the next
@@ -78,8 +82,10 @@ static void barrier_pf(step_barrier_t *b, int nt, const char *pf, int64_t pf_byt
     piece_ns = 0;
     const int64_t start = now_ns(), until = start + budget;
     const char *pf_end = pf ? pf + pf_bytes : NULL;
+    int64_t seen = start; /* the clock at the last check */
     for (int spins = 1;; spins++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
+            if (seen - start > STEP_LONG_WAIT_NS) __atomic_add_fetch(&step_long_waits, 1, __ATOMIC_RELAXED);
             if (global < BARRIER_MAX_NS)
                 __atomic_store_n(&barrier_spin_ns, global * 2 < BARRIER_MAX_NS ? global * 2 : BARRIER_MAX_NS,
                                  __ATOMIC_RELAXED);
@@ -93,14 +99,15 @@ static void barrier_pf(step_barrier_t *b, int nt, const char *pf, int64_t pf_byt
         else
             __builtin_ia32_pause();
 #endif
-        if ((spins & 63) == 0 && now_ns() > until) break;
+        if ((spins & 63) == 0 && (seen = now_ns()) > until) break;
     }
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
     __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     /* the whole wait: within the longest spin, a longer spin would have met the peer (grow);
      * beyond it, the peer had lost its core (shrink) */
-    const int64_t next = now_ns() - start <= BARRIER_MAX_NS ? 2 * global : global / 2;
+    const int64_t waited = now_ns() - start, next = waited <= BARRIER_MAX_NS ? 2 * global : global / 2;
+    if (waited > STEP_LONG_WAIT_NS) __atomic_add_fetch(&step_long_waits, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&barrier_spin_ns,
                      next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
                      __ATOMIC_RELAXED);
