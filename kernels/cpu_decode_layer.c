@@ -362,7 +362,7 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         e = getenv("TRITIUM_STEP_ATTN_ITEMS");
         step_attn_items = !(e && !strcmp(e, "0"));
         e = getenv("TRITIUM_STEP_SHARE_SPIN");
-        step_share_spin = e && !strcmp(e, "1");
+        step_share_spin = !(e && !strcmp(e, "0"));
         const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
         step_counter_t *ctr = !claim ? NULL
                               : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));

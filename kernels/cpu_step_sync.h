@@ -53,7 +53,7 @@ static void futex_wait(int *addr, int val) {
  * when its peers run, the last of them arrives within about one piece, so a wait much longer
  * means one lost its core, and the spin stops to hand the core back. */
 static __thread int64_t piece_ns;
-/* TRITIUM_STEP_SHARE_SPIN=1 (read each step): a static share's GEMM time bounds the spin likewise. */
+/* TRITIUM_STEP_SHARE_SPIN (read each step; 0 off): a static share's GEMM time bounds the spin likewise. */
 static int step_share_spin;
 /* Waits at a barrier longer than STEP_LONG_WAIT_NS (a peer lost its core: no op of a step of <= 32
  * rows runs that long here), counted process-wide for TRITIUM_STEP_CLAIM=auto. */
