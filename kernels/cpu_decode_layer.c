@@ -28,7 +28,7 @@
  * that op, and attention's (row, query heads) items likewise (every channel is computed by the
  * same code and in the same order as in the whole GEMM: the bits depend neither on the thread
  * count nor on which thread computes it; claiming is off by default: slower on a quiet host), and
- * meet at a barrier between ops (cpu_step_sync.h: it spins, prefetching the next GEMM's share,
+ * meet at a barrier between ops (cpu_step_sync.h: it spins, with TRITIUM_STEP_PREFETCH prefetching,
  * then sleeps); each thread runs the norms and SiLU on every row itself, rotary splits the rows.
  * A fork/join per op costs a futex wake-up each when idle threads sleep (OMP_WAIT_POLICY=PASSIVE,
  * as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N),
