@@ -23,16 +23,16 @@
  * Threads: with one thread (or an int4 linear and several threads) every kernel above runs as it
  * does per op (its own OpenMP parallel region). With several threads, the whole step is ONE
  * parallel region: each thread takes a static share of each GEMM's output channels (in units of
- * 32) and of attention's rows (by keys to read), or with TRITIUM_STEP_CLAIM=1 the threads claim
- * each GEMM's output channels in chunks of 32-channel units from a counter of that op, and
- * attention's (row, query heads) items likewise (every channel is computed by the same code and
- * in the same order as in the whole GEMM: the bits depend neither on the thread count nor on
- * which thread computes it; claiming is off by default: slower on a quiet host), and meet at a barrier between ops (cpu_step_sync.h: it spins, then sleeps); each thread runs
- * the norms and SiLU on every row itself, rotary splits the rows. A fork/join
- * per GEMM and attention (5 per layer) costs a futex wake-up each when idle threads sleep
- * (OMP_WAIT_POLICY=PASSIVE, as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N), which
- * a column slice cannot address, so they take the per-op regions.
- */
+ * 32) and of attention's rows (by keys to read; fewer rows than threads: by query heads), or with
+ * TRITIUM_STEP_CLAIM=1 the threads claim each GEMM's chunks of 32-channel units from a counter of
+ * that op, and attention's (row, query heads) items likewise (every channel is computed by the
+ * same code and in the same order as in the whole GEMM: the bits depend neither on the thread
+ * count nor on which thread computes it; claiming is off by default: slower on a quiet host), and
+ * meet at a barrier between ops (cpu_step_sync.h: it spins, with TRITIUM_STEP_PREFETCH prefetching,
+ * then sleeps); each thread runs the norms and SiLU on every row itself, rotary splits the rows.
+ * A fork/join per op costs a futex wake-up each when idle threads sleep (OMP_WAIT_POLICY=PASSIVE,
+ * as servers run); the step wakes its threads once. int4 weights keep their scales as (K / G, N),
+ * which a column slice cannot address, so they take the per-op regions. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall() */
 #endif
@@ -47,6 +47,7 @@
 #include "cpu_simd.h"
 #include "cpu_step_sync.h"
 #include "cpu_step_attention.h"
+#include "cpu_step_profile.h"
 
 /* The kernels this file calls (cpu_gemm.c, cpu_gemm_bf16.c, cpu_glue.c, cpu_decode_attention.c). */
 void tritium_bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -148,13 +149,40 @@ static int linear_part(const tritium_linear_t *L, const uint16_t *x, int64_t T, 
 #define CLAIM_FEW_ROWS 4
 #define STEP_COUNTERS 6 /* a layer's: qkv, attention, o, gate_up, down, RoPE rows */
 
+static int64_t row_bytes(const tritium_linear_t *L) { /* of one output channel's weights */
+    return L->kind == LIN_BF16 ? 2 * L->k : L->kind == LIN_I8DOT && L->group == 4 ? L->k / 2 : L->k;
+}
 /* Asks for the weights of channels [n0, n0 + 32) in L2 (a chunk's first unit: the kernels request
  * their weights ahead inside a call, so without this a chunk would start cold). */
 static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
-    const int64_t K = L->k, rowb = L->kind == LIN_BF16 ? 2 * K : L->kind == LIN_I8DOT && L->group == 4 ? K / 2 : K;
-    const int64_t n = L->n - n0 < 32 ? L->n - n0 : 32;
+    const int64_t rowb = row_bytes(L), n = L->n - n0 < 32 ? L->n - n0 : 32;
     const char *p = (const char *)L->w + n0 * rowb, *e = p + n * rowb;
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
+/* TRITIUM_STEP_PREFETCH (KiB, read each step; 0, the default: off): how much of its static share
+ * of the next GEMM's weights a thread waiting at the barrier before it asks for (barrier_pf); the
+ * claimed schedule (c not NULL) does not know its next chunk. Returns the share's first byte. */
+#define STEP_PREFETCH_KIB 0 /* no gain measured here on a quiet host (0.94-1.01x, noise +-5 %) */
+static int64_t step_pf_bytes;
+static const char *share_head(const tritium_linear_t *L, int tid, int nt, const step_counter_t *c, int64_t *bytes) {
+    *bytes = 0;
+    if (c || !L || L->kind == LIN_INT4 || step_pf_bytes <= 0) return NULL;
+    const int64_t units = (L->n + 31) / 32, rb = row_bytes(L), n0 = units * tid / nt * 32;
+    const int64_t n1 = units * (tid + 1) / nt * 32 < L->n ? units * (tid + 1) / nt * 32 : L->n;
+    *bytes = n1 <= n0 ? 0 : (n1 - n0) * rb < step_pf_bytes ? (n1 - n0) * rb : step_pf_bytes;
+    return (const char *)L->w + n0 * rb;
+}
+
+/* TRITIUM_STEP_CLAIM=auto: whether this step claims, i.e. a barrier wait of one of the last
+ * AUTO_CLAIM_STEPS steps of several threads exceeded STEP_LONG_WAIT_NS (a thread lost its core:
+ * claiming lets its peer take what is left of each op); static shares otherwise, the faster on a
+ * quiet host. Both schedules give the same bits, so the switch between steps changes none. */
+#define AUTO_CLAIM_STEPS 32
+static int auto_claim(void) {
+    static int64_t quiet_steps = AUTO_CLAIM_STEPS + 1; /* steps since the last long wait */
+    quiet_steps = __atomic_exchange_n(&step_long_waits, 0, __ATOMIC_RELAXED) ? 0 : quiet_steps + 1;
+    return quiet_steps <= AUTO_CLAIM_STEPS;
 }
 
 /* The channels of a GEMM claimed chunk by chunk from counter c (NULL: linear_part's static
@@ -163,7 +191,13 @@ static void prefetch_unit(const tritium_linear_t *L, int64_t n0) {
  * it holds at most two chunks when it loses its core). */
 static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, float *ws, uint16_t *out, float mult,
                       int tid, int nt, step_counter_t *c) {
-    if (!c || L->kind == LIN_INT4) return linear_part(L, x, T, ws, out, mult, tid, nt);
+    if (!c || L->kind == LIN_INT4) {
+        if (!step_share_spin || nt == 1) return linear_part(L, x, T, ws, out, mult, tid, nt);
+        const int64_t t0 = now_ns(); /* the share is this thread's piece: a peer later by much more lost its core */
+        const int rc = linear_part(L, x, T, ws, out, mult, tid, nt);
+        piece_ns = now_ns() - t0;
+        return rc;
+    }
     const int64_t cpt = T <= CLAIM_FEW_ROWS ? CLAIM_CHUNKS : CLAIM_CHUNKS_ROWS;
     const int64_t units = (L->n + 31) / 32, per = (units + cpt * nt - 1) / (cpt * nt);
     const int64_t chunks = (units + per - 1) / per;
@@ -181,34 +215,7 @@ static int linear_run(const tritium_linear_t *L, const uint16_t *x, int64_t T, f
     return rc;
 }
 
-/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv
- * per step and one branch per op): nanoseconds summed per op since the last read (tritium_decode_layers_profile), the barrier
- * waits of thread 0 apart. client/bench/step_profile.py prints them against each op's bytes. */
-enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
-static int64_t prof_ns[OP_COUNT], prof_calls;
-
-static int prof_on;
-static int64_t cpu_ns(void) { /* this thread's CPU time (the time another process held the core does
-                               * not count), or the wall clock with TRITIUM_STEP_PROFILE=wall */
-    struct timespec t;
-    clock_gettime(prof_on == 2 ? CLOCK_MONOTONIC : CLOCK_THREAD_CPUTIME_ID, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static int profiling(void) { /* read at every step: a benchmark may switch it on after the load */
-    const char *e = getenv("TRITIUM_STEP_PROFILE");
-    prof_on = !e ? 0 : !strcmp(e, "1") ? 1 : !strcmp(e, "wall") ? 2 : 0;
-    return prof_on;
-}
-
-/* out[OP_COUNT + 1]: the per-op sums and the count of steps since the last call, then reset. */
-void tritium_decode_layers_profile(int64_t *out) {
-    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[i], prof_ns[i] = 0;
-    out[OP_COUNT] = prof_calls, prof_calls = 0;
-}
-
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
-
 /* Sizes of the scratch the caller passes, for T rows: float32 and bf16 element counts. */
 void tritium_decode_layers_workspace(int64_t T, int64_t H, int64_t hq, int64_t hkv, int64_t D, int64_t I,
                                      int64_t *f32_elems, int64_t *bf16_elems) {
@@ -243,9 +250,12 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         const int64_t t_ = cpu_ns();                                                                                 \
         prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
     }
-#define BARRIER()                                                                                                    \
+#define BARRIER() BARRIER_TO(NULL)
+#define BARRIER_TO(NEXT) /* NEXT: the GEMM after this barrier, whose share a waiting thread prefetches */       \
     {                                                                                                                \
-        barrier(bar, nt);                                                                                            \
+        int64_t pb_;                                                                                                 \
+        const char *pf_ = nt > 1 ? share_head(NEXT, tid, nt, c, &pb_) : NULL;                                        \
+        barrier_pf(bar, nt, pf_, pf_ ? pb_ : 0);                                                                     \
         if (nt > 1) TICK(OP_WAIT)                                                                                    \
     }
     /* Several threads (red): each runs both norms and the SiLU-mul on every row into its own
@@ -286,14 +296,17 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         if (c)
             attention_claimed(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq, hkv,
                               D, BS, scale, attn, nt, c + 1, roped, deps, l + 1);
+        else if (nrows < nt && step_attn_items) /* a single stream: its query heads split between the threads */
+            attention_static_items(q, L->k_cache, L->v_cache, block_tables, table_stride, tok, seq, lo, len, nrows, hq,
+                                   hkv, D, BS, scale, attn, tid, nt);
         else if (a1 > a0)
             tritium_paged_decode_bf16(q, L->k_cache, L->v_cache, block_tables, table_stride, tok + a0, seq + a0,
                                       lo + a0, len + a0, a1 - a0, hq, hkv, D, BS, scale, 0.0f, attn);
         TICK(OP_ATTN)
-        BARRIER()
+        BARRIER_TO(&L->o)
         rc |= linear_run(&L->o, attn, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 2 : NULL);
         TICK(OP_O)
-        BARRIER()
+        BARRIER_TO(&L->gate_up)
         if (nn)
             tritium_add_rms_norm_bf16(hidden + n0 * H, rb + n0 * H, L->post_attn_norm, eps, nn, H, xm + n0 * H,
                                       red && tid ? rs : ra + n0 * H);
@@ -301,16 +314,17 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         if (!red) BARRIER()
         rc |= linear_run(&L->gate_up, xm, T, ws_f32, gu, 1.0f, tid, nt, c ? c + 3 : NULL);
         TICK(OP_GATE_UP)
-        BARRIER()
+        BARRIER_TO(&L->down)
         if (nn) tritium_silu_mul_bf16(gu + n0 * 2 * I, nn, I, actm + n0 * I);
         TICK(OP_SILU)
         if (!red) BARRIER()
         rc |= linear_run(&L->down, actm, T, ws_f32, hidden, residual_mult, tid, nt, c ? c + 4 : NULL);
         TICK(OP_DOWN)
-        BARRIER()
+        BARRIER_TO(l + 1 < num_layers ? &L[1].qkv : NULL)
     }
     if (prof) prof_calls++;
 #undef BARRIER
+#undef BARRIER_TO
 #undef TICK
     return rc;
 }
@@ -340,9 +354,15 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* per thread: x (T, H), act (T, I), a residual scratch (T, H); shared: the other residual */
         const int64_t per = T * (2 * H + I);
         uint16_t *mem = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(per * threads + T * H));
-        /* the work counters (TRITIUM_STEP_CLAIM=1; else the static shares, the default) */
+        /* the work counters (TRITIUM_STEP_CLAIM=1, or =auto after a long wait; else the static shares) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
-        const int claim = e && !strcmp(e, "1");
+        const int claim = e && (!strcmp(e, "1") || (!strcmp(e, "auto") && auto_claim()));
+        e = getenv("TRITIUM_STEP_PREFETCH");
+        step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
+        e = getenv("TRITIUM_STEP_ATTN_ITEMS");
+        step_attn_items = !(e && !strcmp(e, "0"));
+        e = getenv("TRITIUM_STEP_SHARE_SPIN");
+        step_share_spin = !(e && !strcmp(e, "0"));
         const int64_t nc = STEP_COUNTERS * num_layers + 1, nflag = (T * 8 + 63) / 64, ndep = (nrows * 4 + 63) / 64;
         step_counter_t *ctr = !claim ? NULL
                               : (step_counter_t *)calloc((size_t)(nc + nflag + ndep), sizeof(step_counter_t));

@@ -31,6 +31,29 @@ static void attention_share(const int64_t *lo, const int64_t *len, int64_t nrows
     }
 }
 
+/* TRITIUM_STEP_ATTN_ITEMS=0 (read each step; A/B benches): a single stream's attention on thread
+ * 0 alone under the static shares, not split by heads (attention_static_items). */
+static int step_attn_items = 1;
+
+/* The static shares' attention where the step has fewer rows than threads (a single stream): the
+ * (row, query head) pairs in order, cut into nt contiguous runs; thread tid computes run tid, a
+ * row's heads [r0, r1) in one call (contiguous heads: a KV head's group stays on one thread but
+ * at a run's edge). One row's attention runs on every thread; each head's bits are the whole
+ * kernel's (tritium_paged_decode_heads_bf16). */
+static void attention_static_items(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int32_t *block_tables, int64_t table_stride, const int64_t *tok,
+                                   const int64_t *seq, const int64_t *lo, const int64_t *len, int64_t nrows,
+                                   int64_t hq, int64_t hkv, int64_t D, int64_t BS, float scale, uint16_t *out,
+                                   int tid, int nt) {
+    const int64_t items = nrows * hq, k1 = items * (tid + 1) / nt;
+    for (int64_t k = items * tid / nt, e; k < k1; k = e) {
+        const int64_t i = k / hq;
+        e = (i + 1) * hq < k1 ? (i + 1) * hq : k1;
+        tritium_paged_decode_heads_bf16(q, k_cache, v_cache, block_tables, table_stride, tok[i], seq[i], lo[i],
+                                        len[i], hq, hkv, D, BS, scale, 0.0f, k - i * hq, e - i * hq, out);
+    }
+}
+
 /* deps[i] (nrows): bit t set where token row t (T <= 32) writes its key into a block attention row
  * i reads (its block table's entries over keys [lo, len)), and for t = tok[i] (its q row). Returns
  * 0 (the caller keeps the barrier) where the scan would be long: about nrows x blocks x T. */

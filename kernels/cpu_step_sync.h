@@ -53,9 +53,19 @@ static void futex_wait(int *addr, int val) {
  * when its peers run, the last of them arrives within about one piece, so a wait much longer
  * means one lost its core, and the spin stops to hand the core back. */
 static __thread int64_t piece_ns;
+/* TRITIUM_STEP_SHARE_SPIN (read each step; 0 off): a static share's GEMM time bounds the spin likewise. */
+static int step_share_spin;
+/* Waits at a barrier longer than STEP_LONG_WAIT_NS (a peer lost its core: no op of a step of <= 32
+ * rows runs that long here), counted process-wide for TRITIUM_STEP_CLAIM=auto. */
+#define STEP_LONG_WAIT_NS 200000
+static int64_t step_long_waits;
 #define PIECE_SPIN(ns) (3 * (ns) + 5000)
 
-static void barrier(step_barrier_t *b, int nt) {
+/* barrier() for a thread that asks, while it waits, for the first bytes of its share of the next
+ * op's weights in L2 ([pf, pf + pf_bytes), one 64-byte line per spin): the memory bus keeps
+ * streaming weights while the last thread finishes the op, and the next op starts hot. A thread
+ * that arrives last prefetches nothing; a wait that turns into a sleep stops prefetching. */
+static void barrier_pf(step_barrier_t *b, int nt, const char *pf, int64_t pf_bytes) {
     if (nt == 1) return;
     const int gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
     if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
@@ -71,28 +81,39 @@ static void barrier(step_barrier_t *b, int nt) {
     const int64_t budget = piece > 0 && PIECE_SPIN(piece) < global ? PIECE_SPIN(piece) : global;
     piece_ns = 0;
     const int64_t start = now_ns(), until = start + budget;
+    const char *pf_end = pf ? pf + pf_bytes : NULL;
+    int64_t seen = start; /* the clock at the last check */
     for (int spins = 1;; spins++) {
         if (__atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen) {
+            if (seen - start > STEP_LONG_WAIT_NS) __atomic_add_fetch(&step_long_waits, 1, __ATOMIC_RELAXED);
             if (global < BARRIER_MAX_NS)
                 __atomic_store_n(&barrier_spin_ns, global * 2 < BARRIER_MAX_NS ? global * 2 : BARRIER_MAX_NS,
                                  __ATOMIC_RELAXED);
             return;
         }
+        if (pf < pf_end) {
+            __builtin_prefetch(pf, 0, 2);
+            pf += 64;
+        }
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+        else
+            __builtin_ia32_pause();
 #endif
-        if ((spins & 63) == 0 && now_ns() > until) break;
+        if ((spins & 63) == 0 && (seen = now_ns()) > until) break;
     }
     __atomic_add_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&b->gen, __ATOMIC_SEQ_CST) == gen) futex_wait(&b->gen, gen);
     __atomic_sub_fetch(&b->sleepers, 1, __ATOMIC_SEQ_CST);
     /* the whole wait: within the longest spin, a longer spin would have met the peer (grow);
      * beyond it, the peer had lost its core (shrink) */
-    const int64_t next = now_ns() - start <= BARRIER_MAX_NS ? 2 * global : global / 2;
+    const int64_t waited = now_ns() - start, next = waited <= BARRIER_MAX_NS ? 2 * global : global / 2;
+    if (waited > STEP_LONG_WAIT_NS) __atomic_add_fetch(&step_long_waits, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&barrier_spin_ns,
                      next > BARRIER_MAX_NS ? BARRIER_MAX_NS : next < BARRIER_MIN_NS ? BARRIER_MIN_NS : next,
                      __ATOMIC_RELAXED);
 }
+
+static void barrier(step_barrier_t *b, int nt) { barrier_pf(b, nt, NULL, 0); }
 
 /* Work claiming: the threads take an op's pieces (a GEMM's chunks of output channels, attention's
  * (row, query heads) items) from one counter, in increasing order, until it passes the count; a

@@ -131,16 +131,27 @@ def _one_row_steps(model, seed: int):
     return outs, kv
 
 
+# claim "0": the static shares, a row's query heads cut into one run per thread (llama-gqa on 3
+# threads: 1, 1 and 2 of its 4 heads, a KV head's pair split at a run's edge), with the barrier's
+# prefetch on (TRITIUM_STEP_PREFETCH=256); "0-thread0": the static shares with that row's attention
+# on thread 0 alone (TRITIUM_STEP_ATTN_ITEMS=0), the spin unbounded by the share; "auto": static, or claimed in the steps after a long
+# barrier wait (which a busy test host may cause: either schedule must give these bits)
 @pytest.mark.parametrize("shape,weights", [("llama-gqa", "w8a8"), ("qwen2-mha-bias", "bf16")])
-@pytest.mark.parametrize("threads,claim", [(2, "1"), (3, "1"), (2, "0")])
+@pytest.mark.parametrize("threads,claim", [(2, "1"), (3, "1"), (2, "0"), (3, "0"), (2, "0-thread0"), (2, "auto")])
 def test_one_row_steps_bit_identical_on_threads(engine_dir, shape, weights, threads, claim, native_bf16, monkeypatch):
     """Single-stream decode steps (one row: its attention split by query head over the threads,
-    GEMM channels claimed; claim 0: the static shares, attention on one thread) give the per-op
-    path's bits on one thread, hidden states and KV cache."""
+    GEMM channels claimed or in static shares) give the per-op path's bits on one thread, hidden
+    states and KV cache."""
     model = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False).runner.model
     monkeypatch.setenv(native_step.ENV, "0")
     ref_h, ref_kv = _one_row_steps(model, seed=5)
     monkeypatch.setenv(native_step.ENV, "1")
+    if claim == "0":
+        monkeypatch.setenv("TRITIUM_STEP_PREFETCH", "256")
+    if claim == "0-thread0":
+        claim = "0"
+        monkeypatch.setenv("TRITIUM_STEP_ATTN_ITEMS", "0")
+        monkeypatch.setenv("TRITIUM_STEP_SHARE_SPIN", "0")
     monkeypatch.setenv("TRITIUM_STEP_CLAIM", claim)
     calls = _count_native(monkeypatch)
     torch.set_num_threads(threads)

@@ -16,6 +16,8 @@ from tritium.client.bench.bg_load import Load
     (["E", "--threads", "1"], "--threads must be >= 2"),
     (["E", "--batch", "0"], "--batch must be a comma list"),
     (["E", "--load-ms", "5", "--load-period-ms", "4"], "--load-ms must be in"),
+    (["E", "--knob", "TRITIUM_STEP_PREFETCH=0"], "--knob must be TRITIUM_VAR=A,B"),
+    (["E", "--knob", "PATH=a,b"], "--knob must be TRITIUM_VAR=A,B"),
 ])
 def test_bad_flags_name_the_flag(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

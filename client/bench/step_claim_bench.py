@@ -1,8 +1,9 @@
-"""The native decode step's work claiming against static shares, in-process: a benchmark that
-prints figures.
+"""The native decode step's work claiming against static shares (or any other setting of the
+step read at each step, --knob), in-process: a benchmark that prints figures.
 
     python -m tritium.client.bench.step_claim_bench ENGINE_DIR [ENGINE_DIR ...] [--batch 1,16]
         [--tokens 64] [--rounds 4] [--threads 2] [--load-ms 1] [--load-period-ms 4]
+        [--knob VAR=A,B] [--bandwidth-gbs GBS]
 
 The native step runs on --threads threads in one parallel region (kernels/cpu_decode_layer.c).
 Rounds alternate two schedules of its work on the same engine: each GEMM's output channels and
@@ -15,6 +16,15 @@ Each cell: --tokens greedy decode tokens of --batch requests (EOS ignored) after
 the steps after the first timed: best and median decode tokens/s over the rounds, and best
 tokens per CPU-second of this process (its threads only: the load is another process). Both
 schedules give the same bits (tests/test_native_step_threads.py).
+
+--knob VAR=A,B alternates that environment variable's two values instead (default
+TRITIUM_STEP_CLAIM=0,1; repeated, A takes every first value and B every second), e.g.
+TRITIUM_STEP_PREFETCH=0,256 (the barrier's prefetch of the next GEMM's share, KiB),
+TRITIUM_STEP_ATTN_ITEMS=0,1 (a single stream's attention split by query heads under the static
+shares), TRITIUM_STEP_SHARE_SPIN=0,1 (the barrier's spin bounded by the share's time); the
+header names A and B. Each cell's median tokens/s
+is also printed as a share of the memory-bandwidth limit: engine bytes / the 2-thread read
+bandwidth on 2 MiB pages (--bandwidth-gbs, or measured here as native_step_bench does).
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ import torch
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.native_step import ENV
 from tritium.client.bench.bg_load import Load
-from tritium.client.bench.native_step_bench import _decode_rate, engine_bytes
+from tritium.client.bench.native_step_bench import _decode_rate, engine_bytes, read_bandwidth_gbs
 
 CLAIM_ENV = "TRITIUM_STEP_CLAIM"
 
@@ -40,7 +50,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads of the native step (default 2)")
     p.add_argument("--load-ms", type=float, default=1.0, help="background load: busy ms per period (0: no loaded runs)")
     p.add_argument("--load-period-ms", type=float, default=4.0)
+    p.add_argument("--knob", action="append", default=None,
+                   help=f"VAR=A,B: the two settings alternated (repeatable: A sets every first value; default {CLAIM_ENV}=0,1)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="2 MiB-page read bandwidth (default: measured)")
     args = p.parse_args(argv)
+    knobs = {}
+    for k in args.knob or [f"{CLAIM_ENV}=0,1"]:
+        var, _, vals = k.partition("=")
+        knobs[var] = tuple(vals.split(","))
+        if not var.startswith("TRITIUM_") or len(knobs[var]) != 2 or not all(knobs[var]):
+            p.error(f"--knob must be TRITIUM_VAR=A,B (two values), got {k!r}")
+    modes = ("A", "B")
     try:
         batches = [int(b) for b in args.batch.split(",")]
         if min(batches) < 1:
@@ -52,13 +72,16 @@ def main(argv=None) -> int:
     if not 0 <= args.load_ms <= args.load_period_ms or args.load_period_ms <= 0:
         p.error("--load-ms must be in [0, --load-period-ms] and --load-period-ms > 0")
     torch.set_num_threads(args.threads)
-    old = {k: os.environ.get(k) for k in (ENV, CLAIM_ENV)}
+    old = {k: os.environ.get(k) for k in (ENV, CLAIM_ENV, *knobs)}
     os.environ[ENV] = "1"
     loads = (False, True) if args.load_ms > 0 else (False,)
+    bw = args.bandwidth_gbs or read_bandwidth_gbs(huge=True)
     print(f"native step on {args.threads} threads, {args.tokens} tokens x {args.rounds} rounds; load: one core busy "
-          f"{args.load_ms:g} ms of every {args.load_period_ms:g} ms")
-    print(f"{'engine':20s} {'batch':>5s} {'load':>4s} {'static tok/s best/med':>22s} {'claim tok/s best/med':>21s} "
-          f"{'ratio':>6s} {'static tok/CPU-s':>16s} {'claim tok/CPU-s':>15s} {'ratio':>6s}")
+          f"{args.load_ms:g} ms of every {args.load_period_ms:g} ms; "
+          f"A: {' '.join(f'{k}={v[0]}' for k, v in knobs.items())}, B: {' '.join(f'{k}={v[1]}' for k, v in knobs.items())}; "
+          f"2 MiB-page read bandwidth {bw:.1f} GB/s")
+    print(f"{'engine':20s} {'batch':>5s} {'load':>4s} {'A tok/s best/med':>22s} {'B tok/s best/med':>21s} "
+          f"{'B/A':>6s} {'A tok/CPU-s':>16s} {'B tok/CPU-s':>15s} {'B/A':>6s} {'A limit':>7s} {'B limit':>7s}")
     try:
         for path in args.engines:
             eng = LLMEngine(path, enable_prefix_caching=False)
@@ -68,21 +91,25 @@ def main(argv=None) -> int:
                 print(f"{path}: the native step does not take this engine: {why}")
                 continue
             name = os.path.basename(os.path.normpath(path))[:20]
+            limit = bw * 1e9 / engine_bytes(path)  # tokens/s of one stream at the bandwidth limit
             for batch in batches:
-                runs = {(m, ld): [] for m in ("0", "1") for ld in loads}
+                runs = {(m, ld): [] for m in modes for ld in loads}
                 for r in range(args.rounds):
                     for ld in (loads if r % 2 == 0 else loads[::-1]):
                         with Load(args.load_ms if ld else 0, args.load_period_ms):
-                            for mode in (("0", "1") if r % 2 == 0 else ("1", "0")):
-                                os.environ[CLAIM_ENV] = mode
+                            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                                for var, vals in knobs.items():
+                                    os.environ[var] = vals[modes.index(mode)]
                                 runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch))
                 for ld in loads:
-                    s, c = runs[("0", ld)], runs[("1", ld)]
+                    s, c = runs[(modes[0], ld)], runs[(modes[1], ld)]
                     sw, cw = [w for w, _ in s], [w for w, _ in c]
                     scpu, ccpu = max(x for _, x in s), max(x for _, x in c)
                     print(f"{name:20s} {batch:5d} {'on' if ld else 'off':>4s} {max(sw):11.1f} / {statistics.median(sw):7.1f}"
                           f" {max(cw):10.1f} / {statistics.median(cw):7.1f} {statistics.median(cw) / statistics.median(sw):6.2f}"
-                          f" {scpu:16.1f} {ccpu:15.1f} {ccpu / scpu:6.2f}", flush=True)
+                          f" {scpu:16.1f} {ccpu:15.1f} {ccpu / scpu:6.2f}"
+                          f" {statistics.median(sw) / batch / limit:6.0%} {statistics.median(cw) / batch / limit:6.0%}",
+                          flush=True)
             print(f"{name}: {engine_bytes(path) / 1e6:.0f} MB of weights per step")
             eng.close()
     finally:
