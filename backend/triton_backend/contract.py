@@ -189,3 +189,28 @@ def resolve_path(value: str, model_dir: str) -> str:
     """
     path = os.path.expanduser(value.strip())
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(model_dir, path))
+
+
+OUTPUT_NAMES_PARAMETER = "output_names"
+
+
+def output_names_parameter(parameters_json: str) -> Optional[set]:
+    """The request parameter `output_names` ("text_output,output_ids,..."): the contract outputs a
+    client wants in every response, for clients that cannot name outputs (Triton's HTTP generate
+    and generate_stream pass any key that is not an input as a request parameter). None when the
+    request does not set it. Raises ValueError naming the parameter and the allowed names."""
+    if not parameters_json:
+        return None
+    try:
+        params = json.loads(parameters_json)
+    except ValueError:
+        return None  # not ours to judge: tritonserver built this JSON
+    if not isinstance(params, dict) or OUTPUT_NAMES_PARAMETER not in params:
+        return None
+    value = params[OUTPUT_NAMES_PARAMETER]
+    allowed = [t.name for t in OUTPUTS]
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else None
+    if not names or any(n not in allowed for n in names):
+        raise ValueError(f"output_names must be a comma-separated list of outputs from "
+                         f"{', '.join(allowed)}; got {value!r}")
+    return set(names)

@@ -37,7 +37,7 @@ from tritium.backend.placement import apply_instance_placement
 from tritium.backend.prompt_limits import encode_prompt, max_token_chars
 from tritium.backend.errors import RequestError, error_info, to_wire
 from tritium.backend.guided import state as guided_state
-from tritium.backend.triton_backend.contract import resolve_path
+from tritium.backend.triton_backend.contract import OUTPUT_NAMES_PARAMETER, output_names_parameter, resolve_path
 from tritium.backend.triton_backend.metrics import TritiumMetrics
 from tritium.backend.triton_backend.request import batch_size_of, error_prefix, parse_row
 from tritium.backend.triton_backend.stream import RequestState, RowStream
@@ -264,13 +264,17 @@ class TritonPythonModel:
         try:
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
             rows = self._parse(arrays)
+            try:
+                output_names = output_names_parameter(request.parameters())
+            except ValueError as e:
+                raise RequestError(str(e), field=OUTPUT_NAMES_PARAMETER) from None
         except RequestError as e:
             request.get_response_sender().send(pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(e))),
                                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         if self._request_log:
             _log_params(self._request_log, rows)
-        state = RequestState(pb_utils, request, sum(sp.n for _, _, sp in rows), self.tensors)
+        state = RequestState(pb_utils, request, sum(sp.n for _, _, sp in rows), self.tensors, output_names)
         base_id = request.request_id() or uuid.uuid4().hex
         for r, (p, ids, sp) in enumerate(rows):
             rid = f"{base_id}-{uuid.uuid4().hex[:8]}-{r}"

@@ -25,7 +25,7 @@ _FAST_OUTPUTS = tuple(s.name for s in OUTPUTS if s.name != "logprobs_detail")
 class RequestState:
     """Book-keeping of one Triton request (all its batch rows and samples)."""
 
-    def __init__(self, pb_utils, request, num_streams: int, tensors=None):
+    def __init__(self, pb_utils, request, num_streams: int, tensors=None, output_names=None):
         self.pb = pb_utils
         self.cache = tensors  # the model's TensorCache (repeated small outputs built once), or None
         self.tensor = tensors.tensor if tensors is not None else pb_utils.Tensor
@@ -35,6 +35,8 @@ class RequestState:
         self.remaining = num_streams   # (row, sample) streams not finished yet
         self.closed = False            # the final flag went out
         names = set(request.requested_output_names() or ())
+        if output_names is not None:  # the request parameter narrows what the client named (or all)
+            names = (names & output_names) if names else set(output_names)
         self.outputs = names or None   # None: every output
 
     def send(self, arrays: dict, stream_done: bool) -> None:

@@ -7,16 +7,18 @@ tritonserver 2.51 turns each top-level field of the body into an input tensor of
 contract (a scalar for the [1]-shaped inputs; the batch dimension of max_batch_size is its own),
 sends one `data: {...}` event per response of the decoupled model with every output as a field
 (output_ids a number for one token, a list for several; text_output; num_input_tokens /
-num_output_tokens; the generate extension cannot name outputs, so the others come too), an
-event `{"error": "..."}` for a request the model refuses, and ends the body after the final
-response (the empty final response itself sends no event).
+num_output_tokens), an event `{"error": "..."}` for a request the model refuses, and ends the
+body after the final response (the empty final response itself sends no event). The generate
+extension cannot name outputs; a body field that is not an input becomes a request parameter,
+so the driver sends Tritium's `output_names` parameter: the four outputs it reads, as the gRPC
+driver names them (REQUESTED_OUTPUTS).
 """
 from __future__ import annotations
 
 import http.client
 import urllib.parse
 
-from tritium.client.bench.bench_drivers import RequestResult
+from tritium.client.bench.bench_drivers import REQUESTED_OUTPUTS, RequestResult
 from tritium.client.bench.bench_sse import SSESession, error_text
 from tritium.client.bench.bench_workload import BenchRequest
 
@@ -30,6 +32,9 @@ def generate_stream_url(url: str, model: str) -> str:
         raise ValueError(f"--url with --triton-protocol http must be [http(s)://]HOST:PORT of tritonserver's "
                          f"HTTP service, got {url!r}")
     return f"{u.scheme}://{u.netloc}/v2/models/{urllib.parse.quote(model, safe='')}/generate_stream"
+
+
+OUTPUT_NAMES = ",".join(REQUESTED_OUTPUTS)
 
 
 class TritonHttpDriver:
@@ -76,7 +81,7 @@ class TritonHttpDriver:
 
     def body(self, req: BenchRequest, request_id: str) -> dict:
         return {"id": request_id, "text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-                "temperature": 0.0, "sampling_parameters": '{"ignore_eos": true}'}
+                "temperature": 0.0, "sampling_parameters": '{"ignore_eos": true}', "output_names": OUTPUT_NAMES}
 
     def on_event(self, res: RequestResult, t: float, d: dict) -> bool:
         if "error" in d:
