@@ -104,7 +104,8 @@ class NativeDecode:
         False: not this step, e.g. LoRA adapters in the engine)."""
         seqs = sched.seqs
         t = len(seqs)
-        if not allowed or not 0 < t <= NATIVE_STEP_MAX_ROWS or sched.block_copies or any(n != 1 for n in sched.num_new_tokens):
+        if (not allowed or not 0 < t <= NATIVE_STEP_MAX_ROWS or sched.block_copies
+                or any(n != 1 for n in sched.num_new_tokens)):
             self.forget()
             return None
         bs = self.block_size
