@@ -243,12 +243,12 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t t0 = T * tid / nt, t1 = T * (tid + 1) / nt, nt_rows = t1 - t0;
     int64_t a0, a1;
     attention_share(lo, len, nrows, tid, nt, &a0, &a1);
-    const int prof = tid == 0 && profiling();
+    const int prof = tid < PROF_THREADS && profiling();
     int64_t tp = prof ? cpu_ns() : 0;
 #define TICK(OP)                                                                                                     \
     if (prof) {                                                                                                      \
         const int64_t t_ = cpu_ns();                                                                                 \
-        prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
+        prof_ns[tid][OP] += t_ - tp, tp = t_;                                                                           \
     }
 #define BARRIER() BARRIER_TO(NULL)
 #define BARRIER_TO(NEXT) /* NEXT: the GEMM after this barrier, whose share a waiting thread prefetches */       \
@@ -322,7 +322,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         TICK(OP_DOWN)
         BARRIER_TO(l + 1 < num_layers ? &L[1].qkv : NULL)
     }
-    if (prof) prof_calls++;
+    if (prof && tid == 0) prof_calls++;
 #undef BARRIER
 #undef BARRIER_TO
 #undef TICK
