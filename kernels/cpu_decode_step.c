@@ -21,6 +21,7 @@
 
 #include "cpu_simd.h"
 #include "cpu_f16.h"
+#include "cpu_step_warm.h"
 
 #define HEAD_MAX_ROWS 32 /* rows of a step at most (kernels/decode_step.py) */
 
@@ -248,12 +249,21 @@ void tritium_decode_step_profile(int64_t *out) {
     prof_step_ns[0] = prof_step_ns[1] = 0;
 }
 
+static int step(const tritium_step_front_t *f, const void *layers, int64_t num_layers, const int64_t *ids,
+                const int64_t *pos, const uint16_t *hidden_in, int64_t T, int64_t H, int64_t hq, int64_t hkv,
+                int64_t D, int64_t I, float eps, float scale, float residual_mult, uint16_t *h, uint16_t *r,
+                uint16_t *cos, uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
+                int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
+                uint16_t *ws_bf16, int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
+                int64_t *tokens);
+
 /* The step over T rows: ids, pos (T,) int64 (ignored, with hidden_in (T, H) the embedded rows,
  * where the front's kind is EMB_NONE). h, r (T, H) and cos, ssin (T, D) are scratch; out (T, H)
  * receives the final norm's output. With a head (not NULL), logits (T, N) float32 receive every
  * row's logits and tokens (T,) int64 each row's argmax. The other arguments are
  * tritium_decode_layers_bf16's. Returns 0; -1 when scratch memory ran out; -2 an id outside
- * [0, vocab); -3 a position outside [0, max_pos). */
+ * [0, vocab); -3 a position outside [0, max_pos); -4 TRITIUM_STEP_WARM_MIB not an integer in
+ * [0, 64] (cpu_step_warm.h). */
 int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, int64_t num_layers,
                              const int64_t *ids, const int64_t *pos, const uint16_t *hidden_in, int64_t T,
                              int64_t H, int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,
@@ -262,6 +272,23 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
                              const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32, uint16_t *ws_bf16,
                              int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
                              int64_t *tokens) {
+    const long warm_to = warm_mib();
+    if (warm_to < 0) return -4;
+    warm_step_begin();
+    const int rc = step(f, layers, num_layers, ids, pos, hidden_in, T, H, hq, hkv, D, I, eps, scale, residual_mult,
+                        h, r, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, threads,
+                        out, head, logits, tokens);
+    warm_step_end(warm_to);
+    return rc;
+}
+
+static int step(const tritium_step_front_t *f, const void *layers, int64_t num_layers, const int64_t *ids,
+                const int64_t *pos, const uint16_t *hidden_in, int64_t T, int64_t H, int64_t hq, int64_t hkv,
+                int64_t D, int64_t I, float eps, float scale, float residual_mult, uint16_t *h, uint16_t *r,
+                uint16_t *cos, uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
+                int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
+                uint16_t *ws_bf16, int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
+                int64_t *tokens) {
     int64_t t0 = prof_clock();
     for (int64_t t = 0; t < T; t++) {
         if (pos[t] < 0 || pos[t] >= f->max_pos) return -3;

@@ -189,8 +189,9 @@ def _one_row_logits(model, seed: int):
 
 # split "1" (the default): the head's vocabulary in one share per thread inside one parallel region,
 # each thread rounding its logits and finding its maximum; "0": one GEMM of claimed panels, then the
-# argmax on the calling thread (TRITIUM_STEP_HEAD_SPLIT=0). int6 (head6), integer-dot and bf16 heads.
-@pytest.mark.parametrize("split", ["1", "0"])
+# argmax on the calling thread (TRITIUM_STEP_HEAD_SPLIT=0); "1-warm": split, and a thread reading the
+# first MiB of weights between steps (TRITIUM_STEP_WARM_MIB=1). int6 (head6), integer-dot, bf16 heads.
+@pytest.mark.parametrize("split", ["1", "0", "1-warm"])
 @pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "w4a8-emb6", 2),
                                                    ("qwen2-mha-bias", "bf16", 3)])
 def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threads, split, native_bf16, monkeypatch):
@@ -200,6 +201,9 @@ def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threa
     monkeypatch.setenv(native_step.ENV, "0")
     ref = _one_row_logits(model, seed=7)
     monkeypatch.setenv(native_step.ENV, "1")
+    if split == "1-warm":
+        split = "1"
+        monkeypatch.setenv("TRITIUM_STEP_WARM_MIB", "1")
     monkeypatch.setenv("TRITIUM_STEP_HEAD_SPLIT", split)
     torch.set_num_threads(threads)
     try:
@@ -210,3 +214,13 @@ def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threa
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a[0], b[0]), (native_bf16, shape, weights, threads, split, i)
         assert a[1] == b[1], (native_bf16, shape, weights, threads, split, i)
+
+
+@pytest.mark.parametrize("bad", ["65", "-1", "2.5", "x"])
+def test_warm_knob_out_of_range_is_refused(engine_dir, bad, monkeypatch):
+    """TRITIUM_STEP_WARM_MIB outside [0, 64] or not an integer: the step refuses before it runs, naming it."""
+    model = LLMEngine(engine_dir("llama-gqa", "w8a8"), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    monkeypatch.setenv(native_step.ENV, "1")
+    monkeypatch.setenv("TRITIUM_STEP_WARM_MIB", bad)
+    with pytest.raises(ValueError, match=r"TRITIUM_STEP_WARM_MIB must be an integer in \[0, 64\]"):
+        _one_row_logits(model, seed=7)
