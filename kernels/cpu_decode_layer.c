@@ -179,6 +179,8 @@ static const char *share_head(const tritium_linear_t *L, int tid, int nt, const 
  * claiming lets its peer take what is left of each op); static shares otherwise, the faster on a
  * quiet host. Both schedules give the same bits, so the switch between steps changes none. */
 #define AUTO_CLAIM_STEPS 32
+static int step_claimed; /* whether the last step of several threads claimed (the head follows it) */
+int tritium_decode_layers_claimed(void) { return step_claimed; }
 static int auto_claim(void) {
     static int64_t quiet_steps = AUTO_CLAIM_STEPS + 1; /* steps since the last long wait */
     quiet_steps = __atomic_exchange_n(&step_long_waits, 0, __ATOMIC_RELAXED) ? 0 : quiet_steps + 1;
@@ -357,6 +359,7 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* the work counters (TRITIUM_STEP_CLAIM=1, or =auto after a long wait; else the static shares) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
         const int claim = e && (!strcmp(e, "1") || (!strcmp(e, "auto") && auto_claim()));
+        step_claimed = claim;
         e = getenv("TRITIUM_STEP_PREFETCH");
         step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
         e = getenv("TRITIUM_STEP_ATTN_ITEMS");

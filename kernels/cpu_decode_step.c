@@ -129,11 +129,14 @@ static int64_t argmax_range(const float *y, int64_t i0, int64_t i1, int *nan) {
  * units of 32 channels), rounds it and finds each row's maximum over it, instead of one GEMM of
  * claimed panels followed by the rounding and the argmax on the calling thread alone. The same
  * bits either way: each channel's sum order is the whole GEMM's, and the shares' maxima are
- * combined in order (the first NaN, else the first maximum). */
+ * combined in order (the first NaN, else the first maximum). A step whose layers claimed their
+ * pieces (TRITIUM_STEP_CLAIM=1, or =auto after a long barrier wait: a thread had lost its core)
+ * claims the head's panels too. */
 #define HEAD_MAX_THREADS 64
+int tritium_decode_layers_claimed(void);
 static int head_split(void) {
     const char *e = getenv("TRITIUM_STEP_HEAD_SPLIT");
-    return !(e && !strcmp(e, "0"));
+    return !(e && !strcmp(e, "0")) && !tritium_decode_layers_claimed();
 }
 
 #ifdef _OPENMP

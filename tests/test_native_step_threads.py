@@ -189,9 +189,10 @@ def _one_row_logits(model, seed: int):
 
 # split "1" (the default): the head's vocabulary in one share per thread inside one parallel region,
 # each thread rounding its logits and finding its maximum; "0": one GEMM of claimed panels, then the
-# argmax on the calling thread (TRITIUM_STEP_HEAD_SPLIT=0); "1-warm": split, and a thread reading the
-# first MiB of weights between steps (TRITIUM_STEP_WARM_MIB=1). int6 (head6), integer-dot, bf16 heads.
-@pytest.mark.parametrize("split", ["1", "0", "1-warm"])
+# argmax on the calling thread (TRITIUM_STEP_HEAD_SPLIT=0, and where the layers claim: "1-claim");
+# "1-warm": split, and a thread reading the first MiB of weights between steps
+# (TRITIUM_STEP_WARM_MIB=1). int6 (head6), integer-dot and bf16 heads.
+@pytest.mark.parametrize("split", ["1", "0", "1-warm", "1-claim"])
 @pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "w4a8-emb6", 2),
                                                    ("qwen2-mha-bias", "bf16", 3)])
 def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threads, split, native_bf16, monkeypatch):
@@ -202,8 +203,10 @@ def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threa
     ref = _one_row_logits(model, seed=7)
     monkeypatch.setenv(native_step.ENV, "1")
     if split == "1-warm":
-        split = "1"
         monkeypatch.setenv("TRITIUM_STEP_WARM_MIB", "1")
+    if split == "1-claim":
+        monkeypatch.setenv("TRITIUM_STEP_CLAIM", "1")
+    split = split[0]
     monkeypatch.setenv("TRITIUM_STEP_HEAD_SPLIT", split)
     torch.set_num_threads(threads)
     try:
