@@ -6,7 +6,8 @@
  * in the step's order, registered by kernels/decode_step.py) into the caches while the caller is
  * away: the lines it reads leave its core's L2 for the shared L3, where the step finds them. It
  * stops at the next step's start (it then checks a flag every 4 KiB), so it never holds a core a
- * step thread needs for longer than that. Reads only: no bits change. */
+ * step thread needs for longer than that. Reads only: no bits change. Linux only (elsewhere the knob
+ * is checked and does nothing). */
 #ifndef TRITIUM_CPU_STEP_WARM_H
 #define TRITIUM_CPU_STEP_WARM_H
 #include <pthread.h>
@@ -74,6 +75,9 @@ static long warm_mib(void) {
 /* The step ends: with mib > 0 and ranges registered, the thread (started on first use) reads the
  * first mib MiB of them. */
 static void warm_step_end(long mib) {
+#ifndef __linux__
+    mib = 0; /* the thread sleeps on a futex between steps: Linux only */
+#endif
     if (mib <= 0 || !warm.count) return;
     pthread_mutex_lock(&warm.lock);
     if (warm.pid != getpid()) {
