@@ -171,7 +171,7 @@ def _main(args) -> int:
                f"read bandwidth {bw:.1f} GB/s; {1 / best['step']:.1f} steps/s; weights on 2 MiB pages "
                f"{huge / 1e6:.0f} MB", best, nbytes, bw, args.threads)
         return 0
-    probe = _read_probe()
+    probe = read_probe()
     states = {"fast": [], "slow": []}
     for _ in range(args.rounds):
         b0 = probe()
@@ -194,7 +194,7 @@ def _main(args) -> int:
     return 0
 
 
-def _read_probe():
+def read_probe():
     """A function returning the 2-thread (torch's threads) read rate of 128 MiB on 2 MiB pages, GB/s."""
     from tritium.kernels import hugepages
     n = 128 * (1 << 20) // 4
