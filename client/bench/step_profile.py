@@ -21,9 +21,10 @@ gives thread 1's time per op in the layers (its barrier waits apart).
 
 --state-gbs G: for a host whose memory bandwidth flips between states, each round is bracketed by
 a 2-thread read of 128 MiB on 2 MiB pages (the same second's bandwidth); rounds where both reads
-are >= G count as "fast", both < G as "slow" (others are dropped), and one table per state gives
-each op's median over its rounds, the op/bw column against that state's median read. Use many
-short rounds (e.g. --rounds 40 --tokens 24).
+are >= G count as "fast", both in [G / 2, G) as "slow", one < G / 2 as "contended" (other
+processes on the memory bus; others are dropped), and one table per state gives each op's median
+over its rounds, the op/bw column against that state's median read. Use many short rounds (e.g.
+--rounds 40 --tokens 24).
 """
 from __future__ import annotations
 
@@ -172,23 +173,24 @@ def _main(args) -> int:
                f"{huge / 1e6:.0f} MB", best, nbytes, bw, args.threads)
         return 0
     probe = read_probe()
-    states = {"fast": [], "slow": []}
+    states = {"fast": [], "slow": [], "contended": []}
+    g = args.state_gbs
     for _ in range(args.rounds):
         b0 = probe()
         r = profile(eng, args.tokens, args.batch, args.wall)
         b1 = probe()
-        if min(b0, b1) >= args.state_gbs:
-            states["fast"].append(((b0 + b1) / 2, r))
-        elif max(b0, b1) < args.state_gbs:
-            states["slow"].append(((b0 + b1) / 2, r))
+        lo, hi = min(b0, b1), max(b0, b1)
+        state = "fast" if lo >= g else "slow" if hi < g and lo >= g / 2 else "contended" if lo < g / 2 else None
+        if state:
+            states[state].append(((b0 + b1) / 2, r))
     for state, rounds in states.items():
         if not rounds:
             print(f"{name}: no {state} round (state split at {args.state_gbs:g} GB/s)")
             continue
         sbw = statistics.median(b for b, _ in rounds)
         med = {k: statistics.median(r[k] for _, r in rounds) for k in rounds[0][1]}
-        _table(f"{name}: {state} state (2-thread read >= {args.state_gbs:g} GB/s)" if state == "fast" else
-               f"{name}: {state} state (2-thread read < {args.state_gbs:g} GB/s)", med, nbytes, sbw, args.threads,
+        rule = {"fast": f">= {g:g}", "slow": f"in [{g / 2:g}, {g:g})", "contended": f"< {g / 2:g}"}[state]
+        _table(f"{name}: {state} state (2-thread reads {rule} GB/s)", med, nbytes, sbw, args.threads,
                f"batch {args.batch}, {args.tokens} tokens, median of {len(rounds)} of {args.rounds} rounds, "
                f"{args.threads} thread(s), same-second read {sbw:.1f} GB/s; {1 / med['step']:.1f} steps/s")
     return 0
