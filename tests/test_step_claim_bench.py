@@ -55,12 +55,16 @@ def test_pairs_split_by_the_same_second_read(capsys):
     """--state-gbs 50: a pair whose two reads are >= 50 is fast, both in [25, 50) slow, one < 25
     contended, one on each side of 50 dropped; each state's B / A is the median of its pairs' ratios."""
     modes, ld = ("A", "B"), False
-    a = [(100.0, 0), (100.0, 0), (80.0, 0), (10.0, 0), (90.0, 0), (100.0, 0)]
-    b = [(110.0, 0), (130.0, 0), (80.0, 0), (30.0, 0), (10.0, 0), (90.0, 0)]
+    a = [(100.0, [0.01] * 10), (100.0, [0.01] * 10), (80.0, [0.02] * 10), (10.0, [0.1] * 10), (90.0, [0.01]),
+         (100.0, [0.01] * 10)]
+    b = [(110.0, [0.005] * 10), (130.0, [0.005] * 10), (80.0, [0.02] * 10), (30.0, [0.05] * 10), (10.0, [0.1]),
+         (90.0, [0.005] * 10)]
     reads = [(60, 61), (55, 70), (30, 40), (20, 60), (40, 60), (52, 58)]
     step_claim_bench._by_state("eng", 1, {("A", ld): a, ("B", ld): b}, {ld: reads}, (ld,), modes, 50.0)
     rows = {ln.split()[3]: ln for ln in capsys.readouterr().out.splitlines()}
     assert set(rows) == {"fast", "slow", "contended"}, rows
     assert "3 pairs" in rows["fast"] and "B/A 1.100" in rows["fast"], rows["fast"]  # 1.1, 1.3, 0.9
+    assert "step p10 A 10.000 B 5.000 ms, A/B 2.000" in rows["fast"], rows["fast"]
+    assert "A/B 1.000" in rows["slow"] and "A/B 2.000" in rows["contended"], rows
     assert "1 pairs" in rows["slow"] and "B/A 1.000" in rows["slow"], rows["slow"]
     assert "1 pairs" in rows["contended"] and "B/A 3.000" in rows["contended"], rows["contended"]

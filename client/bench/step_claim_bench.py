@@ -31,21 +31,25 @@ pair of rounds (A then B, or B then A, back to back) is bracketed by a 2-thread 
 2 MiB pages (step_profile.read_probe), and the pairs are reported per state of those two reads:
 "fast" (both >= G), "slow" (both in [G / 2, G)), "contended" (one < G / 2: other processes on the
 memory bus), mixed pairs dropped; per state the pair count, the median tokens/s of A and B, the
-median of the pairs' B / A ratios and the median read. Use many short rounds (e.g. --rounds 60
---tokens 8), no load (--load-ms 0).
+median of the pairs' B / A ratios and the median read, and from every step of those rounds the
+10th percentile of A's and B's step times (a contended host preempts some steps: the fast tail is
+what the step does when it has its cores) and their ratio A / B. Use many short rounds (e.g.
+--rounds 60 --tokens 8), no load (--load-ms 0).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import time
 
 import torch
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.models.native_step import ENV
+from tritium.backend.sampling_params import SamplingParams
 from tritium.client.bench.bg_load import Load
-from tritium.client.bench.native_step_bench import _decode_rate, engine_bytes, read_bandwidth_gbs
+from tritium.client.bench.native_step_bench import PROMPT, _decode_rate, engine_bytes, read_bandwidth_gbs
 from tritium.client.bench.step_profile import read_probe
 
 CLAIM_ENV = "TRITIUM_STEP_CLAIM"
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
                             for mode in (modes if r % 2 == 0 else modes[::-1]):
                                 for var, vals in knobs.items():
                                     os.environ[var] = vals[modes.index(mode)]
-                                runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch))
+                                runs[(mode, ld)].append(_decode_rate(eng, args.tokens, batch) if not probe else
+                                                        _step_times(eng, args.tokens, batch))
                             if probe:
                                 reads[ld].append((b0, probe()))
                 if probe:
@@ -142,6 +147,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def _step_times(eng: LLMEngine, tokens: int, batch: int):
+    """(decode tokens/s, [each decode step's seconds]) of `batch` greedy requests of `tokens` tokens."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"s{time.monotonic_ns()}-{i}", prompt=PROMPT, params=params)
+    eng.step()  # the prompt (and first token): not timed
+    steps = []
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    return len(steps) * batch / sum(steps), steps
+
+
+def _p10(xs) -> float:
+    return sorted(xs)[(len(xs) - 1) // 10]
+
+
 def _by_state(name, batch, runs, reads, loads, modes, g) -> None:
     """One row per load and host state of the pairs (see --state-gbs)."""
     for ld in loads:
@@ -150,15 +173,18 @@ def _by_state(name, batch, runs, reads, loads, modes, g) -> None:
             lo, hi = min(b0, b1), max(b0, b1)
             state = "fast" if lo >= g else "slow" if hi < g and lo >= g / 2 else "contended" if lo < g / 2 else None
             if state:
-                states[state].append((runs[(modes[0], ld)][i][0], runs[(modes[1], ld)][i][0], (b0 + b1) / 2))
+                ra, rb = runs[(modes[0], ld)][i], runs[(modes[1], ld)][i]
+                states[state].append((ra[0], rb[0], (b0 + b1) / 2, ra[1], rb[1]))
         for state, pairs in states.items():
             if not pairs:
                 continue
             a, b, rd = ([x[j] for x in pairs] for j in range(3))
             ratio = statistics.median(x[1] / x[0] for x in pairs)
+            sa, sb = _p10([t for x in pairs for t in x[3]]), _p10([t for x in pairs for t in x[4]])
             print(f"{name:20s} {batch:5d} {'on' if ld else 'off':>4s} {state:>9s} {len(pairs):3d} pairs: "
                   f"A {statistics.median(a):7.1f} B {statistics.median(b):7.1f} tok/s, B/A {ratio:5.3f} "
-                  f"(read {statistics.median(rd):5.1f} GB/s)", flush=True)
+                  f"(read {statistics.median(rd):5.1f} GB/s); step p10 A {sa * 1e3:.3f} B {sb * 1e3:.3f} ms, "
+                  f"A/B {sa / sb:5.3f}", flush=True)
 
 
 if __name__ == "__main__":
