@@ -58,6 +58,7 @@ class RequestResult:
     text_chars: int = 0                                      # characters of text received
     token_ids: Optional[List[int]] = None                    # every token id, when the driver keeps them
     error: Optional[str] = None
+    probe_gbs: Optional[List[float]] = None                  # host read GB/s just before / after (bandwidth_probe)
 
     @property
     def output_tokens(self) -> int:

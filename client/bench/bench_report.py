@@ -79,7 +79,16 @@ def summarize(run: RunResult) -> dict:
         "e2e_ms": distribution(x for x in map(e2e_s, ok) if x is not None),
         "client_cpu_s": run.client_cpu_s,
         "client_cores": run.client_cpu_s / dur if dur > 0 else None,
+        **_probed(run),
     }
+
+
+def _probed(run: RunResult) -> dict:
+    """With bandwidth probes (bandwidth_probe.py): each completed request's decode tok/s (1 / TPOT)
+    and the host's read GB/s just before and after it, and the probes' time left out of duration_s."""
+    rows = [{"index": r.index, "decode_tok_s": (1.0 / t if t else None), "probe_gbs": r.probe_gbs}
+            for r in run.results if r.ok and r.probe_gbs is not None for t in [tpot_s(r)]]
+    return {"probed_requests": rows, "probe_s": run.probe_s} if rows else {}
 
 
 def ratio(a: Optional[dict], b: Optional[dict], key: str = "output_tok_s") -> Optional[float]:

@@ -253,15 +253,21 @@ def run(args: argparse.Namespace) -> int:
     host = host_section(engines, args.threads, args.bandwidth_mb)
     print(format_host_section(host), file=out, flush=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    from tritium.client.bench.bandwidth_probe import probe_for_host
+    probe = probe_for_host(host) if opts.single_stream else None  # the read beside each single stream
     results = {}
     for p_idx, kind in enumerate(pairs):
         log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
-        results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work)
+        results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work, probe)
+        if probe is not None:
+            results[kind].update(weight_bytes=host["engines"][kind]["weight_bytes"],
+                                 read_gbs=host["memory"]["read_gbs"])
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "isa": args.isa, "host": host, "gguf": args.gguf, "engines": engines,
                    "threads": args.threads, "triton_protocol": args.triton_protocol,
                    "llama_threads": args.llama_threads,
+                   "bandwidth_probe": probe.describe() if probe is not None else None,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
     print(format_host_section(host) + "\n" + format_table(report) + f"\ntritium serve read over {args.triton_protocol} "
           f"({'generate_stream SSE' if args.triton_protocol == 'http' else 'tritonclient gRPC stream'})",
@@ -271,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
+def run_pair(kind, src, gguf, engine, opts, args, p_idx, work, probe=None) -> dict:
     """Both servers (and the in-process engine) up for one pair; the suite `--repeats` times."""
     import dataclasses
 
@@ -315,7 +321,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
         reps, load = [], [os.getloadavg()[0]]
         for rep in range(args.repeats):
             o = dataclasses.replace(opts, tag=f"r{rep}")
-            result, raw = run_suite(targets, o, order_offset=p_idx + rep)
+            result, raw = run_suite(targets, o, order_offset=p_idx + rep, probe=probe)
             if args.plot:
                 from tritium.client.bench.bench_plots import write_plots
                 result["plots"] = write_plots(os.path.join(args.plot, f"{kind}-r{rep}"), raw)
