@@ -276,7 +276,7 @@ class TritiumClient:
         n = req.get("num_return_sequences") or json.loads(req.get("sampling_parameters") or "{}").get("n") or 1
         sse = stream or int(n) > 1
         endpoint = "generate_stream" if sse else "generate"
-        body = json.dumps(req).encode("utf-8")
+        body = json.dumps(http_body(req)).encode("utf-8")
         try:
             resp = self._urlopen(f"/v2/models/{self.model}/{endpoint}", data=body)
         except urllib.error.HTTPError as e:
@@ -296,6 +296,14 @@ class TritiumClient:
                 if "error" in d:
                     raise TritiumClientError(d["error"])
                 yield _chunk_from_json(d)
+
+
+def http_body(req: dict) -> dict:
+    """The generate / generate_stream body of a build_request() dict: the request, and without log
+    probs the request parameter `output_names` naming READ_OUTPUTS (the generate extension cannot
+    name outputs; a body field that is not an input becomes a request parameter, serving.md), so
+    each response carries what a Chunk reads, as on gRPC."""
+    return req if wants_log_probs(req) else dict(req, output_names=",".join(READ_OUTPUTS))
 
 
 def _http_error(raw: bytes) -> str:

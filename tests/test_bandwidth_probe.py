@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tritium.client.bench.bandwidth_probe import (ReadProbe, decode_tok_s, format_share, probe_for_host,
-                                                  request_share, share_report, shares_of_run,
+from tritium.client.bench.bandwidth_probe import (ReadProbe, format_share, probe_for_host,
+                                                  request_share, request_tok_s, share_report, shares_of_run,
                                                   start_of_run_share)
 from tritium.client.bench.bench_drivers import RequestResult
 from tritium.client.bench.bench_report import summarize
@@ -23,27 +23,25 @@ INT8_BYTES = 149830368  # the int8 compare engine's weight bytes (docs/benchmark
 
 
 def test_share_arithmetic_against_hand_computation():
-    # A request whose 5 tokens arrived at 10.000, 10.004, 10.009, 10.013, 10.020 s: 4 tokens after
-    # the first in 0.020 s = 200 tok/s. Probes 33.0 and 37.0 GB/s, mean 35.0; 200 x 149830368 B =
-    # 29966073600 B/s; / 35e9 = 0.856173531...
-    assert decode_tok_s([10.000, 10.004, 10.009, 10.013, 10.020], [1, 1, 1, 1, 1]) == pytest.approx(200.0)
+    # A request sent at 10.000 s whose final response (128 tokens) arrived at 10.640 s: 128 / 0.640 =
+    # 200 tok/s. Probes 33.0 and 37.0 GB/s, mean 35.0; 200 x 149830368 B = 29966073600 B/s;
+    # / 35e9 = 0.856173531...
+    assert request_tok_s(128, 10.000, 10.640) == pytest.approx(200.0)
     assert request_share(200.0, INT8_BYTES, 33.0, 37.0) == pytest.approx(0.8561735314, rel=1e-9)
-    # A chunk of 2 tokens counts 2: (2 + 3) tokens after the first / 0.025 s = 200 tok/s.
-    assert decode_tok_s([1.0, 1.010, 1.025], [1, 2, 3]) == pytest.approx(200.0)
-    assert decode_tok_s([1.0], [4]) is None
+    assert request_tok_s(128, 10.0, None) is None and request_tok_s(0, 10.0, 11.0) is None
     # Three requests: 200 tok/s over probes 33 / 37 -> 0.85617; 250 tok/s over 60 / 64 (mean 62):
     # 250 x 149830368 = 37457592000 / 62e9 = 0.604154710; 180 tok/s over 34 / 36 (mean 35):
     # 26969466240 / 35e9 = 0.770556178. Median 0.770556178; probes 33-64 GB/s.
-    rep = share_report([{"decode_tok_s": 200.0, "probe_gbs": [33.0, 37.0]},
-                        {"decode_tok_s": 250.0, "probe_gbs": [60.0, 64.0]},
-                        {"decode_tok_s": 180.0, "probe_gbs": [34.0, 36.0]}], INT8_BYTES)
+    rep = share_report([{"tok_s": 200.0, "probe_gbs": [33.0, 37.0]},
+                        {"tok_s": 250.0, "probe_gbs": [60.0, 64.0]},
+                        {"tok_s": 180.0, "probe_gbs": [34.0, 36.0]}], INT8_BYTES)
     assert rep["request_shares"] == pytest.approx([0.8561735314, 0.6041547097, 0.7705561783], rel=1e-9)
     assert rep["share"] == pytest.approx(0.7705561783, rel=1e-9)
     assert (rep["probe_gbs_min"], rep["probe_gbs_max"], rep["requests"]) == (33.0, 64.0, 3)
-    assert rep["decode_tok_s_median"] == 200.0
+    assert rep["tok_s_median"] == 200.0
     # The start-of-run figure: 165.1 tok/s x 149830368 B / 64.2 GB/s = 24736993757 / 64.2e9 = 0.385311429.
     assert start_of_run_share(165.1, INT8_BYTES, 64.2) == pytest.approx(0.3853114292, rel=1e-9)
-    assert share_report([], INT8_BYTES) is None and share_report([{"decode_tok_s": 1.0, "probe_gbs": [1, 1]}], 0) is None
+    assert share_report([], INT8_BYTES) is None and share_report([{"tok_s": 1.0, "probe_gbs": [1, 1]}], 0) is None
 
 
 class _Log:
@@ -112,8 +110,8 @@ def test_probe_runs_just_before_and_after_every_request_and_its_time_is_not_the_
     assert run.duration_s < wall and run.duration_s + run.probe_s >= wall
     s = summarize(run)
     assert [p["probe_gbs"] for p in s["probed_requests"]] == [[30.0, 34.0], [60.0, 62.0], [33.0, 35.0]]
-    for p, r in zip(s["probed_requests"], run.results):  # 3 tokens after the first over their span
-        assert p["decode_tok_s"] == pytest.approx(3 / (r.chunk_times[-1] - r.chunk_times[0]))
+    for p, r in zip(s["probed_requests"], run.results):  # 4 tokens over send -> final response
+        assert p["tok_s"] == pytest.approx(4 / (r.t_end - r.t_send))
     with pytest.raises(ValueError, match="concurrency must be 1"):
         run_requests(FakeDriver("a", log), reqs, 2, "c2", progress=False, probe=probe)
     plain = summarize(run_requests(FakeDriver("a", log), reqs, 1, "single", progress=False))
@@ -134,7 +132,7 @@ def test_suite_probes_only_the_single_streams_of_every_system():
         assert "probed_requests" not in by["c2"] and len(by["single"]["probed_requests"]) == 2
     shares = shares_of_run(result["runs"], {"a": INT8_BYTES}, 64.0)
     assert set(shares) == {"a"} and shares["a"]["same_second"]["probe_gbs_min"] == 40.0
-    dec = [p["decode_tok_s"] for p in next(s for s in result["runs"]["a"] if s["label"] == "single")["probed_requests"]]
+    dec = [p["tok_s"] for p in next(s for s in result["runs"]["a"] if s["label"] == "single")["probed_requests"]]
     want = sorted(d * INT8_BYTES / 40e9 for d in dec)
     assert shares["a"]["same_second"]["share"] == pytest.approx((want[0] + want[1]) / 2)
 
@@ -155,11 +153,11 @@ def test_real_probe_reads_with_the_headlines_threads_and_pages():
 
 
 def test_share_lines_name_both_figures():
-    s = {"same_second": share_report([{"decode_tok_s": 200.0, "probe_gbs": [33.0, 37.0]}], INT8_BYTES),
+    s = {"same_second": share_report([{"tok_s": 200.0, "probe_gbs": [33.0, 37.0]}], INT8_BYTES),
          "start_of_run": 0.385, "start_of_run_read_gbs": 64.2, "weight_bytes": INT8_BYTES}
     line = format_share("tritium-serve", s)
     assert line.startswith("tritium-serve: 86 % of the same-second read (median of 1 requests")
-    assert "probes 33.0-37.0 GB/s" in line and "start-of-run figure 38 % (read 64.2 GB/s at the start)" in line
+    assert "probes 33.0-37.0 GB/s; median 200.0 tok/s" in line and "start-of-run figure 38 % (read 64.2 GB/s at the start)" in line
     assert "no same-second figure" in format_share("x", {"same_second": None, "start_of_run": None})
 
 
@@ -170,11 +168,11 @@ def test_compare_summary_pools_the_probed_requests_of_every_repeat():
         return {"label": "single", "output_tok_s": tok_s, "ttft_ms": None, "itl_ms": None, "e2e_ms": None,
                 "errors": 0, "count_mismatches": 0, "client_cores": 0.1, "probed_requests": probed}
     reps = [{"runs": {"llama-server": [single(80.0, [])],
-                      "tritium-serve": [single(160.0, [{"decode_tok_s": 200.0, "probe_gbs": [33.0, 37.0]}])],
-                      "in-process": [single(170.0, [{"decode_tok_s": 250.0, "probe_gbs": [60.0, 64.0]}])]}},
+                      "tritium-serve": [single(160.0, [{"tok_s": 200.0, "probe_gbs": [33.0, 37.0]}])],
+                      "in-process": [single(170.0, [{"tok_s": 250.0, "probe_gbs": [60.0, 64.0]}])]}},
             {"runs": {"llama-server": [single(82.0, [])],
-                      "tritium-serve": [single(170.0, [{"decode_tok_s": 180.0, "probe_gbs": [34.0, 36.0]},
-                                                       {"decode_tok_s": 250.0, "probe_gbs": [60.0, 64.0]}])],
+                      "tritium-serve": [single(170.0, [{"tok_s": 180.0, "probe_gbs": [34.0, 36.0]},
+                                                       {"tok_s": 250.0, "probe_gbs": [60.0, 64.0]}])],
                       "in-process": [single(180.0, [])]}}]
     rep = summary({"int8": {"reps": reps, "idle_server_cores": {}, "llama_server_cmd": [],
                             "weight_bytes": INT8_BYTES, "read_gbs": 64.2}}, ["int8"])

@@ -7,23 +7,26 @@ second caught, not how close a stream came to the memory it had. So the benchmar
 for a few tens of milliseconds just before and just after each single-stream request of each
 system (every server is idle then) with the start-of-run measurement's thread count and page
 placement (whichever of 4 KiB / 2 MiB read faster there), on a buffer of at most 128 MB (still 4x
-this host's L3; best of 3 passes, about 10-25 ms on a quiet host), and divides each
-request's decode rate by the mean of its own two probes:
+this host's L3; best of 3 passes, about 10-25 ms on a quiet host), and divides each request's
+rate by the mean of its own two probes:
 
-  request share = decode tok/s x engine weight bytes / mean(probe before, probe after)
-  decode tok/s  = tokens after the first / (last token's arrival - first token's arrival)  (1 / TPOT)
+  request share = request tok/s x engine weight bytes / mean(probe before, probe after)
+  request tok/s = output tokens / (final response - send)
   engine share  = median of its requests' shares
 
-Decode reads every weight once per token, so decode tok/s x weight bytes is the stream's read
-rate; prefill and the time to the first token are left out (they read the weights once for the
-whole prompt). The start-of-run figure (single-stream output tok/s x weight bytes / the read at
-the start) is kept beside it, labelled, for comparison with older tables.
+Decode reads every weight once per token, so tok/s x weight bytes is the stream's read rate. The
+request's whole span is used, not first-to-last token: on a busy host a client reads a stream's
+events in bursts (many arrive within a millisecond), which leaves the span between the first and
+last event meaningless, while the send and the final response bound the work exactly; the short
+prompt's prefill (one step of ~16 rows) inside it makes the figure slightly conservative. The
+start-of-run figure (single-stream output tok/s x weight bytes / the read at the start) is kept
+beside it, labelled, for comparison with older tables.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 PROBE_PASSES = 3  # each pass reads the whole buffer once; the probe reports the best pass
 PROBE_MB = 128    # at most: 4x this host's 32 MiB L3, 3 passes 12 ms at 33 GB/s
@@ -88,29 +91,29 @@ def probe_for_host(host: dict, passes: int = PROBE_PASSES) -> Optional[ReadProbe
     return ReadProbe(mem["threads"], min(mem["buffer_mb"], PROBE_MB), mem.get("read_pages", "2MiB"), passes)
 
 
-def decode_tok_s(chunk_times: List[float], chunk_tokens: List[int]) -> Optional[float]:
-    """Tokens after the first chunk / (last chunk's arrival - first chunk's arrival)."""
-    n = sum(chunk_tokens[1:])
-    dt = chunk_times[-1] - chunk_times[0] if chunk_times else 0.0
-    return n / dt if n > 0 and dt > 0 else None
+def request_tok_s(output_tokens: int, t_send: float, t_end: Optional[float]) -> Optional[float]:
+    """Output tokens / (final response - send)."""
+    if t_end is None or not output_tokens or t_end <= t_send:
+        return None
+    return output_tokens / (t_end - t_send)
 
 
-def request_share(decode: float, weight_bytes: int, probe_before: float, probe_after: float) -> float:
-    """decode tok/s x weight bytes / the mean of the two probes (GB/s)."""
-    return decode * weight_bytes / ((probe_before + probe_after) / 2 * 1e9)
+def request_share(tok_s: float, weight_bytes: int, probe_before: float, probe_after: float) -> float:
+    """tok/s x weight bytes / the mean of the two probes (GB/s)."""
+    return tok_s * weight_bytes / ((probe_before + probe_after) / 2 * 1e9)
 
 
 def share_report(probed: List[dict], weight_bytes: Optional[int]) -> Optional[dict]:
     """The engine's same-second share from a single-stream run's probed requests (summarize()'s
-    "probed_requests": each {"decode_tok_s", "probe_gbs": [before, after]}): the median of the
+    "probed_requests": each {"tok_s", "probe_gbs": [before, after]}): the median of the
     requests' shares, each request's share, and the probes' min / max."""
-    rows = [p for p in probed if p.get("decode_tok_s") and p.get("probe_gbs") and None not in p["probe_gbs"]]
+    rows = [p for p in probed if p.get("tok_s") and p.get("probe_gbs") and None not in p["probe_gbs"]]
     if not rows or not weight_bytes:
         return None
-    shares = [request_share(p["decode_tok_s"], weight_bytes, *p["probe_gbs"]) for p in rows]
+    shares = [request_share(p["tok_s"], weight_bytes, *p["probe_gbs"]) for p in rows]
     probes = [g for p in rows for g in p["probe_gbs"]]
     return {"share": statistics.median(shares), "request_shares": shares,
-            "decode_tok_s_median": statistics.median(p["decode_tok_s"] for p in rows),
+            "tok_s_median": statistics.median(p["tok_s"] for p in rows),
             "probe_gbs_min": min(probes), "probe_gbs_max": max(probes), "requests": len(rows),
             "weight_bytes": weight_bytes}
 
@@ -140,15 +143,15 @@ def shares_of_run(run_summaries: Dict[str, List[dict]], weight_bytes: Dict[str, 
 
 
 def format_share(system: str, s: dict) -> str:
-    """'<system>: 71 % of the same-second read (median of 3 requests; probes 33.1-61.9 GB/s, decode
-    212.0 tok/s), start-of-run figure 39 % (read 64.2 GB/s at the start)'."""
+    """'<system>: 71 % of the same-second read (median of 3 requests, each ...; probes 33.1-61.9 GB/s;
+    212.0 tok/s); start-of-run figure 39 % (read 64.2 GB/s at the start)'."""
     same = s.get("same_second")
     line = f"{system}: "
     if same:
         line += (f"{same['share'] * 100:.0f} % of the same-second read (median of {same['requests']} requests, "
                  f"each {', '.join(f'{x * 100:.0f}' for x in same['request_shares'])} %; probes "
-                 f"{same['probe_gbs_min']:.1f}-{same['probe_gbs_max']:.1f} GB/s; decode "
-                 f"{same['decode_tok_s_median']:.1f} tok/s)")
+                 f"{same['probe_gbs_min']:.1f}-{same['probe_gbs_max']:.1f} GB/s; median "
+                 f"{same['tok_s_median']:.1f} tok/s)")
     else:
         line += "no same-second figure (no probed single-stream request)"
     if s.get("start_of_run") is not None:
@@ -156,5 +159,3 @@ def format_share(system: str, s: dict) -> str:
                  f"{s['start_of_run_read_gbs']:.1f} GB/s at the start)")
     return line
 
-
-ProbeFn = Callable[[], float]

@@ -84,10 +84,12 @@ def summarize(run: RunResult) -> dict:
 
 
 def _probed(run: RunResult) -> dict:
-    """With bandwidth probes (bandwidth_probe.py): each completed request's decode tok/s (1 / TPOT)
-    and the host's read GB/s just before and after it, and the probes' time left out of duration_s."""
-    rows = [{"index": r.index, "decode_tok_s": (1.0 / t if t else None), "probe_gbs": r.probe_gbs}
-            for r in run.results if r.ok and r.probe_gbs is not None for t in [tpot_s(r)]]
+    """With bandwidth probes (bandwidth_probe.py): each completed request's tok/s (output tokens /
+    (final response - send)) and the host's read GB/s just before and after it, and the probes'
+    time left out of duration_s."""
+    from tritium.client.bench.bandwidth_probe import request_tok_s
+    rows = [{"index": r.index, "tok_s": request_tok_s(r.output_tokens, r.t_send, r.t_end), "probe_gbs": r.probe_gbs}
+            for r in run.results if r.ok and r.probe_gbs is not None]
     return {"probed_requests": rows, "probe_s": run.probe_s} if rows else {}
 
 

@@ -126,7 +126,7 @@ def format_table(report: dict) -> str:
     shares = [(kind, system, sh) for kind, p in pairs.items() for system, sh in p.get("bandwidth_share", {}).items()]
     if shares:
         from tritium.client.bench.bandwidth_probe import format_share
-        lines.append("single-stream bandwidth share (decode tok/s x weight bytes / the host's read probed just "
+        lines.append("single-stream bandwidth share (request tok/s x weight bytes / the host's read probed just "
                      "before and after each request, median over the requests):")
         lines += [f"  {kind:<5} " + format_share(system, sh) for kind, system, sh in shares]
     idle = ", ".join(f"{kind}: " + " / ".join(f"{s} {c:.3f}" for s, c in p["idle_server_cores"].items())

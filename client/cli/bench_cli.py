@@ -46,6 +46,9 @@ def register(sub) -> None:
     g.add_argument("--openai-url", default=None,
                    help="OpenAI-compatible server, http://HOST:PORT[/v1[/completions]]")
     g.add_argument("--openai-model", default=None, help="model name sent to it (default: first of /v1/models)")
+    g.add_argument("--api-key", default=None,
+                   help="the servers' API key (tritium serve --api-key), sent as 'Authorization: Bearer KEY' to "
+                        "--url (HTTP and gRPC) and --openai-url (default: $TRITIUM_API_KEY)")
     g.add_argument("--engine", default=None, help="engine directory: run it in-process too")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=None, help="requests per run (default 32; 64 with "
@@ -157,12 +160,14 @@ def make_targets(args) -> dict:
     from tritium.client.bench import bench_drivers as bd
     from tritium.client.bench import bench_openai as bo
     from tritium.client.bench.bench_triton_http import make_triton_driver
+    from tritium.client.security import API_KEY_ENV, check_key
     targets = {}
+    key = check_key(api_key_of(args), f"--api-key / ${API_KEY_ENV}")
     if args.url:
         targets[f"tritium-{args.triton_protocol}"] = make_triton_driver(args.triton_protocol, args.url, args.model,
-                                                                         args.timeout)
+                                                                         args.timeout, api_key=key)
     if args.openai_url:
-        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
+        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout, api_key=key)
     for d in targets.values():
         d.check()
     if args.engine:
@@ -173,6 +178,15 @@ def make_targets(args) -> dict:
             args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
     return targets
+
+
+def api_key_of(args):
+    """--api-key, else $TRITIUM_API_KEY (the variable `tritium serve` reads), else None."""
+    import os
+
+    from tritium.client.security import API_KEY_ENV
+    key = getattr(args, "api_key", None)
+    return key if key is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 def weight_bytes_of(args, targets: dict) -> dict:
@@ -233,7 +247,7 @@ def print_result(result: dict, out) -> None:
         print("warning: " + line, file=out)
     shares = result.get("bandwidth_share") or {}
     if shares:
-        print("single-stream bandwidth share (decode tok/s x weight bytes / the host's read probed just before "
+        print("single-stream bandwidth share (request tok/s x weight bytes / the host's read probed just before "
               "and after each request, median over the requests):", file=out)
         from tritium.client.bench.bandwidth_probe import format_share
         for system, s in shares.items():
