@@ -1,8 +1,9 @@
 """The benchmark and `tritium generate --protocol http` against the real tritonserver started with
 an API key (`tritium serve --api-key`, docs/security.md): `tritium bench` sends the key on HTTP,
 gRPC and to the OpenAI API (flag and $TRITIUM_API_KEY) and works; without it, or with a wrong
-one, it fails at the start with one line naming the flag. `tritium generate --protocol http` names
-the outputs it reads (the request parameter `output_names`) and prints what it printed before."""
+one, it fails at the start with one line naming the flag. `tritium generate --protocol http` and
+the benchmark's HTTP driver name the outputs they read (the request parameter `output_names`),
+except to an ensemble, and read what they read before."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ def served(tiny_checkpoint, tmp_path_factory):
     engine, repo = str(root / "engine"), str(root / "repo")
     assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
                  "--repo", repo, "--name", NAME]) == 0
-    srv = TritonServer(repo, log_file=str(root / "server.log"), load_models=[NAME], security=Security(api_key=KEY))
+    srv = TritonServer(repo, log_file=str(root / "server.log"), security=Security(api_key=KEY))  # every model
     srv.start(timeout=240)
     api = None
     try:
@@ -109,3 +110,26 @@ def test_generate_http_names_its_outputs_and_prints_the_same(served, capsys, mon
     assert any("context_ids" in keys for keys in seen)  # the old events carried every output
     assert named == before
     assert named[()] == gen(protocol="grpc") and json.loads(named[("--json",)])["num_output_tokens"] == 6
+
+
+def test_http_driver_names_outputs_except_to_an_ensemble(served):
+    """The ensemble hands request parameters to its steps, so `output_names` would starve its
+    postprocessing (whose stream-safe text needs the LLM step's other outputs): the driver names
+    outputs to NAME and NAME_bls only, and every model gives the same tokens and text."""
+    from tritium.client.bench.bench_triton_http import TritonHttpDriver
+    from tritium.client.bench.bench_workload import BenchRequest
+    got = {}
+    for model in (NAME, f"{NAME}_ensemble", f"{NAME}_bls"):
+        drv = TritonHttpDriver(served.http_url, model, keep_token_ids=True, api_key=KEY)
+        drv.check()
+        assert drv.name_outputs == (model != f"{NAME}_ensemble")
+        assert ("output_names" in drv.body(BenchRequest(0, "x", 1, 3), "r")) == drv.name_outputs
+        session = drv.session()
+        try:
+            res = [session.run(BenchRequest(i, f"Passage e.{i}: the river runs past the mill", 9, 12), f"e-{model}-{i}")
+                   for i in range(2)]
+        finally:
+            session.close()
+        assert all(r.ok and r.num_output_tokens == 12 for r in res), [r.error for r in res]
+        got[model] = [(r.token_ids, r.text_chars) for r in res]
+    assert got[NAME] == got[f"{NAME}_ensemble"] == got[f"{NAME}_bls"]

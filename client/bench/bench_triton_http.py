@@ -11,11 +11,14 @@ num_output_tokens), an event `{"error": "..."}` for a request the model refuses,
 body after the final response (the empty final response itself sends no event). The generate
 extension cannot name outputs; a body field that is not an input becomes a request parameter,
 so the driver sends Tritium's `output_names` parameter: the four outputs it reads, as the gRPC
-driver names them (REQUESTED_OUTPUTS).
+driver names them (REQUESTED_OUTPUTS); not to an ensemble (NAME_ensemble), which hands request
+parameters to its steps: the LLM step would drop the outputs its postprocessing step decodes with
+(check() reads the model's platform from its metadata).
 """
 from __future__ import annotations
 
 import http.client
+import json
 import urllib.parse
 from typing import Optional
 
@@ -55,6 +58,7 @@ class TritonHttpDriver:
         self.timeout = timeout
         self.keep_token_ids = keep_token_ids
         self.headers = with_key(api_key)  # the server's API key (tritium serve --api-key), if any
+        self.name_outputs = True  # send output_names (check(): not to an ensemble)
 
     def describe(self) -> dict:
         return {"driver": self.name, "url": self.url, "model": self.model}
@@ -80,6 +84,10 @@ class TritonHttpDriver:
             if r.status != 200:
                 raise ValueError(f"--model {self.model}: not ready on the Triton server at {u.netloc} "
                                  f"(HTTP {r.status}: {error_text(body)[:200]})")
+        try:  # an ensemble hands request parameters to its steps: output_names would starve its postprocessing
+            self.name_outputs = json.loads(body.decode("utf-8")).get("platform") != "ensemble"
+        except (ValueError, AttributeError):
+            self.name_outputs = False
 
     def session(self) -> SSESession:
         return SSESession(self)
@@ -88,8 +96,11 @@ class TritonHttpDriver:
         pass
 
     def body(self, req: BenchRequest, request_id: str) -> dict:
-        return {"id": request_id, "text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-                "temperature": 0.0, "sampling_parameters": '{"ignore_eos": true}', "output_names": OUTPUT_NAMES}
+        body = {"id": request_id, "text_input": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+                "temperature": 0.0, "sampling_parameters": '{"ignore_eos": true}'}
+        if self.name_outputs:
+            body["output_names"] = OUTPUT_NAMES
+        return body
 
     def on_event(self, res: RequestResult, t: float, d: dict) -> bool:
         if "error" in d:
