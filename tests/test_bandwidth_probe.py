@@ -182,5 +182,6 @@ def test_compare_summary_pools_the_probed_requests_of_every_repeat():
     assert sh["tritium-serve"]["same_second"]["share"] == pytest.approx(0.7705561783, rel=1e-9)
     assert sh["tritium-serve"]["start_of_run"] == pytest.approx(0.3850780486, rel=1e-9)
     assert sh["in-process"]["same_second"]["requests"] == 1 and "llama-server" not in sh
+    assert [p["probe_gbs"] for p in sh["tritium-serve"]["probed_requests"]] == [[33.0, 37.0], [34.0, 36.0], [60.0, 64.0]]
     table = format_table(rep)
     assert "single-stream bandwidth share" in table and "int8  tritium-serve: 77 % of the same-second read" in table

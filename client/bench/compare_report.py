@@ -37,7 +37,10 @@ def pair_shares(reps: List[dict], weight_bytes: Optional[int], read_gbs: Optiona
         if singles:
             merged[system] = [{"label": "single", "output_tok_s": _mean([s["output_tok_s"] for s in singles]),
                                "probed_requests": [p for s in singles for p in s.get("probed_requests", [])]}]
-    return shares_of_run(merged, {n: weight_bytes for n in merged}, read_gbs)
+    out = shares_of_run(merged, {n: weight_bytes for n in merged}, read_gbs)
+    for system, sh in out.items():  # each request's tok/s and probes, every repeat's, in the JSON
+        sh["probed_requests"] = merged[system][0]["probed_requests"]
+    return out
 
 
 def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
