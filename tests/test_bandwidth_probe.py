@@ -185,3 +185,25 @@ def test_compare_summary_pools_the_probed_requests_of_every_repeat():
     assert [p["probe_gbs"] for p in sh["tritium-serve"]["probed_requests"]] == [[33.0, 37.0], [34.0, 36.0], [60.0, 64.0]]
     table = format_table(rep)
     assert "single-stream bandwidth share" in table and "int8  tritium-serve: 77 % of the same-second read" in table
+
+
+def test_benchmark_flags_are_documented_and_bad_ones_name_themselves(capsys, tmp_path):
+    """Every flag of `tritium bench` / `compare` in docs/benchmarks.md's tables (`--flag`), every flag
+    of `bench-openai` in docs/openai.md; --served-engine and --api-key refuse bad values naming the flag."""
+    import os
+
+    from tritium.client.cli.main import build_parser, main
+    sub = build_parser()._subparsers._group_actions[0].choices
+    root = os.path.join(os.path.dirname(__file__), "..", "docs")
+    docs = {name: open(os.path.join(root, name), encoding="utf-8").read() for name in ("benchmarks.md", "openai.md")}
+    for cmd, doc, forms in (("bench", "benchmarks.md", ("`{}",)), ("compare", "benchmarks.md", ("`{}",)),
+                            ("bench-openai", "openai.md", ("{} ", "{}]"))):  # its usage block
+        flags = [o for a in sub[cmd]._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+        assert [f for f in flags if not any(x.format(f) in docs[doc] for x in forms)] == [], cmd
+    for argv, flag in ((["bench", "--engine", str(tmp_path), "--served-engine", str(tmp_path)], "--served-engine"),
+                       (["bench", "--url", "127.0.0.1:1", "--served-engine", str(tmp_path)], "--served-engine"),
+                       (["bench", "--url", "127.0.0.1:1", "--api-key", "short"], "--api-key"),
+                       (["compare", "--api-key", "has space in it, long enough"], "--api-key")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
