@@ -20,9 +20,10 @@ bandwidth measured with --threads threads, with each engine's single-stream deco
 GB/s / its weight bytes), then one table with every system's figures and the ratios: Tritium /
 the fastest llama-server, tritium serve / in-process (server overhead) and each quantized pair /
 bf16; and the single streams' bandwidth share, against the host's read probed just before and
-after each request (client/bench/bandwidth_probe.py), beside the start-of-run figure. `--isa avx2` (or avx512, generic) runs both sides on that instruction set: llama.cpp built
-with GGML_NATIVE=OFF and that ISA's options (client/bench/llamacpp.py), Tritium with
-TRITIUM_CPU_ISA forced; so an AVX2 comparison can be made on an AVX-512 host.
+after each request (client/bench/bandwidth_probe.py), beside the start-of-run figure. `--isa
+avx2` (or avx512, generic) runs both sides on that instruction set: llama.cpp built with
+GGML_NATIVE=OFF and that ISA's options (client/bench/llamacpp.py), Tritium with TRITIUM_CPU_ISA
+forced; so an AVX2 comparison can be made on an AVX-512 host.
 """
 from __future__ import annotations
 
