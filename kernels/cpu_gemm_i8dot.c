@@ -41,7 +41,24 @@
 #ifndef PFB
 #define PFB 8192 /* bytes of weight requested ahead of the block read, into L2 (hint T1) */
 #endif
+#ifndef PFB_HUGE
 #define PFB_HUGE 2048 /* the same on 2 MiB pages, AVX-512 int8, 1-2 rows (tritium_i8dot_huge_pages) */
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#ifndef PF_DZ
+#define PF_DZ 0
+#endif
+#ifndef PF_START
+#define PF_START 0
+#endif
+#ifndef PF_START_HINT
+#define PF_START_HINT _MM_HINT_T0
+#endif
+#ifndef PF_LINES
+#define PF_LINES 8
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -129,7 +146,11 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+            for (int i = 0; i < PF_LINES; i++) _mm_prefetch((const char *)(p + pf + 64 * i), PF_HINT);
+            if (PF_DZ && (b & 1) == 0) {
+                _mm_prefetch((const char *)(dp + b * 16) + pf / 16, PF_HINT);
+                if (zp) _mm_prefetch((const char *)(zp + b * 16) + pf / 16, PF_HINT);
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
@@ -314,6 +335,18 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     int32_t *xo = (int32_t *)(xz + Mp * KB);
     const acts_t A = {xq, xd, xz, xo, K};
     const int64_t P = (N + 15) / 16;
+#if defined(I8DOT_AVX512)
+    if (PF_START) {
+        const int64_t wb = (bits == 8 ? K : K / 2) * 16 * P;
+        const int64_t n = PF_START < wb ? PF_START : wb;
+        for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)w + i, PF_START_HINT);
+        for (int64_t i = 0; i < n / 16; i += 64) {
+            _mm_prefetch((const char *)d + i, PF_START_HINT);
+            if (z) _mm_prefetch((const char *)z + i, PF_START_HINT);
+        }
+        _mm_prefetch((const char *)r, PF_START_HINT);
+    }
+#endif
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
      * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then

@@ -9,7 +9,8 @@ SmolLM2-135M's linears (gate_up 3072x576, gate or up 1536x576, down 576x1536, q 
 here, so the weights come from DRAM as in a decode step; one copy measures the caches), called
 layer by layer in the model's order: the bf16 GEMM (kernels/cpu_gemm_bf16.c) and the integer-dot
 W8A8 / W4A8 GEMM (cpu_gemm_i8dot.c, asymmetric groups of 32 as the default builds store them;
-W4A8 with its zeros folded into the codes, kernels/i8dot_pack.py). --threads: each per-op call on
+W4A8 with its zeros folded into the codes, kernels/i8dot_pack.py), each call timed in C (no Python
+call in the timing, as in the native step). --threads: each per-op call on
 one thread (1, a plain loop) or split by the kernels' OpenMP team of two (2, cpu_split.h).
 
 The reference is a vector read of the same bytes in the same order (a small C loop, AVX-512 /
@@ -49,6 +50,7 @@ from tritium.kernels import i8dot_pack as ip
 
 SHAPES = ((3072, 576), (1536, 576), (576, 1536), (576, 576), (192, 576))
 _READ_C = r"""#include <stdint.h>
+#include <time.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -81,6 +83,28 @@ static uint64_t rd(const char *p, int64_t n) {
         for (int j = 0; j < 8; j++) a[j] ^= ((const uint64_t *)(p + i))[j];
     return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
 #endif
+}
+
+/* The timed calls, without the Python call's cost (about 1.5 us a call here): calls n = 0 .. ncalls - 1
+ * of fn with the 10 (i8dot) or 6 (bf16) 64-bit arguments a[n * 10 ..], each call's seconds to secs[n]. */
+typedef int (*i8dot_fn)(const void *, const void *, const void *, const void *, const void *, void *, int64_t,
+                        int64_t, int64_t, int64_t);
+typedef void (*bf16_fn)(const void *, const void *, void *, int64_t, int64_t, int64_t);
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+void gemv_bench_calls(void *fn, int64_t i8dot, const int64_t *a, int64_t ncalls, double *secs) {
+    for (int64_t n = 0; n < ncalls; n++, a += 10) {
+        const double t0 = now();
+        if (i8dot)
+            ((i8dot_fn)fn)((const void *)a[0], (const void *)a[1], (const void *)a[2], (const void *)a[3],
+                           (const void *)a[4], (void *)a[5], a[6], a[7], a[8], a[9]);
+        else
+            ((bf16_fn)fn)((const void *)a[0], (const void *)a[1], (void *)a[2], a[3], a[4], a[5]);
+        secs[n] = now() - t0;
+    }
 }
 
 /* The t tensors (ptrs, bytes) in order on `threads` threads of one region: each thread reads its
@@ -116,6 +140,9 @@ class Reader:
         self.lib = ctypes.CDLL(cpu_isa.build(cc, path, [src], []))
         self.lib.gemv_bench_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self.lib.gemv_bench_read.restype = ctypes.c_uint64
+        self.lib.gemv_bench_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                              ctypes.c_void_p]
+        self.lib.gemv_bench_calls.restype = None
         self.n = len(tensors)
         self.ptrs = (ctypes.c_void_p * self.n)(*[t.data_ptr() for t in tensors])
         self.sizes = (ctypes.c_int64 * self.n)(*[t.numel() * t.element_size() // 64 * 64 for t in tensors])
@@ -165,19 +192,23 @@ def _weights(kind: str, layers: int, huge: bool = False) -> List[List[Tuple]]:
     return out
 
 
-def _round(lib, kind: str, m: int, ws, x, y) -> List[List[float]]:
-    """Seconds per call, [layer][shape]."""
-    out = []
+def _round(calls, lib, kind: str, m: int, ws, x, y) -> List[List[float]]:
+    """Seconds per call, [layer][shape], the calls timed in C (Reader.lib.gemv_bench_calls)."""
+    i8 = kind != "bf16"
+    args = []
     for row in ws:
-        out.append([])
-        for _, args, n, k, _ in row:
-            t0 = time.perf_counter()
-            if kind == "bf16":
-                lib.tritium_bf16_gemm(x.data_ptr(), args[0], y.data_ptr(), m, n, k)
+        for _, a, n, k, _ in row:
+            if i8:
+                args += [x.data_ptr(), *a, y.data_ptr(), m, n, k, 8 if kind == "w8a8" else ip.FOLD4]
             else:
-                lib.tritium_i8dot_gemm(x.data_ptr(), *args, y.data_ptr(), m, n, k, 8 if kind == "w8a8" else ip.FOLD4)
-            out[-1].append(time.perf_counter() - t0)
-    return out
+                args += [x.data_ptr(), a[0], y.data_ptr(), m, n, k, 0, 0, 0, 0]
+    ncalls = len(args) // 10
+    arr = (ctypes.c_int64 * len(args))(*args)
+    secs = (ctypes.c_double * ncalls)()
+    fn = ctypes.cast(lib.tritium_i8dot_gemm if i8 else lib.tritium_bf16_gemm, ctypes.c_void_p).value
+    calls(fn, int(i8), arr, ncalls, secs)
+    per = len(ws[0])
+    return [list(secs[i * per:(i + 1) * per]) for i in range(len(ws))]
 
 
 def _libs(paths: List[str], base_dir: str = None) -> List[Tuple[str, ctypes.CDLL]]:
@@ -223,7 +254,7 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
                 # this tree and the base alternate call sets, the order flipped every round
                 for label, lib in (libs if rnd % 2 == 0 else libs[::-1]):
                     lib.tritium_i8dot_huge_pages(int(pg == "huge"))
-                    t = _round(lib, kind, m, w, x, y)
+                    t = _round(rd.lib.gemv_bench_calls, lib, kind, m, w, x, y)
                     lib.tritium_i8dot_huge_pages(0)
                     b = best.get((label, kind, pg, m), t)
                     best[(label, kind, pg, m)] = [[min(a, c) for a, c in zip(u, v)] for u, v in zip(b, t)]
