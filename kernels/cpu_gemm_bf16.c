@@ -41,6 +41,9 @@
 #ifndef PFB
 #define PFB 16384 /* bytes of weight requested ahead of the one read (streaming tiles, 2-6 rows) */
 #endif
+#ifndef SPLIT_SEG_ROWS
+#define SPLIT_SEG_ROWS MRB /* rows up to which a team splits the channels in contiguous shares */
+#endif
 #ifndef PFB1
 #define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
 #endif
@@ -275,6 +278,23 @@ static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     }
     /* claimed items (cpu_split.h): an item is NB channels of up to MC rows */
     const int64_t chunk = split_chunk(items, (M < MC ? M : MC) * NB * K);
+#ifdef _OPENMP
+    if (M <= SPLIT_SEG_ROWS) { /* a few rows, streaming the weight: contiguous shares (cpu_split.h) */
+        split_seg_t sg;
+        const int64_t nt = omp_get_max_threads() < SPLIT_SEGS ? omp_get_max_threads() : SPLIT_SEGS;
+        split_seg_init(&sg, items, nt, chunk);
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t tid = omp_get_thread_num();
+            for (int64_t k = 0, lo, hi; split_seg_next(&sg, tid, &k, &lo, &hi);)
+                for (int64_t i = lo; i < hi; i++) {
+                    if (M == 1) row_block(x, w, y, y16, N, K, i);
+                    else rows_item(x, w, y, y16, M, N, K, i);
+                }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; i++) {
         if (M == 1) row_block(x, w, y, y16, N, K, i);

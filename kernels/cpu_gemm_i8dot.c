@@ -69,6 +69,9 @@
 
 #include "cpu_q8.h" /* quantize_row, tritium_q8_quantize */
 #include "cpu_split.h"
+#ifndef SPLIT_SEG_ROWS
+#define SPLIT_SEG_ROWS MR /* rows up to which a team splits the panels in contiguous shares */
+#endif
 
 /* ---------------------------------------------------------------- per-path panel kernels */
 
@@ -349,10 +352,37 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
 #endif
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
-     * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then
-     * takes the panels */
+     * 0.9 us a call: a plain loop then */
     if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-        const int64_t rchunk = split_chunk(M, 64 * K), pchunk = split_chunk(P, M * 16 * K); /* cpu_split.h */
+        const int64_t pchunk = split_chunk(P, M * 16 * K); /* cpu_split.h */
+        if (M <= SPLIT_SEG_ROWS) {
+            /* a few rows (the decode GEMVs): each thread quantizes the rows into its own scratch
+             * (no barrier between the steps) and streams its own contiguous share of the panels,
+             * then helps with the other's (split_seg_next) */
+            const int64_t nt = omp_get_max_threads() < SPLIT_SEGS ? omp_get_max_threads() : SPLIT_SEGS;
+            const size_t stride = (bytes + 63) / 64 * 64; /* each thread's scratch on its own lines */
+            char *all = (char *)realloc(mem, stride * (size_t)nt);
+            if (!all) {
+                free(mem);
+                return -1;
+            }
+            split_seg_t sg;
+            split_seg_init(&sg, P, nt, pchunk);
+#pragma omp parallel num_threads(nt)
+            {
+                const int64_t tid = omp_get_thread_num();
+                int8_t *tq = (int8_t *)(all + stride * (size_t)tid);
+                float *td = (float *)(tq + (size_t)Mp * K), *tz = td + Mp * KB;
+                int32_t *to = (int32_t *)(tz + Mp * KB);
+                const acts_t At = {tq, td, tz, to, K};
+                for (int64_t m = 0; m < M; m++) act_row(x, K, off, tq, td, tz, to, m);
+                for (int64_t k = 0, lo, hi; split_seg_next(&sg, tid, &k, &lo, &hi);)
+                    for (int64_t p = lo; p < hi; p++) panel_rows(&At, w, d, z, r, y, M, N, bits, p);
+            }
+            free(all);
+            return 0;
+        }
+        const int64_t rchunk = split_chunk(M, 64 * K);
 #pragma omp parallel
         {
 #pragma omp for schedule(dynamic, rchunk)
