@@ -108,9 +108,18 @@ void gemv_bench_calls(void *fn, int64_t i8dot, const int64_t *a, int64_t ncalls,
 }
 
 /* The t tensors (ptrs, bytes) in order on `threads` threads of one region: each thread reads its
- * contiguous share (whole lines) of every tensor, as a per-op call's threads would split it. */
-uint64_t gemv_bench_read(const char *const *ptrs, const int64_t *bytes, int64_t t, int64_t threads) {
+ * contiguous share (whole lines) of every tensor, as a per-op call's threads would split it.
+ * secs (one thread only): each tensor's read seconds. */
+uint64_t gemv_bench_read(const char *const *ptrs, const int64_t *bytes, int64_t t, int64_t threads, double *secs) {
     uint64_t acc = 0;
+    if (threads == 1) {
+        for (int64_t i = 0; i < t; i++) {
+            const double t0 = now();
+            acc ^= rd(ptrs[i], bytes[i] / 64 * 64);
+            secs[i] = now() - t0;
+        }
+        return acc;
+    }
 #pragma omp parallel num_threads(threads) reduction(^ : acc)
     {
 #ifdef _OPENMP
@@ -138,7 +147,8 @@ class Reader:
             f.write(_READ_C)
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         self.lib = ctypes.CDLL(cpu_isa.build(cc, path, [src], []))
-        self.lib.gemv_bench_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self.lib.gemv_bench_read.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_void_p]
         self.lib.gemv_bench_read.restype = ctypes.c_uint64
         self.lib.gemv_bench_calls.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                               ctypes.c_void_p]
@@ -149,9 +159,10 @@ class Reader:
         self.bytes = sum(self.sizes)
 
     def __call__(self, threads: int) -> float:
-        """Seconds to read every tensor once on `threads` threads."""
+        """Seconds to read every tensor once on `threads` threads (one thread: each tensor's in .secs)."""
+        self.secs = (ctypes.c_double * self.n)()
         t0 = time.perf_counter()
-        self.lib.gemv_bench_read(self.ptrs, self.sizes, self.n, threads)
+        self.lib.gemv_bench_read(self.ptrs, self.sizes, self.n, threads, self.secs)
         return time.perf_counter() - t0
 
 
@@ -235,7 +246,8 @@ def _omp_threads(n: int) -> None:
 def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds: int,
         pages: Tuple[str, ...] = ("4k",), base_dir: str = None, threads: int = 1, log=print) -> Dict:
     """best[(label, kind, pages, rows)]: each call's best seconds, [layer][shape];
-    best[("read1" | "read2", kind, pages)]: the best seconds of the 1- and 2-thread reads;
+    best[("read1", kind, pages)]: each tensor's best seconds on one thread; best[("read2", ...)]: the
+    best seconds of the whole 2-thread read;
     rounds[(kind, pages)]: per round {"read1", "read2", (label, rows): seconds of all the calls}."""
     ws = {(kind, pg): _weights(kind, layers, pg == "huge") for kind in kinds for pg in pages}
     x = torch.randn(max(rows), max(k for _, k in SHAPES)).bfloat16()
@@ -250,6 +262,8 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
         for (kind, pg), w in ws.items():
             rd = readers[(kind, pg)]
             rec = {"read2": rd(2), "read1": rd(1), "clock": time.strftime("%H:%M:%S")}
+            key = ("read1", kind, pg)  # each tensor's best, as each call's
+            best[key] = [min(a, c) for a, c in zip(best.get(key, rd.secs), rd.secs)]
             for m in rows:
                 # this tree and the base alternate call sets, the order flipped every round
                 for label, lib in (libs if rnd % 2 == 0 else libs[::-1]):
@@ -259,8 +273,7 @@ def run(paths: List[str], kinds: List[str], rows: List[int], layers: int, rounds
                     b = best.get((label, kind, pg, m), t)
                     best[(label, kind, pg, m)] = [[min(a, c) for a, c in zip(u, v)] for u, v in zip(b, t)]
                     rec[(label, m)] = sum(map(sum, t))
-            for r in ("read1", "read2"):
-                best[(r, kind, pg)] = min(best.get((r, kind, pg), rec[r]), rec[r])
+            best[("read2", kind, pg)] = min(best.get(("read2", kind, pg), rec["read2"]), rec["read2"])
             per[(kind, pg)].append(rec)
             gb = rd.bytes / 1e9
             log(f"round {rnd + 1:2d} {rec['clock']} {kind:5s} {pg:4s} read2 {gb / rec['read2']:5.1f} read1 "
@@ -288,7 +301,8 @@ def report(best: Dict, paths: List[str], kinds: List[str], rows: List[int], laye
     for kind in kinds:
         nbytes = [w[4] * layers for w in _weights(kind, 1)[0]]
         for pg in pages:
-            r1, r2 = (sum(nbytes) / best[(r, kind, pg)] / 1e9 for r in ("read1", "read2"))
+            r1 = sum(nbytes) / sum(best[("read1", kind, pg)]) / 1e9
+            r2 = sum(nbytes) / best[("read2", kind, pg)] / 1e9
             for path in labels:
                 for m in rows:
                     t = [sum(call[s] for call in best[(path, kind, pg, m)]) for s in range(len(SHAPES))]
