@@ -44,6 +44,18 @@
 #ifndef SPLIT_SEG_ROWS
 #define SPLIT_SEG_ROWS MRB /* rows up to which a team splits the channels in contiguous shares */
 #endif
+#ifndef BF_HINT
+#define BF_HINT _MM_HINT_T1
+#endif
+#ifndef BF_HINT_TILE
+#define BF_HINT_TILE _MM_HINT_T1
+#endif
+#ifndef BF_HINT_TILE2
+#define BF_HINT_TILE2 _MM_HINT_T0 /* the same for tiles of 1-2 rows */
+#endif
+#ifndef BF_PF_EVERY
+#define BF_PF_EVERY 1
+#endif
 #ifndef PFB1
 #define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
 #endif
@@ -69,7 +81,10 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
     for (int64_t k = 0; k < K32; k += 32) { /* whole blocks of 32: plain loads */
         __m512bh wv[NR];
         if (pf)
-            for (int c = 0; c < NR_; c++) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, _MM_HINT_T1);
+            for (int c = 0; c < NR_; c++) {
+                if (MR_ <= 2) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, BF_HINT_TILE2);
+                else _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, BF_HINT_TILE);
+            }
         for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
@@ -119,7 +134,7 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
         __m512bh xv = load_bh(x + k, m);
         const char *pf = next + (k / 32) * NC * 64;
         for (int c = 0; c < NC; c++) {
-            _mm_prefetch(pf + c * 64, _MM_HINT_T1);
+            if (c % BF_PF_EVERY == 0) _mm_prefetch(pf + c * 64, BF_HINT);
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
     }
