@@ -44,6 +44,9 @@
 #ifndef PFB_HUGE
 #define PFB_HUGE 2048 /* the same on 2 MiB pages, AVX-512 int8, 1-2 rows (tritium_i8dot_huge_pages) */
 #endif
+#ifndef PFB_HUGE2
+#define PFB_HUGE2 0 /* 2 rows on 2 MiB pages: no software prefetch (0), the hardware's alone */
+#endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1
 #endif
@@ -77,8 +80,9 @@
 
 /* How far ahead the panels ask for weight lines. On 4 KiB pages the hardware prefetchers stop at
  * every page, and 8 KB ahead measured best on both paths; on 2 MiB pages (kernels/hugepages.py)
- * they run on, and the AVX-512 int8 loop at 1-2 rows read fastest asking 2 KB ahead (8 KB: 0.75x
- * of that), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the
+ * they run on, and the AVX-512 int8 loop at one row read fastest asking 2 KB ahead (8 KB: 0.75x
+ * of that), at two rows without software prefetch (1.14x 2 KB ahead, best-of calls; 1 KB and
+ * 512 B: 1.02x; 4-8 KB: 0.85x), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the
  * work per byte; 0.85x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
  * Speed only: the results do not depend on it. */
 #if defined(I8DOT_AVX512)
@@ -131,7 +135,7 @@ INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
 
 INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                     float *out, const int BITS, const int MR_, const int ZP) {
-    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
+    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? (MR_ == 2 && pf_bytes == PFB_HUGE ? PFB_HUGE2 : pf_bytes) : PFB;
     __m512 f[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
@@ -148,8 +152,9 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
+            if (pf)
 #pragma GCC unroll 8
-            for (int i = 0; i < PF_LINES; i++) _mm_prefetch((const char *)(p + pf + 64 * i), PF_HINT);
+                for (int i = 0; i < PF_LINES; i++) _mm_prefetch((const char *)(p + pf + 64 * i), PF_HINT);
             if (PF_DZ && (b & 1) == 0) {
                 _mm_prefetch((const char *)(dp + b * 16) + pf / 16, PF_HINT);
                 if (zp) _mm_prefetch((const char *)(zp + b * 16) + pf / 16, PF_HINT);
