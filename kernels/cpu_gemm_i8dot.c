@@ -90,8 +90,10 @@ static int64_t pf_bytes = PFB;
 #endif
 
 /* on != 0: the packed weights the kernels will read lie on 2 MiB pages (the process's choice,
- * made once at load by kernels/hugepages.py's caller). */
+ * made once at load by kernels/hugepages.py's caller); also tells the bf16 GEMM. */
+void tritium_bf16_huge_pages(int64_t on); /* cpu_gemm_bf16.c: its one-row GEMV's choice */
 void tritium_i8dot_huge_pages(int64_t on) {
+    tritium_bf16_huge_pages(on);
 #if defined(I8DOT_AVX512)
     pf_bytes = on ? PFB_HUGE : PFB;
 #else
