@@ -25,7 +25,10 @@
  * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): bf16_row at 32 KB
  * streamed 3-6 % faster than at 16 KB (tuned on 4 KiB pages), 48 KB as 32 KB, 4-8 KB 25-35 %
  * slower; the tiles (two rows, and the avx2 row in bf16_tile4) 2-8 % slower at 32 KB than at
- * 16 KB (gemv_bench, docs/benchmarks.md).
+ * 16 KB (gemv_bench, docs/benchmarks.md). The hint: T1 for bf16_row and tiles of 3+ rows, T0 for
+ * tiles of 1-2 rows (avx512 two rows 1.2-1.3x T1, avx2 bf16_tile4 1.2-1.35x; bf16_row 0.7-0.8x
+ * with T0). On 2 MiB pages (tritium_i8dot_huge_pages) the avx512 one-row GEMV runs as 1 x 4
+ * tiles, 8 KB ahead, T0: 1.18x bf16_row there; on 4 KiB pages 0.88x, so bf16_row stays there.
  */
 #include <stdint.h>
 
@@ -44,20 +47,11 @@
 #ifndef SPLIT_SEG_ROWS
 #define SPLIT_SEG_ROWS MRB /* rows up to which a team splits the channels in contiguous shares */
 #endif
-#ifndef BF_HINT
-#define BF_HINT _MM_HINT_T1
-#endif
-#ifndef BF_HINT_TILE
-#define BF_HINT_TILE _MM_HINT_T1
-#endif
 #ifndef BF_HINT_TILE2
 #define BF_HINT_TILE2 _MM_HINT_T0 /* the same for tiles of 1-2 rows */
 #endif
 #ifndef ROW_PFB
 #define ROW_PFB 8192 /* the one-row tile's distance on 2 MiB pages (16 KB, 32 KB: 0.97x) */
-#endif
-#ifndef BF_PF_EVERY
-#define BF_PF_EVERY 1
 #endif
 #ifndef PFB1
 #define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
@@ -86,7 +80,7 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
         if (pf)
             for (int c = 0; c < NR_; c++) {
                 if (MR_ <= 2) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, BF_HINT_TILE2);
-                else _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, BF_HINT_TILE);
+                else _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, _MM_HINT_T1);
             }
         for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
@@ -137,7 +131,7 @@ INLINE void bf16_row(const uint16_t *x, const uint16_t *w, int64_t K, float *out
         __m512bh xv = load_bh(x + k, m);
         const char *pf = next + (k / 32) * NC * 64;
         for (int c = 0; c < NC; c++) {
-            if (BF_PF_EVERY && c % (BF_PF_EVERY ? BF_PF_EVERY : 1) == 0) _mm_prefetch(pf + c * 64, BF_HINT);
+            _mm_prefetch(pf + c * 64, _MM_HINT_T1);
             acc[c] = _mm512_dpbf16_ps(acc[c], xv, load_bh(w + c * K + k, m));
         }
     }

@@ -41,27 +41,7 @@
 #ifndef PFB
 #define PFB 8192 /* bytes of weight requested ahead of the block read, into L2 (hint T1) */
 #endif
-#ifndef PFB_HUGE
 #define PFB_HUGE 2048 /* the same on 2 MiB pages, AVX-512 int8, 1-2 rows (tritium_i8dot_huge_pages) */
-#endif
-#ifndef PFB_HUGE2
-#define PFB_HUGE2 0 /* 2 rows on 2 MiB pages: no software prefetch (0), the hardware's alone */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
-#endif
-#ifndef PF_DZ
-#define PF_DZ 0
-#endif
-#ifndef PF_START
-#define PF_START 0
-#endif
-#ifndef PF_START_HINT
-#define PF_START_HINT _MM_HINT_T0
-#endif
-#ifndef PF_LINES
-#define PF_LINES 8
-#endif
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -80,10 +60,10 @@
 
 /* How far ahead the panels ask for weight lines. On 4 KiB pages the hardware prefetchers stop at
  * every page, and 8 KB ahead measured best on both paths; on 2 MiB pages (kernels/hugepages.py)
- * they run on, and the AVX-512 int8 loop at one row read fastest asking 2 KB ahead (8 KB: 0.75x
- * of that), at two rows without software prefetch (1.14x 2 KB ahead, best-of calls; 1 KB and
- * 512 B: 1.02x; 4-8 KB: 0.85x), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the
- * work per byte; 0.85x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
+ * they run on, and the AVX-512 int8 loop at 1-2 rows read fastest asking 2 KB ahead (8 KB: 0.75x
+ * of that; at two rows no software prefetch read 1.07-1.14x, but the branch that skips it cost
+ * the one-row loop 5-10 %, so both keep 2 KB), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x
+ * at 2 KB), its int4 loop (twice the work per byte; 0.85x; T0: 0.9x; 2-4 KB: 0.8-0.9x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
  * Speed only: the results do not depend on it. */
 #if defined(I8DOT_AVX512)
 static int64_t pf_bytes = PFB;
@@ -137,7 +117,7 @@ INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
 
 INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                     float *out, const int BITS, const int MR_, const int ZP) {
-    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? (MR_ == 2 && pf_bytes == PFB_HUGE ? PFB_HUGE2 : pf_bytes) : PFB;
+    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
     __m512 f[MR];
 #pragma GCC unroll 8
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
@@ -154,13 +134,8 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
-            if (pf)
 #pragma GCC unroll 8
-                for (int i = 0; i < PF_LINES; i++) _mm_prefetch((const char *)(p + pf + 64 * i), PF_HINT);
-            if (PF_DZ && (b & 1) == 0) {
-                _mm_prefetch((const char *)(dp + b * 16) + pf / 16, PF_HINT);
-                if (zp) _mm_prefetch((const char *)(zp + b * 16) + pf / 16, PF_HINT);
-            }
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
@@ -345,18 +320,6 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     int32_t *xo = (int32_t *)(xz + Mp * KB);
     const acts_t A = {xq, xd, xz, xo, K};
     const int64_t P = (N + 15) / 16;
-#if defined(I8DOT_AVX512)
-    if (PF_START) {
-        const int64_t wb = (bits == 8 ? K : K / 2) * 16 * P;
-        const int64_t n = PF_START < wb ? PF_START : wb;
-        for (int64_t i = 0; i < n; i += 64) _mm_prefetch((const char *)w + i, PF_START_HINT);
-        for (int64_t i = 0; i < n / 16; i += 64) {
-            _mm_prefetch((const char *)d + i, PF_START_HINT);
-            if (z) _mm_prefetch((const char *)z + i, PF_START_HINT);
-        }
-        _mm_prefetch((const char *)r, PF_START_HINT);
-    }
-#endif
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
      * 0.9 us a call: a plain loop then */

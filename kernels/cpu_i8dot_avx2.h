@@ -22,11 +22,11 @@ INLINE void half_block(const acts_t *A, int64_t m0, const uint8_t *wp, const uin
     const uint8_t *p = wp + b * (BITS == 8 ? 512 : 256) + 32 * h;
     if (BITS == 8) {
         if (h == 0) /* the pass of half 0 brings the lines of both halves */
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), PF_HINT);
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
         for (int i = 0; i < 8; i++) a[i] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(p + 64 * i)));
     } else {
         if (h == 0)
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), PF_HINT);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + PFB + 64 * i), _MM_HINT_T1);
         for (int i = 0; i < 4; i++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * i));
             a[i] = _mm256_and_si256(v, m4);
