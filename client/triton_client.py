@@ -178,6 +178,7 @@ class TritiumClient:
         self.timeout = timeout
         self.tls_ca = tls_ca
         self.headers = key_headers(api_key if api_key is not None else os.environ.get(API_KEY_ENV), protocol)
+        self._output_names: Optional[bool] = None  # HTTP: whether to name the outputs (_names_outputs)
 
     def _grpc_client(self):
         import tritonclient.grpc as grpcclient
@@ -271,12 +272,25 @@ class TritiumClient:
         return TritiumClientError(error.message())
 
     # ---- HTTP --------------------------------------------------------------------------------
+    def _names_outputs(self) -> bool:
+        """Whether HTTP requests may carry `output_names`: not for an ensemble, which hands its
+        request parameters to its steps, so the LLM step would drop the outputs (context_ids,
+        batch_index, ...) its postprocessing step decodes with. Asked once (the model's metadata,
+        `platform`); when the metadata cannot be read, no (every output, as without it)."""
+        if self._output_names is None:
+            try:
+                with self._urlopen(f"/v2/models/{self.model}", timeout=30) as r:
+                    self._output_names = json.loads(r.read().decode("utf-8")).get("platform") != "ensemble"
+            except (OSError, ValueError, AttributeError):
+                self._output_names = False
+        return self._output_names
+
     def _http(self, req: dict, stream: bool) -> Iterator[Chunk]:
         # /generate takes exactly one response; several samples come as several responses.
         n = req.get("num_return_sequences") or json.loads(req.get("sampling_parameters") or "{}").get("n") or 1
         sse = stream or int(n) > 1
         endpoint = "generate_stream" if sse else "generate"
-        body = json.dumps(req).encode("utf-8")
+        body = json.dumps(http_body(req) if self._names_outputs() else req).encode("utf-8")
         try:
             resp = self._urlopen(f"/v2/models/{self.model}/{endpoint}", data=body)
         except urllib.error.HTTPError as e:
@@ -296,6 +310,14 @@ class TritiumClient:
                 if "error" in d:
                     raise TritiumClientError(d["error"])
                 yield _chunk_from_json(d)
+
+
+def http_body(req: dict) -> dict:
+    """The generate / generate_stream body of a build_request() dict for a NAME or NAME_bls model:
+    the request, and without log probs the request parameter `output_names` naming READ_OUTPUTS
+    (the generate extension cannot name outputs; a body field that is not an input becomes a
+    request parameter, serving.md), so each response carries what a Chunk reads, as on gRPC."""
+    return req if wants_log_probs(req) else dict(req, output_names=",".join(READ_OUTPUTS))
 
 
 def _http_error(raw: bytes) -> str:

@@ -179,6 +179,8 @@ static const char *share_head(const tritium_linear_t *L, int tid, int nt, const 
  * claiming lets its peer take what is left of each op); static shares otherwise, the faster on a
  * quiet host. Both schedules give the same bits, so the switch between steps changes none. */
 #define AUTO_CLAIM_STEPS 32
+static int step_claimed; /* whether the last step of several threads claimed (the head follows it) */
+int tritium_decode_layers_claimed(void) { return step_claimed; }
 static int auto_claim(void) {
     static int64_t quiet_steps = AUTO_CLAIM_STEPS + 1; /* steps since the last long wait */
     quiet_steps = __atomic_exchange_n(&step_long_waits, 0, __ATOMIC_RELAXED) ? 0 : quiet_steps + 1;
@@ -243,12 +245,12 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
     const int64_t t0 = T * tid / nt, t1 = T * (tid + 1) / nt, nt_rows = t1 - t0;
     int64_t a0, a1;
     attention_share(lo, len, nrows, tid, nt, &a0, &a1);
-    const int prof = tid == 0 && profiling();
+    const int prof = tid < PROF_THREADS && profiling();
     int64_t tp = prof ? cpu_ns() : 0;
 #define TICK(OP)                                                                                                     \
     if (prof) {                                                                                                      \
         const int64_t t_ = cpu_ns();                                                                                 \
-        prof_ns[OP] += t_ - tp, tp = t_;                                                                             \
+        prof_ns[tid][OP] += t_ - tp, tp = t_;                                                                           \
     }
 #define BARRIER() BARRIER_TO(NULL)
 #define BARRIER_TO(NEXT) /* NEXT: the GEMM after this barrier, whose share a waiting thread prefetches */       \
@@ -322,7 +324,7 @@ static int layers_thread(const tritium_decoder_layer_t *layers, int64_t num_laye
         TICK(OP_DOWN)
         BARRIER_TO(l + 1 < num_layers ? &L[1].qkv : NULL)
     }
-    if (prof) prof_calls++;
+    if (prof && tid == 0) prof_calls++;
 #undef BARRIER
 #undef BARRIER_TO
 #undef TICK
@@ -357,6 +359,7 @@ int tritium_decode_layers_bf16(const tritium_decoder_layer_t *layers, int64_t nu
         /* the work counters (TRITIUM_STEP_CLAIM=1, or =auto after a long wait; else the static shares) */
         const char *e = getenv("TRITIUM_STEP_CLAIM");
         const int claim = e && (!strcmp(e, "1") || (!strcmp(e, "auto") && auto_claim()));
+        step_claimed = claim;
         e = getenv("TRITIUM_STEP_PREFETCH");
         step_pf_bytes = (e && *e ? atoll(e) : STEP_PREFETCH_KIB) * 1024;
         e = getenv("TRITIUM_STEP_ATTN_ITEMS");

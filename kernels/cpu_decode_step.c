@@ -15,8 +15,15 @@
 #include <string.h>
 #include <time.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "cpu_simd.h"
 #include "cpu_f16.h"
+#include "cpu_step_warm.h"
+
+#define HEAD_MAX_ROWS 32 /* rows of a step at most (kernels/decode_step.py) */
 
 enum { EMB_NONE = 0, EMB_BF16 = 1, EMB_I8 = 2, EMB_I8_PANELS = 3, EMB_I6_PANELS = 4 };
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2 };
@@ -68,46 +75,133 @@ typedef struct {
     const float *in_mean, *out_mean; /* (H,) / (N,) or NULL */
 } tritium_step_head_t;
 
-/* logits (T, N) of the rows x (T, H); xc: (T, H) scratch. Returns 0, or -1 out of memory. */
-static int head_logits(const tritium_step_head_t *hd, const uint16_t *x, int64_t T, int64_t H, uint16_t *xc,
+/* Channels [n0, n1) of the head's GEMM for the rows x (T, H) into y (T, n1 - n0) (a thread's
+ * share: each channel gets the code and sum order of the whole GEMM; n0 a multiple of 32).
+ * Returns 0, or -1 out of memory. */
+static int head_cols(const tritium_step_head_t *hd, const uint16_t *x, int64_t T, int64_t H, float *y, int64_t n0,
+                     int64_t n1) {
+    const int64_t n = n1 - n0, kb = H / 32;
+    if (n <= 0) return 0;
+    if (hd->kind == HEAD_I8DOT) {
+        const int64_t wrow = hd->param == 8 ? H : H / 2;
+        return tritium_i8dot_gemm(x, (const uint8_t *)hd->w + n0 * wrow, (const uint16_t *)hd->d + n0 * kb,
+                                  hd->z ? (const uint16_t *)hd->z + n0 * kb : NULL, (const float *)hd->r + n0, y, T,
+                                  n, H, hd->param);
+    }
+    if (hd->kind == HEAD_HEAD6) /* panels of 16 channels: 6 x 64 bytes a block of 32; (K / G) x 16 scales */
+        return tritium_head6_gemm(x, (const uint8_t *)hd->w + n0 / 16 * kb * 384,
+                                  (const uint16_t *)hd->d + n0 * (H / hd->param), (const float *)hd->r + n0, y, T, n,
+                                  H, hd->param);
+    tritium_bf16_gemm(x, (const uint16_t *)hd->w + n0 * H, y, T, n, H);
+    return 0;
+}
+
+/* y (T, n), channels [n0, n0 + n), into logits (T, N) as the module rounds them: bf16, widened,
+ * plus out_mean where the head is centred. y may be the logits' own slice (T == 1). */
+static void head_round(const tritium_step_head_t *hd, const float *y, int64_t T, int64_t n0, int64_t n,
                        float *logits) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *yr = y + t * n;
+        float *o = logits + t * hd->n + n0;
+        if (hd->out_mean)
+            for (int64_t i = 0; i < n; i++) o[i] = bf16_roundf(yr[i]) + hd->out_mean[n0 + i];
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = bf16_roundf(yr[i]);
+    }
+}
+
+/* The first maximal index of y over [i0, i1), a NaN counting as the maximum (the first NaN; *nan
+ * then 1), as backend/sampler.argmax_rows over a whole row. */
+static int64_t argmax_range(const float *y, int64_t i0, int64_t i1, int *nan) {
+    int64_t best = i0;
+    float m = y[i0];
+    *nan = 0;
+    if (m != m) return *nan = 1, i0;
+    for (int64_t i = i0 + 1; i < i1; i++) {
+        if (y[i] != y[i]) return *nan = 1, i;
+        if (y[i] > m) m = y[i], best = i;
+    }
+    return best;
+}
+
+/* TRITIUM_STEP_HEAD_SPLIT (read each step; 1, the default; 0 for A/B benches): with several threads
+ * the head runs in one parallel region where thread i takes the i-th share of the vocabulary (in
+ * units of 32 channels), rounds it and finds each row's maximum over it, instead of one GEMM of
+ * claimed panels followed by the rounding and the argmax on the calling thread alone. The same
+ * bits either way: each channel's sum order is the whole GEMM's, and the shares' maxima are
+ * combined in order (the first NaN, else the first maximum). A step whose layers claimed their
+ * pieces (TRITIUM_STEP_CLAIM=1, or =auto after a long barrier wait: a thread had lost its core)
+ * claims the head's panels too. */
+#define HEAD_MAX_THREADS 64
+int tritium_decode_layers_claimed(void);
+static int head_split(void) {
+    const char *e = getenv("TRITIUM_STEP_HEAD_SPLIT");
+    return !(e && !strcmp(e, "0")) && !tritium_decode_layers_claimed();
+}
+
+#ifdef _OPENMP
+/* The split head (above) on `threads` threads; T <= HEAD_MAX_ROWS. Returns 0, or -1 out of memory. */
+static int head_shares(const tritium_step_head_t *hd, const uint16_t *x, int64_t T, int64_t H, float *logits,
+                       int64_t *tokens, int64_t threads) {
+    int64_t best[HEAD_MAX_THREADS][HEAD_MAX_ROWS];
+    int isnan_[HEAD_MAX_THREADS][HEAD_MAX_ROWS], rc = 0, nt = 1;
+    const int64_t N = hd->n, units = (N + 31) / 32;
+#pragma omp parallel num_threads((int)threads) reduction(| : rc)
+    {
+        omp_set_num_threads(1); /* the kernels' own regions nested in this one get one thread */
+        const int tid = omp_get_thread_num(), n_t = omp_get_num_threads();
+        if (tid == 0) nt = n_t;
+        const int64_t n0 = units * tid / n_t * 32, e1 = units * (tid + 1) / n_t * 32, n1 = e1 < N ? e1 : N;
+        if (n1 > n0) {
+            float *y = T == 1 ? logits + n0 : (float *)malloc(sizeof(float) * (size_t)(T * (n1 - n0)));
+            if (!y || head_cols(hd, x, T, H, y, n0, n1)) {
+                rc = 1;
+            } else {
+                head_round(hd, y, T, n0, n1 - n0, logits);
+                for (int64_t t = 0; t < T; t++) best[tid][t] = argmax_range(logits + t * N, n0, n1, &isnan_[tid][t]);
+            }
+            if (T != 1) free(y);
+        }
+    }
+    if (rc) return -1;
+    for (int64_t t = 0; t < T; t++) { /* the shares in order: the first NaN, else the first maximum */
+        int64_t b = -1;
+        for (int i = 0; i < nt; i++) {
+            if (units * (i + 1) / nt == units * i / nt) continue; /* an empty share */
+            const int64_t c = best[i][t];
+            if (isnan_[i][t]) {
+                b = c;
+                break;
+            }
+            if (b < 0 || logits[t * N + c] > logits[t * N + b]) b = c;
+        }
+        tokens[t] = b;
+    }
+    return 0;
+}
+#endif
+
+/* logits (T, N) of the rows x (T, H) and each row's argmax into tokens (T,); xc: (T, H) scratch.
+ * Returns 0, or -1 out of memory. */
+static int head_logits(const tritium_step_head_t *hd, const uint16_t *x, int64_t T, int64_t H, uint16_t *xc,
+                       float *logits, int64_t *tokens, int64_t threads) {
     if (hd->in_mean) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t k = 0; k < H; k++) xc[t * H + k] = f32_to_bf16(bf16_to_f32(x[t * H + k]) - hd->in_mean[k]);
         x = xc;
     }
-    int rc = 0;
-    if (hd->kind == HEAD_I8DOT)
-        rc = tritium_i8dot_gemm(x, (const uint8_t *)hd->w, (const uint16_t *)hd->d, (const uint16_t *)hd->z,
-                                (const float *)hd->r, logits, T, hd->n, H, hd->param);
-    else if (hd->kind == HEAD_HEAD6)
-        rc = tritium_head6_gemm(x, (const uint8_t *)hd->w, (const uint16_t *)hd->d, (const float *)hd->r, logits, T,
-                                hd->n, H, hd->param);
-    else
-        tritium_bf16_gemm(x, (const uint16_t *)hd->w, logits, T, hd->n, H);
-    if (rc) return -1;
-    const int64_t N = hd->n;
+#ifdef _OPENMP
+    if (threads > 1 && threads <= HEAD_MAX_THREADS && T <= HEAD_MAX_ROWS && !omp_in_parallel() && head_split())
+        return head_shares(hd, x, T, H, logits, tokens, threads);
+#endif
+    (void)threads;
+    if (head_cols(hd, x, T, H, logits, 0, hd->n)) return -1;
+    head_round(hd, logits, T, 0, hd->n, logits);
     for (int64_t t = 0; t < T; t++) {
-        float *y = logits + t * N;
-        if (hd->out_mean)
-            for (int64_t i = 0; i < N; i++) y[i] = bf16_roundf(y[i]) + hd->out_mean[i];
-        else
-            for (int64_t i = 0; i < N; i++) y[i] = bf16_roundf(y[i]);
+        int nan;
+        tokens[t] = argmax_range(logits + t * hd->n, 0, hd->n, &nan);
     }
     return 0;
-}
-
-/* The first maximal index of y (N), a NaN counting as the maximum (the first NaN), as
- * backend/sampler.argmax_rows. */
-static int64_t argmax_row(const float *y, int64_t N) {
-    int64_t best = 0;
-    float m = y[0];
-    if (m != m) return 0;
-    for (int64_t i = 1; i < N; i++) {
-        if (y[i] != y[i]) return i;
-        if (y[i] > m) m = y[i], best = i;
-    }
-    return best;
 }
 
 /* The signed codes (H) of row `id` of 8-bit integer-dot panels (kernels/i8dot_pack.py: codes
@@ -158,12 +252,21 @@ void tritium_decode_step_profile(int64_t *out) {
     prof_step_ns[0] = prof_step_ns[1] = 0;
 }
 
+static int step(const tritium_step_front_t *f, const void *layers, int64_t num_layers, const int64_t *ids,
+                const int64_t *pos, const uint16_t *hidden_in, int64_t T, int64_t H, int64_t hq, int64_t hkv,
+                int64_t D, int64_t I, float eps, float scale, float residual_mult, uint16_t *h, uint16_t *r,
+                uint16_t *cos, uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
+                int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
+                uint16_t *ws_bf16, int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
+                int64_t *tokens);
+
 /* The step over T rows: ids, pos (T,) int64 (ignored, with hidden_in (T, H) the embedded rows,
  * where the front's kind is EMB_NONE). h, r (T, H) and cos, ssin (T, D) are scratch; out (T, H)
  * receives the final norm's output. With a head (not NULL), logits (T, N) float32 receive every
  * row's logits and tokens (T,) int64 each row's argmax. The other arguments are
  * tritium_decode_layers_bf16's. Returns 0; -1 when scratch memory ran out; -2 an id outside
- * [0, vocab); -3 a position outside [0, max_pos). */
+ * [0, vocab); -3 a position outside [0, max_pos); -4 TRITIUM_STEP_WARM_MIB not an integer in
+ * [0, 64] (cpu_step_warm.h). */
 int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, int64_t num_layers,
                              const int64_t *ids, const int64_t *pos, const uint16_t *hidden_in, int64_t T,
                              int64_t H, int64_t hq, int64_t hkv, int64_t D, int64_t I, float eps, float scale,
@@ -172,6 +275,23 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
                              const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32, uint16_t *ws_bf16,
                              int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
                              int64_t *tokens) {
+    const long warm_to = warm_mib();
+    if (warm_to < 0) return -4;
+    warm_step_begin();
+    const int rc = step(f, layers, num_layers, ids, pos, hidden_in, T, H, hq, hkv, D, I, eps, scale, residual_mult,
+                        h, r, cos, ssin, slots, block_tables, table_stride, rows, nrows, BS, ws_f32, ws_bf16, threads,
+                        out, head, logits, tokens);
+    warm_step_end(warm_to);
+    return rc;
+}
+
+static int step(const tritium_step_front_t *f, const void *layers, int64_t num_layers, const int64_t *ids,
+                const int64_t *pos, const uint16_t *hidden_in, int64_t T, int64_t H, int64_t hq, int64_t hkv,
+                int64_t D, int64_t I, float eps, float scale, float residual_mult, uint16_t *h, uint16_t *r,
+                uint16_t *cos, uint16_t *ssin, const int64_t *slots, const int32_t *block_tables,
+                int64_t table_stride, const int64_t *rows, int64_t nrows, int64_t BS, float *ws_f32,
+                uint16_t *ws_bf16, int64_t threads, uint16_t *out, const tritium_step_head_t *head, float *logits,
+                int64_t *tokens) {
     int64_t t0 = prof_clock();
     for (int64_t t = 0; t < T; t++) {
         if (pos[t] < 0 || pos[t] >= f->max_pos) return -3;
@@ -200,8 +320,7 @@ int tritium_decode_step_bf16(const tritium_step_front_t *f, const void *layers, 
     t1 = prof_clock();
     if (t0) prof_step_ns[0] += t1 - t0;
     if (!head) return 0;
-    if (head_logits(head, out, T, H, h, logits)) return -1;
-    for (int64_t t = 0; t < T; t++) tokens[t] = argmax_row(logits + t * head->n, head->n);
+    if (head_logits(head, out, T, H, h, logits, tokens, threads)) return -1;
     if (t1) prof_step_ns[1] += prof_clock() - t1;
     return 0;
 }

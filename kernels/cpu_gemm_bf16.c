@@ -25,7 +25,10 @@
  * plain read). Tuned on weights on 2 MiB pages (as the native step keeps them): bf16_row at 32 KB
  * streamed 3-6 % faster than at 16 KB (tuned on 4 KiB pages), 48 KB as 32 KB, 4-8 KB 25-35 %
  * slower; the tiles (two rows, and the avx2 row in bf16_tile4) 2-8 % slower at 32 KB than at
- * 16 KB (gemv_bench, docs/benchmarks.md).
+ * 16 KB (gemv_bench, docs/benchmarks.md). The hint: T1 for bf16_row and tiles of 3+ rows, T0 for
+ * tiles of 1-2 rows (avx512 two rows 1.2-1.3x T1, avx2 bf16_tile4 1.2-1.35x; bf16_row 0.7-0.8x
+ * with T0). On 2 MiB pages (tritium_i8dot_huge_pages) the avx512 one-row GEMV runs as 1 x 4
+ * tiles, 8 KB ahead, T0: 1.18x bf16_row there; on 4 KiB pages 0.88x, so bf16_row stays there.
  */
 #include <stdint.h>
 
@@ -40,6 +43,15 @@
 #define MC 96  /* rows of x per work item (several rows): 96 x K bf16 stays in L2 */
 #ifndef PFB
 #define PFB 16384 /* bytes of weight requested ahead of the one read (streaming tiles, 2-6 rows) */
+#endif
+#ifndef SPLIT_SEG_ROWS
+#define SPLIT_SEG_ROWS MRB /* rows up to which a team splits the channels in contiguous shares */
+#endif
+#ifndef BF_HINT_TILE2
+#define BF_HINT_TILE2 _MM_HINT_T0 /* the same for tiles of 1-2 rows */
+#endif
+#ifndef ROW_PFB
+#define ROW_PFB 8192 /* the one-row tile's distance on 2 MiB pages (16 KB, 32 KB: 0.97x) */
 #endif
 #ifndef PFB1
 #define PFB1 32768 /* the same for bf16_row (one row; on avx2 only a block's last 1-3 channels) */
@@ -66,7 +78,10 @@ INLINE void bf16_tile(const uint16_t *x, const uint16_t *w, int64_t K, float *ou
     for (int64_t k = 0; k < K32; k += 32) { /* whole blocks of 32: plain loads */
         __m512bh wv[NR];
         if (pf)
-            for (int c = 0; c < NR_; c++) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, _MM_HINT_T1);
+            for (int c = 0; c < NR_; c++) {
+                if (MR_ <= 2) _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, BF_HINT_TILE2);
+                else _mm_prefetch(pf + (k / 32 * NR_ + c) * 64, _MM_HINT_T1);
+            }
         for (int c = 0; c < NR_; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
         for (int r = 0; r < MR_; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
@@ -189,6 +204,11 @@ static inline uint16_t out_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* on != 0: the weights lie on 2 MiB pages (kernels/hugepages.py; set with the integer-dot
+ * kernels' tritium_i8dot_huge_pages): the one-row GEMV then runs as one-row tiles (row_block). */
+static int huge_weights;
+void tritium_bf16_huge_pages(int64_t on) { huge_weights = on != 0; }
+
 /* Whether a parallel loop of n items gets more than one thread: not inside another team (the
  * native step's region calls the kernels on its threads' channel ranges) nor with one thread
  * allowed; opening a one-thread region cost about 0.9 us a call, a few % of a decode step. */
@@ -221,6 +241,13 @@ static void row_block(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
         float *o = y16 ? buf + (n - nb * NB) : y + n;
         for (int c = 0; c < 4; c++) o[c] = o2[c];
     }
+#endif
+#if defined(TRITIUM_AVX512)
+    /* on 2 MiB pages: 4 channels at a time in the one-row tile, ROW_PFB ahead with the T0 hint
+     * (1.2x bf16_row there, interleaved; on 4 KiB pages 0.88x: bf16_row then). Same bits. */
+    if (huge_weights)
+        for (; n + 4 <= n1; n += 4)
+            bf16_tile(x, w + n * K, K, y16 ? buf + (n - nb * NB) : y + n, 1, (const char *)(w + n * K) + ROW_PFB, 1, 4);
 #endif
     for (; n < n1; n += NR1) {
         const int64_t nc = n1 - n < NR1 ? n1 - n : NR1;
@@ -275,6 +302,23 @@ static void bf16_gemm(const uint16_t *x, const uint16_t *w, float *y, uint16_t *
     }
     /* claimed items (cpu_split.h): an item is NB channels of up to MC rows */
     const int64_t chunk = split_chunk(items, (M < MC ? M : MC) * NB * K);
+#ifdef _OPENMP
+    if (M <= SPLIT_SEG_ROWS) { /* a few rows, streaming the weight: contiguous shares (cpu_split.h) */
+        split_seg_t sg;
+        const int64_t nt = omp_get_max_threads() < SPLIT_SEGS ? omp_get_max_threads() : SPLIT_SEGS;
+        split_seg_init(&sg, items, nt, chunk);
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t tid = omp_get_thread_num();
+            for (int64_t k = 0, lo, hi; split_seg_next(&sg, tid, &k, &lo, &hi);)
+                for (int64_t i = lo; i < hi; i++) {
+                    if (M == 1) row_block(x, w, y, y16, N, K, i);
+                    else rows_item(x, w, y, y16, M, N, K, i);
+                }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t i = 0; i < items; i++) {
         if (M == 1) row_block(x, w, y, y16, N, K, i);

@@ -52,22 +52,25 @@
 
 #include "cpu_q8.h" /* quantize_row, tritium_q8_quantize */
 #include "cpu_split.h"
+#define SPLIT_SEG_ROWS MR /* rows up to which a team splits the panels in contiguous shares */
 
 /* ---------------------------------------------------------------- per-path panel kernels */
 
 /* How far ahead the panels ask for weight lines. On 4 KiB pages the hardware prefetchers stop at
  * every page, and 8 KB ahead measured best on both paths; on 2 MiB pages (kernels/hugepages.py)
  * they run on, and the AVX-512 int8 loop at 1-2 rows read fastest asking 2 KB ahead (8 KB: 0.75x
- * of that), while with more rows (3: 0.95x, 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the
- * work per byte; 0.85x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
+ * of that; at two rows no software prefetch at all: panel_rows2), while with more rows (3: 0.95x,
+ * 4: 0.65x, 8: 0.75x at 2 KB), its int4 loop (twice the work per byte; 0.85x; T0: 0.9x) and the AVX2 loops (0.55x) still want 8 KB (client/bench/gemv_bench.py).
  * Speed only: the results do not depend on it. */
 #if defined(I8DOT_AVX512)
 static int64_t pf_bytes = PFB;
 #endif
 
 /* on != 0: the packed weights the kernels will read lie on 2 MiB pages (the process's choice,
- * made once at load by kernels/hugepages.py's caller). */
+ * made once at load by kernels/hugepages.py's caller); also tells the bf16 GEMM. */
+void tritium_bf16_huge_pages(int64_t on); /* cpu_gemm_bf16.c: its one-row GEMV's choice */
 void tritium_i8dot_huge_pages(int64_t on) {
+    tritium_bf16_huge_pages(on);
 #if defined(I8DOT_AVX512)
     pf_bytes = on ? PFB_HUGE : PFB;
 #else
@@ -110,7 +113,7 @@ INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
 }
 
 INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                    float *out, const int BITS, const int MR_, const int ZP) {
+                    float *out, const int BITS, const int MR_, const int ZP, const int NOPF) {
     const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
     __m512 f[MR];
 #pragma GCC unroll 8
@@ -128,8 +131,10 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
         __m512i u[8];
         if (BITS == 8) {
             const uint8_t *p = wp + b * 512;
+            if (!NOPF) {
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+                for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
         } else {
@@ -186,9 +191,9 @@ INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16
 
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
                   float *out, const int BITS, const int MR_) {
-    if (BITS == FOLD4) panel_z(A, m0, wp, dp, zp, out, 4, MR_, MR_ <= 2 ? 3 : 2); /* the same integer T */
-    else if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1);
-    else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0);
+    if (BITS == FOLD4) panel_z(A, m0, wp, dp, zp, out, 4, MR_, MR_ <= 2 ? 3 : 2, 0); /* the same integer T */
+    else if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1, 0);
+    else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0, 0);
 }
 
 #elif defined(I8DOT_AVX2)
@@ -281,6 +286,27 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
     }
 }
 
+#if defined(I8DOT_AVX512)
+/* panel_rows for 2 rows of int8 codes on 2 MiB pages: no software prefetch (the hardware
+ * prefetchers alone read 1.07-1.14x faster there). A function of its own: the same choice
+ * inside panel_rows cost its one-row loop 4-10 % (code placement). */
+static __attribute__((noinline)) void panel_rows2(const acts_t *A, const uint8_t *w, const uint16_t *d,
+                                                  const uint16_t *z, const float *r, float *y, int64_t N, int64_t p) {
+    const int64_t K = A->K, KB = K / QB, n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
+    const uint8_t *wp = w + p * 16 * K;
+    const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
+    float out[2 * 16];
+    if (zp) panel_z(A, 0, wp, dp, zp, out, 8, 2, 1, 1);
+    else panel_z(A, 0, wp, dp, zp, out, 8, 2, 0, 1);
+    for (int64_t i = 0; i < 2; i++)
+        for (int64_t j = 0; j < nn; j++) y[i * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+}
+#define ROWS2(M, bits) ((M) == 2 && (bits) == 8 && pf_bytes == PFB_HUGE)
+#else
+#define panel_rows2(A, w, d, z, r, y, N, p) ((void)0)
+#define ROWS2(M, bits) 0
+#endif
+
 /* Row m of x into the scratch: codes, scales, xz = xd S (off -1: S), xo = -off S (S the block's
  * code sum). */
 static void act_row(const uint16_t *x, int64_t K, int32_t off, int8_t *xq, float *xd, float *xz, int32_t *xo,
@@ -316,10 +342,41 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     const int64_t P = (N + 15) / 16;
 #ifdef _OPENMP
     /* a team of one thread (inside the native step's region, or one thread allowed) costs about
-     * 0.9 us a call: a plain loop then; a team quantizes the rows (each row on its own) and then
-     * takes the panels */
+     * 0.9 us a call: a plain loop then */
     if (P > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-        const int64_t rchunk = split_chunk(M, 64 * K), pchunk = split_chunk(P, M * 16 * K); /* cpu_split.h */
+        const int64_t pchunk = split_chunk(P, M * 16 * K); /* cpu_split.h */
+        if (M <= SPLIT_SEG_ROWS) {
+            /* a few rows (the decode GEMVs): each thread quantizes the rows into its own scratch
+             * (no barrier between the steps) and streams its own contiguous share of the panels,
+             * then helps with the other's (split_seg_next) */
+            const int64_t nt = omp_get_max_threads() < SPLIT_SEGS ? omp_get_max_threads() : SPLIT_SEGS;
+            const size_t stride = (bytes + 63) / 64 * 64; /* each thread's scratch on its own lines */
+            char *all = (char *)realloc(mem, stride * (size_t)nt);
+            if (!all) {
+                free(mem);
+                return -1;
+            }
+            split_seg_t sg;
+            split_seg_init(&sg, P, nt, pchunk);
+#pragma omp parallel num_threads(nt)
+            {
+                const int64_t tid = omp_get_thread_num();
+                int8_t *tq = (int8_t *)(all + stride * (size_t)tid);
+                float *td = (float *)(tq + (size_t)Mp * K), *tz = td + Mp * KB;
+                int32_t *to = (int32_t *)(tz + Mp * KB);
+                const acts_t At = {tq, td, tz, to, K};
+                for (int64_t m = 0; m < M; m++) act_row(x, K, off, tq, td, tz, to, m);
+                const int two = ROWS2(M, bits);
+                for (int64_t k = 0, lo, hi; split_seg_next(&sg, tid, &k, &lo, &hi);)
+                    for (int64_t p = lo; p < hi; p++) {
+                        if (two) panel_rows2(&At, w, d, z, r, y, N, p);
+                        else panel_rows(&At, w, d, z, r, y, M, N, bits, p);
+                    }
+            }
+            free(all);
+            return 0;
+        }
+        const int64_t rchunk = split_chunk(M, 64 * K);
 #pragma omp parallel
         {
 #pragma omp for schedule(dynamic, rchunk)
@@ -332,7 +389,10 @@ int tritium_i8dot_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
     }
 #endif
     for (int64_t m = 0; m < M; m++) act_row(x, K, off, xq, xd, xz, xo, m);
-    for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
+    if (ROWS2(M, bits))
+        for (int64_t p = 0; p < P; p++) panel_rows2(&A, w, d, z, r, y, N, p);
+    else
+        for (int64_t p = 0; p < P; p++) panel_rows(&A, w, d, z, r, y, M, N, bits, p);
     free(mem);
     return 0;
 }

@@ -6,11 +6,12 @@
 #include <string.h>
 #include <time.h>
 
-/* Per-op CPU time of thread 0 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one getenv per
- * step and one branch per op): ns summed per op since the last read, barrier waits apart
- * (client/bench/step_profile.py prints them). */
+/* Per-op CPU time of threads 0 and 1 (TRITIUM_STEP_PROFILE=1, =wall: the wall clock; off: one
+ * getenv per step and one branch per op): ns summed per op and thread since the last read, barrier
+ * waits apart (client/bench/step_profile.py prints them). */
 enum { OP_NORM1, OP_QKV, OP_ROPE, OP_ATTN, OP_O, OP_NORM2, OP_GATE_UP, OP_SILU, OP_DOWN, OP_WAIT, OP_COUNT };
-static int64_t prof_ns[OP_COUNT], prof_calls;
+#define PROF_THREADS 2
+static int64_t prof_ns[PROF_THREADS][OP_COUNT], prof_calls;
 static int prof_on;
 static int64_t cpu_ns(void) { /* this thread's CPU time, or the wall clock (TRITIUM_STEP_PROFILE=wall) */
     struct timespec t;
@@ -24,10 +25,20 @@ static int profiling(void) { /* read at every step: a benchmark may switch it on
     return prof_on;
 }
 
-/* out[OP_COUNT + 1]: the per-op sums and the count of steps since the last call, then reset. */
+/* out[OP_COUNT + 1]: thread 0's per-op sums and the count of steps since the last call, then reset
+ * (every thread's). */
 void tritium_decode_layers_profile(int64_t *out) {
-    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[i], prof_ns[i] = 0;
+    for (int i = 0; i < OP_COUNT; i++) out[i] = prof_ns[0][i];
     out[OP_COUNT] = prof_calls, prof_calls = 0;
+    memset(prof_ns, 0, sizeof(prof_ns));
+}
+
+/* out[PROF_THREADS * OP_COUNT + 1]: each thread's per-op sums (thread 0's first), then the count of
+ * steps since the last call; then reset. */
+void tritium_decode_layers_profile_threads(int64_t *out) {
+    memcpy(out, prof_ns, sizeof(prof_ns));
+    out[PROF_THREADS * OP_COUNT] = prof_calls, prof_calls = 0;
+    memset(prof_ns, 0, sizeof(prof_ns));
 }
 
 #endif

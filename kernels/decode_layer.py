@@ -82,6 +82,8 @@ def _lib():
         lib.tritium_decode_layers_bf16.restype = ctypes.c_int
         lib.tritium_decode_layers_profile.argtypes = [p]
         lib.tritium_decode_layers_profile.restype = None
+        lib.tritium_decode_layers_profile_threads.argtypes = [p]
+        lib.tritium_decode_layers_profile_threads.restype = None
         lib.tritium_decode_layers_ready = True
     return lib
 
@@ -95,6 +97,18 @@ def read_profile() -> Tuple[dict, int]:
     out = (ctypes.c_int64 * (len(PROFILE_OPS) + 1))()
     _lib().tritium_decode_layers_profile(out)
     return {op: out[i] / 1e9 for i, op in enumerate(PROFILE_OPS)}, out[len(PROFILE_OPS)]
+
+
+PROFILE_THREADS = 2  # PROF_THREADS of kernels/cpu_step_profile.h
+
+
+def read_profile_threads() -> Tuple[list, int]:
+    """([{op: seconds} of thread 0, of thread 1], steps) since the last read, then reset (as
+    read_profile; thread 1's all zero on one thread)."""
+    n = len(PROFILE_OPS)
+    out = (ctypes.c_int64 * (PROFILE_THREADS * n + 1))()
+    _lib().tritium_decode_layers_profile_threads(out)
+    return [{op: out[t * n + i] / 1e9 for i, op in enumerate(PROFILE_OPS)} for t in range(PROFILE_THREADS)], out[-1]
 
 
 class DecodeLayers:

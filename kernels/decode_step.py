@@ -12,6 +12,8 @@ models and steps take it: backend/models/native_step.py.
 from __future__ import annotations
 
 import ctypes
+import os
+import weakref
 from typing import Optional
 
 import torch
@@ -43,6 +45,39 @@ class _Head(ctypes.Structure):
 
 HEAD_NONE, HEAD_I8DOT, HEAD_HEAD6, HEAD_BF16 = range(4)  # HEAD_* of cpu_decode_step.c
 
+WARM_ENV = "TRITIUM_STEP_WARM_MIB"  # kernels/cpu_step_warm.h: MiB of the first weights warmed between steps
+WARM_MAX_MIB = 64
+_warm_owner = [None]  # a weak reference to the DecodeStep whose weights the warming thread reads
+
+
+def warm_ranges(layers) -> list:
+    """(address, bytes) of the linears' tensors of DecodeLayers `layers` in the order a step reads
+    them (layer by layer: qkv, o, gate_up, down; codes or weights, then scales), up to
+    WARM_MAX_MIB MiB."""
+    out, total = [], 0
+    for layer in layers._arr:
+        for name in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, name)
+            n, k = lin.n, lin.k
+            if lin.kind == 4:  # i8dot: codes (8 or 4 bits), float16 d (and z) per 32, float32 r
+                parts = [(lin.w, n * k if lin.group == 8 else n * k // 2), (lin.d16, n * (k // 32) * 2),
+                         (lin.z16, n * (k // 32) * 2), (lin.scale, n * 4)]
+            elif lin.kind == 0:
+                parts = [(lin.w, 2 * n * k)]
+            elif lin.kind == 1:
+                parts = [(lin.w, n * k), (lin.scale, n * 4)]
+            elif lin.kind == 2:
+                parts = [(lin.w, n * k), (lin.params, n * (k // lin.group) * lin.nz * 4)]
+            else:  # int4: nibbles (its scales are read per group across every channel)
+                parts = [(lin.w, n * k // 2)]
+            for ptr, nbytes in parts:
+                if ptr and nbytes > 0:
+                    out.append((ptr, nbytes))
+                    total += nbytes
+            if total >= WARM_MAX_MIB << 20:
+                return out
+    return out
+
 
 def _lib():
     lib = cpu_native._lib()
@@ -53,6 +88,8 @@ def _lib():
         lib.tritium_decode_step_bf16.restype = ctypes.c_int
         lib.tritium_decode_step_profile.argtypes = [p]
         lib.tritium_decode_step_profile.restype = None
+        lib.tritium_step_warm_set.argtypes = [p, i64]
+        lib.tritium_step_warm_set.restype = None
         lib.tritium_decode_step_ready = True
     return lib
 
@@ -199,6 +236,10 @@ class DecodeStep:
             out = torch.empty(t, self.h, dtype=torch.bfloat16)
             tail = (out.data_ptr(), None, None, None)
         threads = torch.get_num_threads() if lay.splittable else 1
+        if _warm_owner[0] is None or _warm_owner[0]() is not self:  # the warming thread reads these weights
+            flat = [v for pair in warm_ranges(lay) for v in pair]
+            _lib().tritium_step_warm_set((ctypes.c_int64 * max(1, len(flat)))(*flat), len(flat) // 2)
+            _warm_owner[0] = weakref.ref(self)
         rc = _lib().tritium_decode_step_bf16(
             ctypes.addressof(self.front), ctypes.addressof(lay._arr), len(lay._arr), ids.data_ptr(),
             positions.data_ptr(), None if hidden is None else hidden.data_ptr(), *mid, slots.data_ptr(),
@@ -206,6 +247,9 @@ class DecodeStep:
             *ws, threads, *tail)
         if rc == -1:
             raise MemoryError(f"native decode step: no memory for the scratch of {t} rows")
+        if rc == -4:
+            raise ValueError(f"{WARM_ENV} must be an integer in [0, {WARM_MAX_MIB}] (MiB), got "
+                             f"{os.environ.get(WARM_ENV)!r}")
         if rc in _ERRORS:
             raise IndexError(f"native decode step: {_ERRORS[rc]}")
         return out if head is None else (y, tokens.tolist())

@@ -73,6 +73,32 @@ def test_rows_have_the_one_row_bits_at_every_row_count(cpu_path, n, k):
     torch.testing.assert_close(solo, ref, rtol=1e-5, atol=1e-5, msg=lambda s: f"{cpu_path} seed={seed}: {s}")
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_huge_page_kernels_keep_the_bits(cpu_path, n, k):
+    """With the weights declared on 2 MiB pages (tritium_i8dot_huge_pages(1), as the native step
+    does after kernels/hugepages.py moved them) the one-row GEMV runs other tiles (avx512: 1 x 4
+    tiles instead of the 16-channel row kernel) and asks for lines with other hints: the same bits
+    as without, at 1-6 rows, in float32 and bfloat16."""
+    seed = _seed()
+    w = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    x = torch.randn(6, k).bfloat16()
+    lib = cpu_native._lib()
+    plain = [cpu_native.bf16_gemm(x[:m], w) for m in range(1, 7)]
+    plain16 = [cpu_native.bf16_gemm(x[:m], w, torch.bfloat16) for m in range(1, 7)]
+    lib.tritium_i8dot_huge_pages(1)
+    try:
+        huge = [cpu_native.bf16_gemm(x[:m], w) for m in range(1, 7)]
+        huge16 = [cpu_native.bf16_gemm(x[:m], w, torch.bfloat16) for m in range(1, 7)]
+    finally:
+        lib.tritium_i8dot_huge_pages(0)
+    for m in range(6):
+        assert torch.equal(huge[m], plain[m]), f"{cpu_path} seed={seed} M={m + 1} N={n} K={k}"
+        assert torch.equal(huge16[m].view(torch.int16), plain16[m].view(torch.int16)), \
+            f"{cpu_path} seed={seed} M={m + 1} N={n} K={k} (bf16 output)"
+    ref = (x[:1].double() @ w.double().t()).float()
+    torch.testing.assert_close(huge[0], ref, rtol=1e-5, atol=1e-5, msg=lambda s: f"{cpu_path} seed={seed}: {s}")
+
+
 @pytest.mark.parametrize("path", ("avx2", "generic"))
 @pytest.mark.parametrize("n,k", ((40, 576), (24, 1536), (37, 200), (50, 72)))
 def test_every_output_is_the_documented_sum_order(path, n, k):

@@ -149,3 +149,20 @@ def test_step_profile_prints_every_op(engine_dir, capsys, monkeypatch):
     assert step_profile.ENV not in __import__("os").environ  # restored
     with pytest.raises(SystemExit):
         step_profile.main([engine_dir("w8a8"), "--tokens", "1"])
+
+
+def test_step_profile_two_threads_by_host_state(engine_dir, capsys, monkeypatch):
+    """--state-gbs: rounds bracketed by a 2-thread read and split by it (a threshold every read
+    passes: every round "fast", none "slow"); on two threads thread 1's time per op is printed."""
+    from tritium.client.bench import step_profile
+    monkeypatch.delenv(step_profile.ENV, raising=False)
+    assert step_profile.main([engine_dir("w8a8"), "--tokens", "4", "--rounds", "2", "--threads", "2", "--wall",
+                              "--bandwidth-gbs", "10", "--state-gbs", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "no slow round" in out and "no contended round" in out and "fast state" in out, out
+    assert "median of 2 of 2 rounds" in out, out
+    rows = {ln[:22].strip(): ln[22:].split() for ln in out.splitlines() if ln[:22].strip() in ("qkv", "gate_up")}
+    for op, cols in rows.items():
+        assert len(cols) == 6 and float(cols[0]) > 0 and float(cols[5]) > 0, (op, out)  # both threads timed
+    with pytest.raises(SystemExit):
+        step_profile.main([engine_dir("w8a8"), "--state-gbs", "0"])

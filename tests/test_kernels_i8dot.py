@@ -132,22 +132,31 @@ def test_i8dot_few_row_passes_give_the_batched_bits(cpu_path, bits):
     """One or two rows take each panel in one pass (both halves of a block together on AVX2),
     three or more one pass per half: every row count 1..10 gives each row the bits it gets in a
     batch of 10, on a tail panel (N = 37) and a long K (the weight prefetch runs past the panel),
-    and the batch stays at the reference."""
+    and the batch stays at the reference; the same with the weights declared on 2 MiB pages
+    (tritium_i8dot_huge_pages(1): other prefetch distances, avx512 int8 at two rows its own loop
+    without software prefetch), symmetric and asymmetric."""
     seed = fixed_seed()
     torch.manual_seed(seed)
     n, k = 37, 1536
     lo, hi = (-128, 128) if bits == 8 else (-8, 8)
-    w = ip.repack(torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 40 + 1e-4,
-                  torch.randn(k // 32, n) / 20, 32, bits)
+    codes, scales = torch.randint(lo, hi, (n, k)), torch.rand(k // 32, n) / 40 + 1e-4
     x = torch.randn(10, k)
-    full = cpu_native.i8dot_gemm(x, w)
-    ref = ip.i8dot_gemm_ref(x, w)
-    assert torch.allclose(full.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), \
-        f"path={cpu_path} seed={seed}"
-    for m in range(1, 11):
-        for r0 in (0, 10 - m):
-            got = cpu_native.i8dot_gemm(x[r0:r0 + m], w)
-            assert torch.equal(got, full[r0:r0 + m]), f"path={cpu_path} seed={seed} rows {r0}..{r0 + m - 1}"
+    lib = cpu_native._lib()
+    for zeros in (torch.randn(k // 32, n) / 20, None):
+        w = ip.repack(codes, scales, zeros, 32, bits)
+        full = cpu_native.i8dot_gemm(x, w)
+        ref = ip.i8dot_gemm_ref(x, w)
+        where = f"path={cpu_path} seed={seed} zeros={zeros is not None}"
+        assert torch.allclose(full.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), where
+        for huge in (0, 1):
+            lib.tritium_i8dot_huge_pages(huge)
+            try:
+                for m in range(1, 11):
+                    for r0 in (0, 10 - m):
+                        got = cpu_native.i8dot_gemm(x[r0:r0 + m], w)
+                        assert torch.equal(got, full[r0:r0 + m]), f"{where} huge={huge} rows {r0}..{r0 + m - 1}"
+            finally:
+                lib.tritium_i8dot_huge_pages(0)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

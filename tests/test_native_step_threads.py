@@ -27,8 +27,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 WEIGHTS = {"bf16": dict(deterministic=True), "int8-g32": dict(quantization="int8", group_size=32, activation_quant="none"),
            "int4": dict(quantization="int4-rtn", group_size=32, activation_quant="none"),
            "w8a8": dict(quantization="int8", group_size=32, activation_quant="int8", smoothquant=False),
-           "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False)}
-KINDS = {"bf16": "bf16_native", "int8-g32": "int8g_native", "int4": "int4_native", "w8a8": "i8dot", "w4a8": "i8dot"}
+           "w4a8": dict(quantization="int4-rtn", group_size=32, activation_quant="int8", smoothquant=False),
+           # W4A8 linears and a tied int6 embedding: the step's head is the int6 panels (head6)
+           "w4a8-emb6": dict(quantization="int4-rtn", group_size=32, embedding_quantization="int6", eval_tokens=0)}
+KINDS = {"bf16": "bf16_native", "int8-g32": "int8g_native", "int4": "int4_native", "w8a8": "i8dot", "w4a8": "i8dot",
+         "w4a8-emb6": "i8dot"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,8 @@ def test_native_step_threads_bit_identical_to_per_op(engine_dir, shape, weights,
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, claim, layer)
 
 
-@pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "bf16", 3)])
+@pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "bf16", 3),
+                                                   ("qwen2-mha-bias", "w4a8-emb6", 2)])
 def test_native_head_threads_bit_identical_to_per_op(engine_dir, shape, weights, threads, native_bf16, monkeypatch):
     """The whole-step call's LM head and argmax (after the layers' parallel region) on several
     threads: compute_logits' bits and the sampler's argmax of the per-op path on one thread."""
@@ -164,3 +168,62 @@ def test_one_row_steps_bit_identical_on_threads(engine_dir, shape, weights, thre
         assert torch.equal(a, b), (native_bf16, shape, weights, threads, claim, i)
     for layer, (a, b) in enumerate(zip(ref_kv, got_kv)):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (native_bf16, shape, weights, threads, layer)
+
+
+def _one_row_logits(model, seed: int):
+    """A 9-token prompt then 14 one-row decode steps whose row needs logits: (logits, tokens, whether
+    the native call ran the head) of each."""
+    from test_native_step import _step_logits
+    m, bs = model.cfg.model, model.cfg.limits.block_size
+    kv = [(torch.zeros(16, bs, m.num_kv_heads, m.head_dim, dtype=torch.bfloat16),
+           torch.zeros(16, bs, m.num_kv_heads, m.head_dim, dtype=torch.bfloat16)) for _ in range(m.num_layers)]
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for q, n in [(9, 9)] + [(1, 10 + i) for i in range(14)]:
+        ids = torch.randint(3, 1000, (q,), generator=gen)
+        meta = AttentionMetadata.build([q], [n], [list(range(16))], bs)
+        meta.cpu_plan = ops.attention_plan(meta)
+        outs.append(_step_logits(model, ids, torch.arange(n - q, n), kv, meta))
+    return outs
+
+
+# split "1" (the default): the head's vocabulary in one share per thread inside one parallel region,
+# each thread rounding its logits and finding its maximum; "0": one GEMM of claimed panels, then the
+# argmax on the calling thread (TRITIUM_STEP_HEAD_SPLIT=0, and where the layers claim: "1-claim");
+# "1-warm": split, and a thread reading the first MiB of weights between steps
+# (TRITIUM_STEP_WARM_MIB=1). int6 (head6), integer-dot and bf16 heads.
+@pytest.mark.parametrize("split", ["1", "0", "1-warm", "1-claim"])
+@pytest.mark.parametrize("shape,weights,threads", [("llama-gqa", "w8a8", 2), ("qwen2-mha-bias", "w4a8-emb6", 2),
+                                                   ("qwen2-mha-bias", "bf16", 3)])
+def test_one_row_head_bit_identical_on_threads(engine_dir, shape, weights, threads, split, native_bf16, monkeypatch):
+    """Single-stream steps' LM head and argmax inside the native call on several threads give
+    compute_logits' bits and the sampler's argmax of the per-op path on one thread."""
+    model = LLMEngine(engine_dir(shape, weights), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    monkeypatch.setenv(native_step.ENV, "0")
+    ref = _one_row_logits(model, seed=7)
+    monkeypatch.setenv(native_step.ENV, "1")
+    if split == "1-warm":
+        monkeypatch.setenv("TRITIUM_STEP_WARM_MIB", "1")
+    if split == "1-claim":
+        monkeypatch.setenv("TRITIUM_STEP_CLAIM", "1")
+    split = split[0]
+    monkeypatch.setenv("TRITIUM_STEP_HEAD_SPLIT", split)
+    torch.set_num_threads(threads)
+    try:
+        got = _one_row_logits(model, seed=7)
+    finally:
+        torch.set_num_threads(1)
+    assert all(g[2] for g in got) and not any(r[2] for r in ref)  # the 9-row prompt too: <= 32 rows
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a[0], b[0]), (native_bf16, shape, weights, threads, split, i)
+        assert a[1] == b[1], (native_bf16, shape, weights, threads, split, i)
+
+
+@pytest.mark.parametrize("bad", ["65", "-1", "2.5", "x"])
+def test_warm_knob_out_of_range_is_refused(engine_dir, bad, monkeypatch):
+    """TRITIUM_STEP_WARM_MIB outside [0, 64] or not an integer: the step refuses before it runs, naming it."""
+    model = LLMEngine(engine_dir("llama-gqa", "w8a8"), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    monkeypatch.setenv(native_step.ENV, "1")
+    monkeypatch.setenv("TRITIUM_STEP_WARM_MIB", bad)
+    with pytest.raises(ValueError, match=r"TRITIUM_STEP_WARM_MIB must be an integer in \[0, 64\]"):
+        _one_row_logits(model, seed=7)

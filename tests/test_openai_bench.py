@@ -27,7 +27,8 @@ def test_summary_and_table_from_an_aiperf_export():
         summarize(export, 4)
 
 
-def test_aiperf_command_is_streaming_chat_with_fixed_lengths():
+def test_aiperf_command_is_streaming_chat_with_fixed_lengths(monkeypatch):
+    monkeypatch.delenv("TRITIUM_API_KEY", raising=False)
     args = argparse.Namespace(url="http://h:9000/v1/", model="m", tokenizer="/tok", aiperf="aiperf", warmup=1,
                               input_tokens=100, output_tokens=50)
     cmd = aiperf_command(args, 8, 32, "/out")
@@ -36,6 +37,18 @@ def test_aiperf_command_is_streaming_chat_with_fixed_lengths():
     for part in ("--endpoint-type chat", "--streaming", "--concurrency 8", "--request-count 32", "--isl 100",
                  "--osl 50", "--extra-inputs ignore_eos:true", "--use-server-token-count", "--tokenizer /tok"):
         assert part in joined
+    assert "--api-key" not in cmd  # no key given, none in the environment
+
+
+def test_aiperf_gets_the_api_key_from_the_flag_or_the_environment(monkeypatch):
+    args = argparse.Namespace(url="http://h:9000", model="m", tokenizer="/tok", aiperf="aiperf", warmup=1,
+                              input_tokens=10, output_tokens=5, api_key="k" * 20)
+    cmd = aiperf_command(args, 1, 8, "/out")
+    assert cmd[cmd.index("--api-key") + 1] == "k" * 20
+    args.api_key = None
+    monkeypatch.setenv("TRITIUM_API_KEY", "e" * 20)
+    cmd = aiperf_command(args, 1, 8, "/out")
+    assert cmd[cmd.index("--api-key") + 1] == "e" * 20
 
 
 def test_missing_aiperf_and_tokenizer_are_one_line_errors(tmp_path, capsys):

@@ -58,6 +58,7 @@ class RequestResult:
     text_chars: int = 0                                      # characters of text received
     token_ids: Optional[List[int]] = None                    # every token id, when the driver keeps them
     error: Optional[str] = None
+    probe_gbs: Optional[List[float]] = None                  # host read GB/s just before / after (bandwidth_probe)
 
     @property
     def output_tokens(self) -> int:
@@ -74,11 +75,14 @@ class TritonGrpcDriver:
     name = "triton-grpc"
     in_process = False
 
-    def __init__(self, url: str, model: str, timeout: float = 600.0, keep_token_ids: bool = False):
+    def __init__(self, url: str, model: str, timeout: float = 600.0, keep_token_ids: bool = False,
+                 api_key: Optional[str] = None):
+        from tritium.client.security import key_headers
         self.url = url.split("://", 1)[-1].rstrip("/")
         self.model = model
         self.timeout = timeout
         self.keep_token_ids = keep_token_ids  # RequestResult.token_ids too (for tests)
+        self.headers = key_headers(api_key, "grpc") or None  # the server's API key, if any
         self._lock = threading.Lock()
         self._stream: Optional[_SharedStream] = None  # made by the first session
 
@@ -91,8 +95,13 @@ class TritonGrpcDriver:
         from tritonclient.utils import InferenceServerException
         try:
             with grpcclient.InferenceServerClient(self.url) as c:
-                ready = c.is_model_ready(self.model)
+                ready = c.is_model_ready(self.model, headers=self.headers)
+                if ready:  # metadata is keyed like inference: a missing or wrong key fails here
+                    c.get_model_metadata(self.model, headers=self.headers)
         except InferenceServerException as e:
+            if "restricted" in e.message():
+                raise ValueError(f"--url: the server at {self.url} refused the request ({e.message()}); give its "
+                                 f"API key with --api-key KEY or $TRITIUM_API_KEY") from None
             raise OSError(f"--url {self.url}: no Triton gRPC server answers ({e.message()})") from None
         if not ready:
             raise ValueError(f"--model {self.model}: not ready on the Triton server at {self.url}")
@@ -132,7 +141,7 @@ class _SharedStream:
         self._pending = {}    # request id -> (RequestResult, queue of its worker)
         self._broken = False  # the stream failed: start a new one before the next request
         self.client = grpcclient.InferenceServerClient(drv.url)
-        self.client.start_stream(callback=self._on_response)
+        self.client.start_stream(callback=self._on_response, headers=drv.headers)
 
     def submit(self, req: BenchRequest, request_id: str, res: RequestResult, done: "queue.Queue") -> None:
         inputs = greedy_stream_inputs(self.grpc, req.prompt, req.max_tokens)
@@ -142,7 +151,7 @@ class _SharedStream:
                     self.client.stop_stream(cancel_requests=True)
                 except Exception:
                     pass
-                self.client.start_stream(callback=self._on_response)
+                self.client.start_stream(callback=self._on_response, headers=self.drv.headers)
                 self._broken = False
             self._pending[request_id] = (res, done)
             try:

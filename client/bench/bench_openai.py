@@ -6,12 +6,13 @@ connection and the event reading are bench_sse.py's, shared with the Triton gene
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Optional
 
 from tritium.client.bench.bench_drivers import RequestResult
-from tritium.client.bench.bench_sse import SSESession
+from tritium.client.bench.bench_sse import SSESession, key_refused, with_key
 from tritium.client.bench.bench_workload import BenchRequest
 
 
@@ -40,10 +41,12 @@ class OpenAIDriver:
     name = "openai-sse"
     in_process = False
 
-    def __init__(self, url: str, model: Optional[str] = None, timeout: float = 600.0):
+    def __init__(self, url: str, model: Optional[str] = None, timeout: float = 600.0,
+                 api_key: Optional[str] = None):
         self.url = completions_url(url)
         self.model = model
         self.timeout = timeout
+        self.headers = with_key(api_key)  # `Authorization: Bearer KEY` for a server with an API key
 
     def describe(self) -> dict:
         return {"driver": self.name, "url": self.url, "model": self.model}
@@ -52,8 +55,15 @@ class OpenAIDriver:
         """Resolve the model name from /v1/models when not given; fail early naming the flag."""
         models_url = self.url[: -len("/completions")] + "/models"
         try:
-            with urllib.request.urlopen(models_url, timeout=30) as r:
+            with urllib.request.urlopen(urllib.request.Request(models_url, headers=self.headers), timeout=30) as r:
                 data = json.loads(r.read().decode("utf-8"))
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise key_refused(e.code, "--openai-url", self.url, e.read()) from None
+            if self.model is None:
+                raise OSError(f"--openai-url {self.url}: GET {models_url} failed ({e}); "
+                              f"is the server up? (or pass --openai-model)") from None
+            return
         except (OSError, ValueError) as e:
             if self.model is None:
                 raise OSError(f"--openai-url {self.url}: GET {models_url} failed ({e}); "

@@ -79,7 +79,18 @@ def summarize(run: RunResult) -> dict:
         "e2e_ms": distribution(x for x in map(e2e_s, ok) if x is not None),
         "client_cpu_s": run.client_cpu_s,
         "client_cores": run.client_cpu_s / dur if dur > 0 else None,
+        **_probed(run),
     }
+
+
+def _probed(run: RunResult) -> dict:
+    """With bandwidth probes (bandwidth_probe.py): each completed request's tok/s (output tokens /
+    (final response - send)) and the host's read GB/s just before and after it, and the probes'
+    time left out of duration_s."""
+    from tritium.client.bench.bandwidth_probe import request_tok_s
+    rows = [{"index": r.index, "tok_s": request_tok_s(r.output_tokens, r.t_send, r.t_end), "probe_gbs": r.probe_gbs}
+            for r in run.results if r.ok and r.probe_gbs is not None]
+    return {"probed_requests": rows, "probe_s": run.probe_s} if rows else {}
 
 
 def ratio(a: Optional[dict], b: Optional[dict], key: str = "output_tok_s") -> Optional[float]:

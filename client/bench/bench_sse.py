@@ -4,7 +4,8 @@ systems of a comparison are read by the same lean code: one keep-alive http.clie
 benchmark worker, one readline and one json.loads per event, the event timed when its line
 arrives.
 
-A driver gives the session the request body (`body(req)`) and reads each decoded event into the
+A driver gives the session the request body (`body(req)`) and its `headers` (HEADERS and, for a
+server with an API key, `Authorization: Bearer KEY`), and reads each decoded event into the
 RequestResult (`on_event(res, t, event)`: False ends the request); `finish(res)` settles the
 counts once the stream has ended.
 """
@@ -54,7 +55,7 @@ class SSESession:
             if self.conn is None:
                 self.conn = self.conn_cls(self.netloc, timeout=self.drv.timeout)
             try:
-                self.conn.request("POST", self.path, body=body, headers=HEADERS)
+                self.conn.request("POST", self.path, body=body, headers=getattr(self.drv, "headers", HEADERS))
                 return self.conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 self.conn.close()
@@ -87,6 +88,18 @@ class SSESession:
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
+
+def key_refused(status: int, flag: str, url: str, body: bytes) -> ValueError:
+    """The error of a server that refuses the benchmark's API key (HTTP 401 / 403), naming the flag."""
+    return ValueError(f"{flag}: the server at {url} refused the request (HTTP {status}: {error_text(body)[:200]}); "
+                      f"give its API key with --api-key KEY or $TRITIUM_API_KEY")
+
+
+def with_key(api_key, protocol: str = "http") -> dict:
+    """HEADERS plus the header carrying `api_key` (client/security.py; {} of it without a key)."""
+    from tritium.client.security import key_headers
+    return dict(HEADERS, **key_headers(api_key, protocol))
 
 
 def error_text(raw: bytes) -> str:

@@ -53,11 +53,13 @@ def warm_up(name: str, driver, n: int, tag: str, client_nice: int = 0) -> None:
             raise OSError(f"{name}: warm-up request failed: {bad[0]}")
 
 
-def run_suite(targets: Dict[str, object], opts: SuiteOptions, order_offset: int = 0
+def run_suite(targets: Dict[str, object], opts: SuiteOptions, order_offset: int = 0, probe=None
               ) -> Tuple[dict, Dict[str, List[RunResult]]]:
     """Run the suite on every {name: driver}; returns (JSON-ready result, raw runs per system).
 
     order_offset flips the starting order (the side-by-side script alternates it between pairs).
+    probe (bandwidth_probe.ReadProbe): the host's read just before and after each single-stream
+    request of every system (run_requests).
     """
     opts.validate()
     names = list(targets)
@@ -76,7 +78,8 @@ def run_suite(targets: Dict[str, object], opts: SuiteOptions, order_offset: int 
         order = names if (k + order_offset) % 2 == 0 else names[::-1]
         for name in order:
             raw[name].append(run_requests(targets[name], reqs, conc, label, rate, opts.workload.seed,
-                                          opts.progress, desc=f"{name} {label}", client_nice=opts.client_nice))
+                                          opts.progress, desc=f"{name} {label}", client_nice=opts.client_nice,
+                                          probe=probe if label == "single" else None))
     summaries = {n: [summarize(r) for r in raw[n]] for n in names}
     result = {"workload": {**asdict(opts.workload), "concurrency": opts.concurrencies,
                            "request_rate": opts.request_rate, "single_stream": opts.single_stream,

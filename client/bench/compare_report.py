@@ -24,9 +24,29 @@ def _div(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def pair_shares(reps: List[dict], weight_bytes: Optional[int], read_gbs: Optional[float]) -> dict:
+    """The single-stream bandwidth share of a pair's Tritium systems (bandwidth_probe.py): the
+    same-second share over every probed request of every repeat, and the start-of-run figure from
+    the mean single-stream tok/s."""
+    from tritium.client.bench.bandwidth_probe import shares_of_run
+    if not weight_bytes:
+        return {}
+    merged = {}
+    for system in ("tritium-serve", "in-process"):
+        singles = [s for r in reps for s in r["runs"].get(system, []) if s["label"] == "single"]
+        if singles:
+            merged[system] = [{"label": "single", "output_tok_s": _mean([s["output_tok_s"] for s in singles]),
+                               "probed_requests": [p for s in singles for p in s.get("probed_requests", [])]}]
+    out = shares_of_run(merged, {n: weight_bytes for n in merged}, read_gbs)
+    for system, sh in out.items():  # each request's tok/s and probes, every repeat's, in the JSON
+        sh["probed_requests"] = merged[system][0]["probed_requests"]
+    return out
+
+
 def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
     """JSON-ready figures: per pair and system, per run label, output tok/s (mean over repeats,
-    each repeat listed), p50 TTFT / ITL / E2E (mean over repeats), errors and count mismatches."""
+    each repeat listed), p50 TTFT / ITL / E2E (mean over repeats), errors and count mismatches;
+    with a pair's "weight_bytes" and "read_gbs" its single-stream bandwidth shares (pair_shares)."""
     out = {"pairs": {}}
     for kind in pairs:
         reps = results[kind]["reps"]
@@ -59,7 +79,9 @@ def summary(results: Dict[str, dict], pairs: List[str]) -> dict:
                               "host_load": results[kind].get("host_load"),
                               "llama_server_args": results[kind]["llama_server_cmd"],
                               "best_llama": {lab: next((n for n in llamas if tok[n].get(lab) == b), None)
-                                             for lab, b in best.items()}}
+                                             for lab, b in best.items()},
+                              "bandwidth_share": pair_shares(reps, results[kind].get("weight_bytes"),
+                                                             results[kind].get("read_gbs"))}
     if "bf16" in pairs and len(pairs) > 1:
         base = out["pairs"]["bf16"]["figures"]
         out["quantized_vs_bf16"] = {
@@ -104,6 +126,12 @@ def format_table(report: dict) -> str:
         for kind, by in by_kind.items():
             lines.append(f"  {system} {kind} / bf16: " + ", ".join(f"{lab} {_f(v, '{:.2f}x')}"
                                                                     for lab, v in by.items()))
+    shares = [(kind, system, sh) for kind, p in pairs.items() for system, sh in p.get("bandwidth_share", {}).items()]
+    if shares:
+        from tritium.client.bench.bandwidth_probe import format_share
+        lines.append("single-stream bandwidth share (request tok/s x weight bytes / the host's read probed just "
+                     "before and after each request, median over the requests):")
+        lines += [f"  {kind:<5} " + format_share(system, sh) for kind, system, sh in shares]
     idle = ", ".join(f"{kind}: " + " / ".join(f"{s} {c:.3f}" for s, c in p["idle_server_cores"].items())
                      for kind, p in pairs.items())
     lines.append(f"idle servers' CPU (cores, 5 s before measuring): {idle}")

@@ -47,9 +47,10 @@ def isa_path() -> str:
 
 
 def memory_bandwidth(threads: int, mb: int = BANDWIDTH_MB, passes: int = 3) -> dict:
-    """{'read_gbs', 'read_gbs_4k', 'read_gbs_huge', 'copy_gbs', 'threads', 'buffer_mb'} measured with
-    torch on `threads` threads; read_gbs the faster read (read_gbs_huge None where no buffer on
-    2 MiB pages could be had: THP `never`, not Linux, TRITIUM_HUGE_PAGES=0)."""
+    """{'read_gbs', 'read_gbs_4k', 'read_gbs_huge', 'read_pages', 'copy_gbs', 'threads', 'buffer_mb'}
+    measured with torch on `threads` threads; read_gbs the faster read, read_pages its placement
+    ("2MiB" / "4KiB"; read_gbs_huge None where no buffer on 2 MiB pages could be had: THP `never`,
+    not Linux, TRITIUM_HUGE_PAGES=0)."""
     import torch
     if mb < 1 or threads < 1:
         raise ValueError(f"memory bandwidth: buffer MB and threads must be >= 1, got {mb} and {threads}")
@@ -85,6 +86,7 @@ def memory_bandwidth(threads: int, mb: int = BANDWIDTH_MB, passes: int = 3) -> d
     r4k = round(nbytes / min(read) / 1e9, 2)
     rhuge = round(nbytes / min(read_huge) / 1e9, 2) if read_huge else None
     return {"read_gbs": max(r4k, rhuge or 0.0), "read_gbs_4k": r4k, "read_gbs_huge": rhuge,
+            "read_pages": "2MiB" if rhuge is not None and rhuge >= r4k else "4KiB",
             "copy_gbs": round(2 * nbytes / min(copy) / 1e9, 2), "threads": threads, "buffer_mb": mb}
 
 

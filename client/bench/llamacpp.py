@@ -161,8 +161,9 @@ class LlamaServer:
 
     def __init__(self, src_dir: str, model: str, parallel: int = 16, ctx_per_slot: int = 2048, threads: int = 2,
                  log_file: Optional[str] = None, port: Optional[int] = None, extra_args: Optional[List[str]] = None,
-                 isa: str = "native"):
+                 isa: str = "native", api_key: Optional[str] = None):
         from tritium.client.serve.server import free_port
+        self.api_key = api_key  # given to llama-server as $LLAMA_API_KEY (not on its command line)
         self.port = port or free_port()
         self.cmd = [binary(src_dir, "llama-server", isa), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads),
@@ -177,7 +178,9 @@ class LlamaServer:
     def start(self, timeout: float = 300.0) -> "LlamaServer":
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            env = dict(os.environ, LLAMA_API_KEY=self.api_key) if self.api_key else None
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=env)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()

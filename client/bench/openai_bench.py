@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--input-tokens", type=int, default=128, help="prompt length in tokens (default 128)")
     p.add_argument("--output-tokens", type=int, default=64, help="answer length in tokens (default 64)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests before each run (default 2)")
+    p.add_argument("--api-key", default=None, help="the server's API key (tritium serve / tritium openai --api-key), "
+                                                   "passed to aiperf's --api-key, sent as 'Authorization: Bearer KEY' "
+                                                   "(default: $TRITIUM_API_KEY)")
     p.add_argument("--aiperf", default="aiperf", help="the aiperf executable (default: aiperf on PATH)")
     p.add_argument("--artifact-dir", default=None, help="keep aiperf's files here (default: a temporary folder)")
     p.set_defaults(func=run)
@@ -62,7 +65,15 @@ def aiperf_command(args, concurrency: int, requests: int, out_dir: str) -> List[
             "--isl", str(args.input_tokens), "--isl-stddev", "0", "--osl", str(args.output_tokens),
             "--osl-stddev", "0", "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
             "--random-seed", "0", "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
-            "--output-artifact-dir", out_dir]
+            "--output-artifact-dir", out_dir] + _key_args(args)
+
+
+def _key_args(args) -> List[str]:
+    """aiperf's --api-key with --api-key, else $TRITIUM_API_KEY; nothing without a key."""
+    from tritium.client.security import API_KEY_ENV
+    key = getattr(args, "api_key", None)
+    key = key if key is not None else os.environ.get(API_KEY_ENV)
+    return ["--api-key", key] if key else []
 
 
 def summarize(export: dict, concurrency: int) -> dict:
@@ -109,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         n = args.requests or max(8, 4 * c)
         out_dir = os.path.join(root, f"c{c}")
         cmd = aiperf_command(args, c, n, out_dir)
-        print(f"bench-openai: concurrency {c}, {n} requests: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        shown = ["***" if i and cmd[i - 1] == "--api-key" else x for i, x in enumerate(cmd)]  # never print the key
+        print(f"bench-openai: concurrency {c}, {n} requests: {' '.join(shown)}", file=sys.stderr, flush=True)
         log = os.path.join(root, f"c{c}.log")
         os.makedirs(root, exist_ok=True)
         with open(log, "w") as fh:

@@ -46,6 +46,9 @@ def register(sub) -> None:
     g.add_argument("--openai-url", default=None,
                    help="OpenAI-compatible server, http://HOST:PORT[/v1[/completions]]")
     g.add_argument("--openai-model", default=None, help="model name sent to it (default: first of /v1/models)")
+    g.add_argument("--api-key", default=None,
+                   help="the servers' API key (tritium serve --api-key), sent as 'Authorization: Bearer KEY' to "
+                        "--url (HTTP and gRPC) and --openai-url (default: $TRITIUM_API_KEY)")
     g.add_argument("--engine", default=None, help="engine directory: run it in-process too")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=None, help="requests per run (default 32; 64 with "
@@ -76,6 +79,9 @@ def register(sub) -> None:
     o.add_argument("--bandwidth-mb", type=int, default=256,
                    help="buffer for the host's memory-bandwidth measurement, printed first and under 'host' "
                         "in --json (default 256 MB; 0 skips it)")
+    o.add_argument("--served-engine", default=None, metavar="DIR",
+                   help="the engine the --url server runs: its weight bytes give that system's single-stream "
+                        "bandwidth share (default: --engine's)")
     e = p.add_argument_group("in-process engine (--engine)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads in this process")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -115,14 +121,26 @@ def run(args: argparse.Namespace) -> int:
     opts.validate()
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    if args.served_engine is not None:
+        import os
+        if not args.url:
+            raise ValueError("--served-engine names the engine of the --url server: give --url too")
+        if not os.path.isfile(os.path.join(args.served_engine, "engine.json")):
+            raise ValueError(f"--served-engine {args.served_engine}: not an engine folder (no engine.json)")
     targets = make_targets(args)
     host = measure_host(args)
+    from tritium.client.bench.bandwidth_probe import probe_for_host, shares_of_run
+    probe = probe_for_host(host) if opts.single_stream else None
     try:
-        result, raw = run_suite(targets, opts)
+        result, raw = run_suite(targets, opts, probe=probe)
     finally:
         for d in targets.values():
             d.close()
     result["host"] = host
+    if probe is not None:
+        result["bandwidth_probe"] = probe.describe()
+        result["bandwidth_share"] = shares_of_run(result["runs"], weight_bytes_of(args, targets),
+                                                  host["memory"]["read_gbs"])
     if args.url:
         result["triton_protocol"] = args.triton_protocol
     out = sys.stderr if args.json else sys.stdout
@@ -142,12 +160,14 @@ def make_targets(args) -> dict:
     from tritium.client.bench import bench_drivers as bd
     from tritium.client.bench import bench_openai as bo
     from tritium.client.bench.bench_triton_http import make_triton_driver
+    from tritium.client.security import API_KEY_ENV, check_key
     targets = {}
+    key = check_key(api_key_of(args), f"--api-key / ${API_KEY_ENV}")
     if args.url:
         targets[f"tritium-{args.triton_protocol}"] = make_triton_driver(args.triton_protocol, args.url, args.model,
-                                                                         args.timeout)
+                                                                         args.timeout, api_key=key)
     if args.openai_url:
-        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout)
+        targets["openai"] = bo.OpenAIDriver(args.openai_url, args.openai_model, args.timeout, api_key=key)
     for d in targets.values():
         d.check()
     if args.engine:
@@ -158,6 +178,30 @@ def make_targets(args) -> dict:
             args.engine, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, device=args.device)
     return targets
+
+
+def api_key_of(args):
+    """--api-key, else $TRITIUM_API_KEY (the variable `tritium serve` reads), else None."""
+    import os
+
+    from tritium.client.security import API_KEY_ENV
+    key = getattr(args, "api_key", None)
+    return key if key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def weight_bytes_of(args, targets: dict) -> dict:
+    """{system: the weight bytes its engine streams per token} where known: in-process --engine,
+    the --url system --served-engine (else --engine's, the same engine served)."""
+    from tritium.client.bench.host_info import engine_weight_bytes
+    out = {}
+    if args.engine:
+        out["in-process"] = engine_weight_bytes(args.engine)
+    served = args.served_engine or args.engine
+    if served:
+        for name in targets:
+            if name.startswith("tritium-"):
+                out[name] = engine_weight_bytes(served)
+    return out
 
 
 def measure_host(args) -> dict:
@@ -201,6 +245,13 @@ def print_result(result: dict, out) -> None:
             notes += warnings_for(system, s)
     for line in notes:
         print("warning: " + line, file=out)
+    shares = result.get("bandwidth_share") or {}
+    if shares:
+        print("single-stream bandwidth share (request tok/s x weight bytes / the host's read probed just before "
+              "and after each request, median over the requests):", file=out)
+        from tritium.client.bench.bandwidth_probe import format_share
+        for system, s in shares.items():
+            print("  " + format_share(system, s), file=out)
     r = result["ratios"]
     for system, by_label in r.items():
         if system != "reference":

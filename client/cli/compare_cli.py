@@ -19,9 +19,11 @@ It prints the host first (CPU model, the ISA path Tritium's kernels take, cores,
 bandwidth measured with --threads threads, with each engine's single-stream decode limit: read
 GB/s / its weight bytes), then one table with every system's figures and the ratios: Tritium /
 the fastest llama-server, tritium serve / in-process (server overhead) and each quantized pair /
-bf16. `--isa avx2` (or avx512, generic) runs both sides on that instruction set: llama.cpp built
-with GGML_NATIVE=OFF and that ISA's options (client/bench/llamacpp.py), Tritium with
-TRITIUM_CPU_ISA forced; so an AVX2 comparison can be made on an AVX-512 host.
+bf16; and the single streams' bandwidth share, against the host's read probed just before and
+after each request (client/bench/bandwidth_probe.py), beside the start-of-run figure. `--isa
+avx2` (or avx512, generic) runs both sides on that instruction set: llama.cpp built with
+GGML_NATIVE=OFF and that ISA's options (client/bench/llamacpp.py), Tritium with TRITIUM_CPU_ISA
+forced; so an AVX2 comparison can be made on an AVX-512 host.
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def register(sub) -> None:
                    help=f"how tritium serve is read (default {DEFAULT_PROTOCOL}): http = Triton's generate_stream "
                         "SSE on tritonserver's own HTTP port, the client that reads llama-server; grpc = "
                         "tritonclient's gRPC stream")
+    p.add_argument("--api-key", default=None,
+                   help="serve both systems with this API key and send it (tritium serve's --api-key, llama-server's "
+                        "$LLAMA_API_KEY): the keyed path a deployment runs (default: $TRITIUM_API_KEY; none: open)")
     p.add_argument("--client-nice", type=int, default=0, metavar="N",
                    help="the benchmark's client threads at nice N (1-19) for every system (default 0)")
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process engine (no overhead ratio)")
@@ -229,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
     apply_isa(args.isa)
+    from tritium.client.cli.bench_cli import api_key_of
+    from tritium.client.security import API_KEY_ENV, check_key
+    check_key(api_key_of(args), f"--api-key / ${API_KEY_ENV}")
     args.llama_threads = parse_threads(args.llama_threads)
     opts = SuiteOptions(WorkloadSpec(args.num_requests, tuple(args.prompt_words), tuple(args.output_len), args.seed),
                         parse_concurrency(args.concurrency), None, args.single_stream, 12, args.single_stream_tokens,
@@ -253,15 +261,21 @@ def run(args: argparse.Namespace) -> int:
     host = host_section(engines, args.threads, args.bandwidth_mb)
     print(format_host_section(host), file=out, flush=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    from tritium.client.bench.bandwidth_probe import probe_for_host
+    probe = probe_for_host(host) if opts.single_stream else None  # the read beside each single stream
     results = {}
     for p_idx, kind in enumerate(pairs):
         log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
-        results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work)
+        results[kind] = run_pair(kind, src, ggufs[kind], engines[kind], opts, args, p_idx, work, probe)
+        if probe is not None:
+            results[kind].update(weight_bytes=host["engines"][kind]["weight_bytes"],
+                                 read_gbs=host["memory"]["read_gbs"])
     report = summary(results, pairs)
     report.update({"started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                    "llama_cpp_dir": src, "isa": args.isa, "host": host, "gguf": args.gguf, "engines": engines,
                    "threads": args.threads, "triton_protocol": args.triton_protocol,
                    "llama_threads": args.llama_threads,
+                   "bandwidth_probe": probe.describe() if probe is not None else None,
                    "workload": results[pairs[0]]["reps"][0]["workload"]})
     print(format_host_section(host) + "\n" + format_table(report) + f"\ntritium serve read over {args.triton_protocol} "
           f"({'generate_stream SSE' if args.triton_protocol == 'http' else 'tritonclient gRPC stream'})",
@@ -271,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
+def run_pair(kind, src, gguf, engine, opts, args, p_idx, work, probe=None) -> dict:
     """Both servers (and the in-process engine) up for one pair; the suite `--repeats` times."""
     import dataclasses
 
@@ -282,6 +296,8 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     from tritium.client.bench.bench_suite import run_suite
     from tritium.client.bench.llamacpp import LlamaServer
     from tritium.client.serve.proc_cpu import group_cpu_seconds
+    from tritium.client.cli.bench_cli import api_key_of
+    from tritium.client.security import Security
     from tritium.client.serve.server import TritonServer
     logs = os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -289,20 +305,22 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
     write_repository(repo, MODEL, os.path.abspath(engine))
     parallel = max(16, max(opts.concurrencies))
     many = len(args.llama_threads) > 1
+    key = api_key_of(args)
     llamas = {(f"llama-server-t{t}" if many else "llama-server"):
               LlamaServer(src, gguf, parallel=parallel, threads=t, extra_args=shlex.split(args.llama_server_args),
-                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"), isa=args.isa)
+                          log_file=os.path.join(logs, f"llama-server-{kind}-t{t}.log"), isa=args.isa, api_key=key)
               for t in args.llama_threads}
-    triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL])
+    triton = TritonServer(repo, log_file=os.path.join(logs, f"tritonserver-{kind}.log"), load_models=[MODEL],
+                          security=Security(api_key=key))
     inproc, targets = None, {}
     try:
         for llama in llamas.values():
             llama.start()
         triton.start(timeout=600)
-        targets = {name: OpenAIDriver(llama.url) for name, llama in llamas.items()}
+        targets = {name: OpenAIDriver(llama.url, api_key=key) for name, llama in llamas.items()}
         # http: tritonserver's own HTTP port (as gRPC, no proxy between the client and the server)
         url = triton.triton_http_url if args.triton_protocol == "http" else triton.grpc_url
-        targets["tritium-serve"] = make_triton_driver(args.triton_protocol, url, MODEL)
+        targets["tritium-serve"] = make_triton_driver(args.triton_protocol, url, MODEL, api_key=key)
         if not args.no_in_process:
             targets["in-process"] = inproc = InProcessDriver(engine)
         for d in targets.values():
@@ -315,7 +333,7 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work) -> dict:
         reps, load = [], [os.getloadavg()[0]]
         for rep in range(args.repeats):
             o = dataclasses.replace(opts, tag=f"r{rep}")
-            result, raw = run_suite(targets, o, order_offset=p_idx + rep)
+            result, raw = run_suite(targets, o, order_offset=p_idx + rep, probe=probe)
             if args.plot:
                 from tritium.client.bench.bench_plots import write_plots
                 result["plots"] = write_plots(os.path.join(args.plot, f"{kind}-r{rep}"), raw)
