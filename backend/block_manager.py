@@ -59,6 +59,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._resets = 0  # reset_prefix_cache calls (cache_full_blocks' marks hold the count they saw)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # LRU order of blocks with ref_cnt == 0 (never used, or freed and possibly cached):
         # allocation pops from the front, freeing appends to the back.
@@ -189,19 +190,35 @@ class BlockManager:
 
     # ---------------------------------------------------------------- cache / free
     def cache_full_blocks(self, seq) -> None:
-        """Register seq's computed full blocks under their prefix hashes (first writer wins)."""
+        """Register seq's computed full blocks under their prefix hashes (first writer wins).
+
+        Runs every step: it starts at the first block of seq's table not known to be hashed (a
+        mark kept on seq with its table; a hashed block keeps its hash while seq holds it), so a
+        long decode does not walk all its blocks every step."""
         if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
+        table = seq.block_table
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
-                continue
-            h = seq.block_hashes[i]
-            if h not in self.cached:
+        mark = getattr(seq, "hashed_blocks_mark", None)
+        ok = mark is not None and mark[0] is table and mark[2] == self._resets
+        start = min(mark[1], num_full) if ok else 0
+        new_mark, done = start, True  # done: every block before i is hashed
+        for i in range(start, num_full):
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                h = seq.block_hashes[i]
+                if h in self.cached:
+                    done = False  # another block holds this hash: asked again next step
+                    continue
                 block.block_hash = h
                 self.cached[h] = block.block_id
+            if done:
+                new_mark = i + 1
+        try:
+            seq.hashed_blocks_mark = (table, new_mark, self._resets)
+        except AttributeError:  # a sequence without the attribute (__slots__): the whole walk each step
+            pass
 
     def free(self, seq) -> None:
         """Drop seq's hold on its blocks; tail blocks go first into the LRU queue so they are evicted first."""
@@ -216,6 +233,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
+        self._resets += 1  # the sequences' marks of hashed blocks (cache_full_blocks) are stale
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()

@@ -24,6 +24,7 @@ from .quant import set_activation_quant
 from .decode_graphs import StaticDecode
 from .gemm_warmup import warm_up_gemms
 from .device_step import DeviceStepOptions, StepBuffers, build_metadata
+from .native_decode import NativeDecode
 from .sampler import Sampler
 from .sampler_device import DeviceSampler
 from .scheduler import SchedulerOutput
@@ -151,6 +152,9 @@ class ModelRunner:
             self.static_decode = StaticDecode(self, opts.max_graph_batch or cfg.limits.max_batch_size,
                                               use_graphs=device.type == "cuda")
             self.static_decode.capture()  # CUDA: warm-up + one graph per bucket, at load
+        # CPU decode-only steps: the native call's inputs in kept buffers (backend/native_decode.py)
+        self.native_decode = NativeDecode(self) if (device.type == "cpu" and self.buffers is None and not static
+                                                    and hasattr(model, "decode_logits")) else None
 
     # ------------------------------------------------------------------ batch
     def _copy_blocks(self, copies) -> None:
@@ -259,6 +263,10 @@ class ModelRunner:
         """One forward pass. Returns float32 logits (on CPU), one row per sequence that completes
         its tokens this step (in sched.seqs order), 1 + k rows for one verifying k proposed
         tokens; partial prompt chunks get no row."""
+        if self.native_decode is not None:  # a decode-only CPU step in one native call
+            logits = self.native_decode.run(sched, self.lora is None)
+            if logits is not None:
+                return logits
         arrays = self.prepare_arrays(sched)
         if self.lora is None:
             return self.execute(arrays)

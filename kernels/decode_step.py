@@ -204,10 +204,17 @@ class DecodeStep:
         self._head_key = key
 
     def _bufs(self, t: int):
+        """Per row count: the scratch tensors and the call's arguments that depend only on T (the
+        scratch and workspace pointers), built once."""
         if t not in self._scratch:
             e = torch.empty
-            self._scratch[t] = (e(t, self.h, dtype=torch.bfloat16), e(t, self.h, dtype=torch.bfloat16),
-                                e(t, self.d, dtype=torch.bfloat16), e(t, self.d, dtype=torch.bfloat16))
+            bufs = (e(t, self.h, dtype=torch.bfloat16), e(t, self.h, dtype=torch.bfloat16),
+                    e(t, self.d, dtype=torch.bfloat16), e(t, self.d, dtype=torch.bfloat16))
+            normed = e(t, self.h, dtype=torch.bfloat16)  # the final norm's output where the head runs (not returned)
+            lay = self.layers
+            f32, b16 = lay._workspace(t)
+            mid = (t, *lay.dims, lay.eps, lay.scale, lay.residual_multiplier) + tuple(b.data_ptr() for b in bufs)
+            self._scratch[t] = (bufs + (normed,), mid, (f32.data_ptr(), b16.data_ptr()), normed.data_ptr())
         return self._scratch[t]
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: Optional[torch.Tensor], slots: torch.Tensor,
@@ -217,17 +224,17 @@ class DecodeStep:
         the final norm's output (T, H) bf16; with `logits` (and a head set), (float32 logits
         (T, vocab), every row's argmax as a list) instead."""
         t = positions.shape[0]
-        h, r, cos, ssin = self._bufs(t)
-        f32, b16 = self.layers._workspace(t)
-        out = torch.empty(t, self.h, dtype=torch.bfloat16)
+        _, mid, ws, normed = self._bufs(t)
         cols = rows.t().contiguous()
         lay = self.layers
         head = self.head if logits else None
         if head is not None:
+            out = None
             y, tokens = torch.empty(t, head.n, dtype=torch.float32), torch.empty(t, dtype=torch.int64)
-            head_out = (ctypes.addressof(head), y.data_ptr(), tokens.data_ptr())
+            tail = (normed, ctypes.addressof(head), y.data_ptr(), tokens.data_ptr())
         else:
-            head_out = (None, None, None)
+            out = torch.empty(t, self.h, dtype=torch.bfloat16)
+            tail = (out.data_ptr(), None, None, None)
         threads = torch.get_num_threads() if lay.splittable else 1
         if _warm_owner[0] is None or _warm_owner[0]() is not self:  # the warming thread reads these weights
             flat = [v for pair in warm_ranges(lay) for v in pair]
@@ -235,10 +242,9 @@ class DecodeStep:
             _warm_owner[0] = weakref.ref(self)
         rc = _lib().tritium_decode_step_bf16(
             ctypes.addressof(self.front), ctypes.addressof(lay._arr), len(lay._arr), ids.data_ptr(),
-            positions.data_ptr(), None if hidden is None else hidden.data_ptr(), t, *lay.dims, lay.eps, lay.scale,
-            lay.residual_multiplier, h.data_ptr(), r.data_ptr(), cos.data_ptr(), ssin.data_ptr(), slots.data_ptr(),
+            positions.data_ptr(), None if hidden is None else hidden.data_ptr(), *mid, slots.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
-            f32.data_ptr(), b16.data_ptr(), threads, out.data_ptr(), *head_out)
+            *ws, threads, *tail)
         if rc == -1:
             raise MemoryError(f"native decode step: no memory for the scratch of {t} rows")
         if rc == -4:

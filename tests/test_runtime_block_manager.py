@@ -139,3 +139,76 @@ def test_can_append_needs_block_for_cow():
     assert not bm.can_append(p, 1)  # would copy block 1 but no block is free
     with pytest.raises(AssertionError):
         bm.append_slots(p, 1)
+
+
+def _reference_cache_full_blocks(bm, s):
+    """The definition: walk every computed full block of s, register each unhashed one whose
+    hash no other block holds (first writer wins)."""
+    bm.update_hashes(s)
+    for i in range(min(s.num_computed_tokens // bm.block_size, len(s.block_hashes))):
+        block = bm.blocks[s.block_table[i]]
+        if block.block_hash is None and s.block_hashes[i] not in bm.cached:
+            block.block_hash = s.block_hashes[i]
+            bm.cached[block.block_hash] = block.block_id
+
+
+def test_cache_full_blocks_from_its_mark_equals_the_whole_walk():
+    """cache_full_blocks starts each step at the first block not known to be hashed; random
+    decodes of sequences with shared prompts and mostly equal tokens (blocks whose hash another
+    block holds, asked again once that block is evicted), preemptions and re-admissions of the
+    same sequences, forks, copy-on-write and resets of the prefix cache give the same
+    registrations, step by step, as the whole walk on a twin manager."""
+    import random
+    rng = random.Random(5)
+    got, want = BlockManager(num_blocks=40, block_size=4), BlockManager(num_blocks=40, block_size=4)
+    live, parked = [], []  # (sequence in got, its twin in want): running, preempted
+
+    def admit_pair(pair):
+        n = len(pair[0].token_ids)
+        if not all(bm.can_allocate(s, n, bm.get_computed_blocks(s)) for bm, s in zip((got, want), pair)):
+            return False
+        for bm, s in zip((got, want), pair):
+            computed = bm.get_computed_blocks(s)
+            bm.allocate(s, n - len(computed) * bm.block_size, computed)
+            s.num_computed_tokens = n
+            bm.cache_full_blocks(s) if bm is got else _reference_cache_full_blocks(bm, s)
+        live.append(pair)
+        return True
+
+    for step in range(600):
+        r = rng.random()
+        if len(live) < 5 and r < 0.15:
+            prompt = [rng.randrange(2)] * rng.randint(1, 9)  # few distinct prompts: shared hashes
+            admit_pair((seq(prompt), seq(prompt)))
+        elif parked and r < 0.25:
+            if admit_pair(parked[0]):  # the same sequences again: a new table
+                parked.pop(0)
+        elif live and r < 0.30:
+            pair = live.pop(rng.randrange(len(live)))
+            for bm, s in zip((got, want), pair):
+                bm.free(s)
+            if rng.random() < 0.5:
+                parked.append(pair)  # preempted: recomputed later
+        elif live and r < 0.34 and got.num_free_blocks > 2:
+            parent = live[rng.randrange(len(live))]
+            child = (seq(parent[0].token_ids), seq(parent[1].token_ids))
+            for bm, p, c in zip((got, want), parent, child):
+                bm.fork(p, c)
+            live.append(child)
+        if step % 150 == 149:
+            got.reset_prefix_cache()
+            want.reset_prefix_cache()
+        for pair in list(live):  # a decode step: one more token each where blocks allow
+            if not (got.can_append(pair[0], 1) and want.can_append(pair[1], 1)):
+                continue
+            tok = rng.choice((0, 0, 0, 1))
+            copies = [bm.append_slots(s, 1) for bm, s in zip((got, want), pair)]
+            assert copies[0] == copies[1]
+            for s in pair:
+                s.token_ids.append(tok)
+                s.num_computed_tokens += 1
+            got.cache_full_blocks(pair[0])
+            _reference_cache_full_blocks(want, pair[1])
+        assert got.cached == want.cached, step
+        assert [b.block_hash for b in got.blocks] == [b.block_hash for b in want.blocks], step
+        assert [s.block_table for s, _ in live] == [t.block_table for _, t in live], step

@@ -36,12 +36,21 @@ ENV = "TRITIUM_NATIVE_STEP"
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+_parsed = (None, True)  # (the raw TRITIUM_NATIVE_STEP value last parsed, whether it means on)
+
+
 def enabled() -> bool:
-    """TRITIUM_NATIVE_STEP: unset or 1 on, 0 off; anything else is an error naming the values."""
-    v = os.environ.get(ENV, "1").strip().lower()
+    """TRITIUM_NATIVE_STEP: unset or 1 on, 0 off; anything else is an error naming the values
+    (read every step, parsed only when it changed)."""
+    global _parsed
+    raw = os.environ.get(ENV)
+    if raw == _parsed[0]:
+        return _parsed[1]
+    v = (raw or "1").strip().lower()
     if v not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}; allowed: 1 (default), 0")
-    return v in ("1", "true", "on")
+        raise ValueError(f"{ENV}={raw!r}; allowed: 1 (default), 0")
+    _parsed = (raw, v in ("1", "true", "on"))
+    return _parsed[1]
 
 
 def _packed(mod):
@@ -93,8 +102,11 @@ def refusal(model) -> Optional[str]:
 
 def _probe(model):
     """The module whose identity says the layers were not re-wrapped since the last check (None
-    for layers without a fused qkv_proj, e.g. multi-head latent attention)."""
-    return getattr(model.layers[0], "qkv_proj", None)
+    for layers without a fused qkv_proj, e.g. multi-head latent attention). Asked every step:
+    the first layer through the ModuleList's dict (its indexing costs microseconds)."""
+    layers = model.layers
+    first = layers._modules.get("0") if isinstance(layers, torch.nn.ModuleList) else layers[0]
+    return getattr(first, "qkv_proj", None)
 
 
 def _streamed_weights(model) -> list:

@@ -173,13 +173,17 @@ class RowStream:
         if not p.return_log_probs and self.state.cache is not None:
             self._emit_cached(c, text, out_ids, prev_ids, finished)
             return
-        lps = token_logprobs(c.logprobs, list(c.token_ids)) if p.return_log_probs else []
-        new_lps = lps[len(lps) - len(gen_ids):] if lps and gen_ids else []
+        new_lps: List[float] = []
         cum: Optional[float] = c.cum_logprob if p.return_log_probs else None
         detail = None
         if p.return_log_probs:
-            entries = list(c.logprobs or [])
-            entries = entries[len(entries) - len(gen_ids):] if gen_ids else []
+            # Only this response's tokens: the last len(gen_ids) entries (a response per token
+            # must not walk the whole sequence's log probs, which made a long stream quadratic).
+            entries = c.logprobs or []
+            k = min(len(gen_ids), len(entries))
+            start = max(min(len(entries), len(c.token_ids)) - k, 0)  # entries pair with token ids in order
+            entries = entries[start:start + k] if k else []
+            new_lps = token_logprobs(entries, c.token_ids[start:start + k]) if k else []
             detail = logprobs_detail(entries, self._token_text)
         arrays = response_arrays(
             text=text, new_ids=out_ids, finish_reason=c.finish_reason if finished else None,
