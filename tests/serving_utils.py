@@ -136,3 +136,20 @@ def tritium_serve(repo: str, root: str, *extra_args: str, env: dict = None, time
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+
+
+@contextlib.contextmanager
+def served_tiny_engine(tiny_checkpoint, root, name: str):
+    """(engine_dir, tritonserver) for a tiny float32 llama engine built and served the way a user
+    does it (`tritium build --repo`, then tritonserver on that repository), stopped on exit."""
+    from tritium.client.cli.main import main
+    from tritium.client.serve.server import TritonServer
+    engine, repo = str(root / "engine"), str(root / "repo")
+    assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
+                 "--repo", repo, "--name", name]) == 0
+    srv = TritonServer(repo, log_file=str(root / "server.log"), load_models=[name])
+    srv.start(timeout=240)  # a cold start compiles the native kernels and loads the stub
+    try:
+        yield engine, srv
+    finally:
+        assert srv.stop() == 0

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tritium.client.cli.main import main
+from serving_utils import served_tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "tiny"
@@ -22,17 +22,8 @@ TOKENS = 40
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
     """(engine_dir, tritonserver) for a tiny engine built and served the way a user does it."""
-    from tritium.client.serve.server import TritonServer
-    root = tmp_path_factory.mktemp("lpstream")
-    engine, repo = str(root / "engine"), str(root / "repo")
-    assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
-                 "--repo", repo, "--name", NAME]) == 0
-    srv = TritonServer(repo, log_file=str(root / "server.log"), load_models=[NAME])
-    srv.start(timeout=240)  # a cold start compiles the native kernels and loads the stub
-    try:
-        yield engine, srv
-    finally:
-        assert srv.stop() == 0
+    with served_tiny_engine(tiny_checkpoint, tmp_path_factory.mktemp("lpstream"), NAME) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

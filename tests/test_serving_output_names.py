@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tritium.client.cli.main import main
+from serving_utils import served_tiny_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "tiny"
@@ -13,17 +13,8 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
     """(engine_dir, tritonserver) for a tiny engine built and served the way a user does it."""
-    from tritium.client.serve.server import TritonServer
-    root = tmp_path_factory.mktemp("outnames")
-    engine, repo = str(root / "engine"), str(root / "repo")
-    assert main(["build", tiny_checkpoint("llama"), "-o", engine, "--dtype", "float32", "--quiet",
-                 "--repo", repo, "--name", NAME]) == 0
-    srv = TritonServer(repo, log_file=str(root / "server.log"), load_models=[NAME])
-    srv.start(timeout=240)  # a cold start compiles the native kernels and loads the stub
-    try:
-        yield engine, srv
-    finally:
-        assert srv.stop() == 0
+    with served_tiny_engine(tiny_checkpoint, tmp_path_factory.mktemp("outnames"), NAME) as pair:
+        yield pair
 
 
 def _generate_stream_events(url: str, body: dict) -> list:
