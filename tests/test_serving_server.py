@@ -118,6 +118,20 @@ def test_stream_equals_inprocess_greedy(server, oracle, protocol, model):
         assert whole.text == ref_text
 
 
+def test_stub_runs_the_tritium_of_the_server_process(server, built):
+    """The Python backend's stub runs isolated (PYTHONPATH ignored); model.py puts PYTHONPATH first
+    again, so the served code is this process's tritium, not whatever the venv has installed (with
+    a checkout on PYTHONPATH the two differ). The model's load line names the package it runs."""
+    import re
+    import tritium.backend
+    with open(os.path.join(built[2], "server.log"), encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    found = re.findall(rf"model '{NAME}' serving engine .*?tritium\.backend from ([^)\"]+)\)", log)
+    assert found, "the model's load line names no tritium.backend"
+    here = os.path.realpath(os.path.dirname(tritium.backend.__file__))
+    assert {os.path.realpath(p) for p in found} == {here}
+
+
 def test_imported_prequantized_engine_serves_like_inprocess(server, built):
     from tritium.backend.engine import LLMEngine
     from tritium.backend.sampling_params import SamplingParams

@@ -28,6 +28,22 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
+
+def _honor_pythonpath(environ=os.environ, path=sys.path) -> None:
+    """The Python backend's stub runs its interpreter isolated (sys.flags.isolated: PYTHONPATH is
+    ignored), so without this the stub imports the tritium package its Python has installed while
+    this model.py is the copy from the tritium that `tritium serve` runs (server.py installs it):
+    with PYTHONPATH pointing at another tree (a checkout, a worktree), the two would differ. Its
+    entries go first on sys.path, as in the process that started the server."""
+    entries = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for p in reversed(entries):
+        if p in path:
+            path.remove(p)
+        path.insert(0, p)
+
+
+_honor_pythonpath()
+
 from tritium.backend.async_engine import AsyncLLMEngine, name_os_thread
 from tritium.backend.chat_template import ChatTemplate, NoChatTemplateError
 from tritium.backend.config import EngineConfig
@@ -153,7 +169,8 @@ class TritonPythonModel:
         self._stop = threading.Event()
         pb_utils.Logger.log_info(f"tritium: model '{name}' serving engine {engine_dir} "
                                  f"({self.config.model.architecture}, {self.config.dtype}; "
-                                 f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us)")
+                                 f"GIL switch interval {round(sys.getswitchinterval() * 1e6)} us; "
+                                 f"tritium.backend from {os.path.dirname(sys.modules['tritium.backend'].__file__)})")
         # Last: initialize's own IPC (the log line above) is over before this thread's begins.
         self._stats_thread = threading.Thread(target=self._stats_loop, name="tritium-stats", daemon=True)
         self._stats_thread.start()
