@@ -347,3 +347,35 @@ def test_bad_ids_and_positions_raise(engine_dir, native_bf16, monkeypatch):
     out = step.run_step(model, torch.tensor([5]), torch.tensor([0]), kv, meta)
     assert out.shape == (1, m.hidden_size) and torch.isfinite(out.float()).all()
 
+
+
+def test_head_and_embedding_follow_swapped_modules(engine_dir, native_bf16, monkeypatch):
+    """_set_head / _set_embedding re-point the call only when what they read changed (checked every
+    step without calling the packing code): a W8A8 model whose head and embedding modules are then
+    swapped for a bf16 engine's (same shape, other weights) runs the bf16 head and lookup, and its
+    logits and tokens equal the per-op path's on the swapped model; steps in between keep them."""
+    model = LLMEngine(engine_dir("llama-gqa", "w8a8"), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    other = LLMEngine(engine_dir("llama-gqa", "bf16"), num_kv_blocks=8, enable_prefix_caching=False).runner.model
+    monkeypatch.setenv(native_step.ENV, "1")
+    before, _ = _steps(model, seed=4, logits=True)
+    step = NativeStep.get(model).step
+    assert (step.head.kind, step.front.kind) == (HEAD_I8DOT, EMB_I8)
+    for name in ("lm_head", "embed_tokens", "embed_tokens_weight", "embed_input_scale", "head_input_mean",
+                 "head_mean_logits", "packed_head"):
+        v = getattr(other, name, None)
+        if name in model._buffers:
+            model._buffers[name] = v
+        elif name in model._modules:
+            model._modules[name] = v
+        else:
+            setattr(model, name, v)
+    got, _ = _steps(model, seed=4, logits=True)
+    assert NativeStep.get(model).step is step  # the same call (its layers did not change), re-pointed
+    assert (step.head.kind, step.front.kind) == (HEAD_BF16, EMB_BF16)
+    monkeypatch.setenv(native_step.ENV, "0")
+    ref, _ = _steps(model, seed=4, logits=True)
+    assert [g[2] for g in got] == [False] + [True] * 13
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a[0], b[0]), (native_bf16, i, (a[0] - b[0]).abs().max().item())
+        assert a[1] == b[1], (native_bf16, i)
+    assert not torch.equal(before[-1][0], got[-1][0])  # the swap changed the answer

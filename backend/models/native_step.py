@@ -229,30 +229,69 @@ class NativeStep:
         return self.native.run(hidden, None, cos, ssin, meta.slot_mapping.to(torch.int64).contiguous(),
                                plan.block_tables, plan.rows_for(meta, self.window), kv_caches[0][0].shape[1])
 
+    @staticmethod
+    def _member(obj, name: str):
+        """getattr(obj, name, None) for an nn.Module without Module.__getattr__'s Python fallback
+        (and an AttributeError for every absent name): the instance's dict, then its parameters,
+        buffers and submodules, as Module.__getattr__ looks them up. These checks run every step."""
+        if obj is None:
+            return None
+        d = obj.__dict__
+        if name in d:
+            return d[name]
+        for store in ("_parameters", "_buffers", "_modules"):
+            s = d.get(store)
+            if s is not None and name in s:
+                return s[name]
+        return getattr(obj, name, None)
+
     def _set_embedding(self, model) -> bool:
         """Points the call's lookup at the model's embedding (again only when its tensors were
         swapped); whether the C lookup reads it."""
-        e = model.embed_tokens
-        key = (model.embed_tokens_weight, e, getattr(e, "_panels", None), getattr(e, "qweight", None),
-               model.embed_input_scale)
+        get = NativeStep._member
+        e = get(model, "embed_tokens")
+        key = (get(model, "embed_tokens_weight"), e, get(e, "_panels"), get(e, "qweight"),
+               get(model, "embed_input_scale"))
         if self._emb_key is None or any(a is not b for a, b in zip(key, self._emb_key)):
-            self.step.set_embedding(embedding_source(model.embed_tokens_weight, e), model.embed_input_scale)
+            self.step.set_embedding(embedding_source(model.embed_tokens_weight, model.embed_tokens),
+                                    model.embed_input_scale)
             self._emb_key = key
         return self.step.front.kind != 0
+
+    def _head_inputs(self, model) -> tuple:
+        """Everything _packed() reads to find the head's packed weight: the model's head modules,
+        the linear under a LoRA wrapper, its pack attributes and buffers (a load or .to() swaps
+        those, and _get_packed repacks). Equal objects -> the same pack, without calling it."""
+        get = NativeStep._member
+        lm, emb = get(model, "lm_head"), get(model, "embed_tokens")
+        if lm is None and emb is None:
+            return (None, None, get(model, "packed_head"))
+        mod = lm if lm is not None else emb
+        if get(mod, "_manager") is not None:
+            mod = get(mod, "base")
+        d = mod.__dict__
+        return (lm, emb, mod, d.get("packed_weight"), d.get("_packed"), d.get("_panels"),
+                *d.get("_buffers", {}).values())
 
     def _set_head(self, model) -> bool:
         """Points the call's LM head at the model's (compute_logits' kernel, packed); whether the
         call runs it (not with Granite's logits scaling, a soft-cap, a bias or a LoRA head)."""
+        inputs = self._head_inputs(model)
+        last = self._head_key
+        if last is not None and len(inputs) == len(last[2]) and all(a is b for a, b in zip(inputs, last[2])) \
+                and (last[0] is None or last[0].tensors[0] is last[1]):
+            return self.step.head is not None  # nothing it reads changed: the same pack
         m = model.cfg.model
         if model.lm_head is None and model.embed_tokens is None:
             p, bias, manager = model.packed_head, None, None
         else:
             p, bias, manager = _packed(model.lm_head if model.lm_head is not None else model.embed_tokens)
         key = (p, None if p is None else p.tensors[0])
-        if self._head_key is None or any(a is not b for a, b in zip(key, self._head_key)):
+        if last is None or any(a is not b for a, b in zip(key, last[:2])):
             ok = manager is None and m.logits_scaling == 1.0 and m.final_logit_softcap is None
             self.step.set_head(head_source(p, bias, model.head_input_mean, model.head_mean_logits) if ok else None)
-            self._head_key = key
+        # after _packed: packing may swap the module's buffers (an integer-dot head keeps its codes in the panels)
+        self._head_key = key + (self._head_inputs(model),)
         return self.step.head is not None
 
     def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
