@@ -148,3 +148,41 @@ def test_standalone_guard_answers_for_a_missing_upstream_and_refuses_a_taken_por
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _chunked(pieces, trailers=(), ext=False) -> bytes:
+    """A chunked body written out by hand (RFC 9112 section 7.1)."""
+    out = b"".join(b"%x%s\r\n%s\r\n" % (len(p), b";x=1" if ext else b"", p) for p in pieces)
+    return out + b"0\r\n" + b"".join(t + b"\r\n" for t in trailers) + b"\r\n"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_end_found_in_any_split(seed):
+    """The guard relays a streamed response read by read; ChunkedEnd finds the body's last byte
+    wherever the reads split it (inside a size line, the data, a CRLF, the trailers), and nothing
+    after it counts."""
+    import random
+    from tritium.client.serve.http_checks import ChunkedEnd
+    rng = random.Random(seed)
+    pieces = [bytes(rng.randrange(256) for _ in range(rng.choice([1, 2, 13, 300, 70000]))) for _ in range(rng.randint(0, 6))]
+    body = _chunked(pieces, trailers=[b"X-T: 1"] * (seed % 2), ext=seed % 3 == 0)
+    data = body + b"HTTP/1.1 200 OK\r\n" * (seed % 2)  # bytes past the end are not the body's
+    for _ in range(20):
+        scan, pos, relayed = ChunkedEnd(), 0, 0
+        while pos < len(data) and not scan.done:
+            step = rng.choice([1, 2, 3, 7, 64, 5000, 100000])
+            n = scan.feed(data[pos:pos + step])
+            relayed += n
+            pos += step
+        assert scan.done and relayed == len(body)
+
+
+def test_chunked_end_refuses_bad_framing():
+    from tritium.client.serve.http_checks import ChunkedEnd
+    for bad in (b"-5\r\nabc\r\n", b"zz\r\n", b"\r\n", b"5\nhello\r\n", b"0x5\r\nhello\r\n", b"1_0\r\n"):
+        with pytest.raises(ValueError, match="chunked body"):
+            ChunkedEnd().feed(bad)
+    with pytest.raises(ValueError, match="over the limit"):
+        ChunkedEnd(max_line=16).feed(b"1" * 40)
+    scan = ChunkedEnd()
+    assert scan.feed(b"5\r\nhel") == 6 and not scan.done  # a partial body: all of it relayed, not done

@@ -220,3 +220,50 @@ def parse_response_head(head: bytes) -> Tuple[int, List[Tuple[str, str]]]:
     status = int(lines[0].split(" ")[1])
     headers = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)]
     return status, headers
+
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class ChunkedEnd:
+    """Where an HTTP/1.1 chunked body ends (RFC 9112 section 7.1: size lines, data, the zero-size
+    chunk, trailer lines, an empty line), found in bytes that arrive in pieces of any size. The
+    guard relays each upstream read whole as it comes (one write, one TCP segment per streamed
+    event) instead of reading the framing line by line, and stops at the body's last byte."""
+
+    def __init__(self, max_line: int = 8192):
+        self.max_line = max_line
+        self.skip = 0          # bytes of chunk data and its CRLF still to pass over
+        self.line = b""        # a size or trailer line split across reads
+        self.trailers = False  # after the zero-size chunk
+        self.done = False      # the body's last byte was seen
+
+    def feed(self, data: bytes) -> int:
+        """Scan the next bytes; returns how many of them belong to the body (all of them, or up
+        to its end once found). Raises ValueError on bad framing."""
+        pos, n = 0, len(data)
+        while pos < n and not self.done:
+            if self.skip:
+                k = min(self.skip, n - pos)
+                pos += k
+                self.skip -= k
+                continue
+            i = data.find(b"\n", pos)
+            if i < 0:
+                self.line += data[pos:]
+                if len(self.line) > self.max_line:
+                    raise ValueError("chunked body: a line over the limit")
+                return n
+            line, self.line, pos = self.line + data[pos:i + 1], b"", i + 1
+            if not line.endswith(b"\r\n"):
+                raise ValueError("chunked body: a line not ended by CRLF")
+            if self.trailers:
+                self.done = line == b"\r\n"
+                continue
+            size = line[:-2].split(b";", 1)[0].strip()
+            if not size or not _HEX.issuperset(size):
+                raise ValueError(f"chunked body: bad chunk size {size[:32]!r}")
+            size = int(size, 16)
+            self.trailers = size == 0
+            self.skip = size + 2 if size else 0
+        return pos

@@ -24,8 +24,8 @@ from typing import List, Optional, Tuple
 
 from tritium.client.serve.generate_checks import check_generate_fields, is_generate
 from tritium.client.serve.guard_auth import GuardKeys, check_access
-from tritium.client.serve.http_checks import (GuardError, GuardLimits, Request, check_body_size, check_json_depth,
-                                              check_json_syntax, upstream_status, decode_body, error_response,
+from tritium.client.serve.http_checks import (ChunkedEnd, GuardError, GuardLimits, Request, check_body_size,
+                                              check_json_depth, check_json_syntax, upstream_status, decode_body, error_response,
                                               forward_content_type, json_part, parse_content_length, parse_head,
                                               parse_response_head)
 
@@ -216,19 +216,21 @@ class Guard:
         if req.method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             pass
         elif "chunked" in te:
-            while True:
-                line = await up_r.readuntil(b"\r\n")
-                writer.write(line)
-                size = int(line.split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    while True:
-                        t = await up_r.readuntil(b"\r\n")
-                        writer.write(t)
-                        if t == b"\r\n":
-                            break
-                    break
-                writer.write(await up_r.readexactly(size + 2))
+            # Each read relayed whole as it comes (a generate_stream event is one read: one write,
+            # one send to the client), the framing only scanned for the body's end.
+            body_end = ChunkedEnd()
+            while not body_end.done:
+                data = await up_r.read(2 ** 16)
+                if not data:
+                    raise ConnectionResetError("tritonserver closed the connection mid-response")
+                try:
+                    n = body_end.feed(data)
+                except ValueError as e:
+                    raise ConnectionResetError(f"tritonserver: {e}") from None
+                writer.write(data if n == len(data) else data[:n])
                 await writer.drain()
+                if n < len(data):  # bytes after the response: nothing was asked for them
+                    return False
         elif cl:
             remaining = int(cl[0])
             while remaining > 0:
