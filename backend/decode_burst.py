@@ -8,8 +8,9 @@ back as its next input; the engine then appends the K tokens of every row in ord
 steps would (stop ids, stop strings, max_tokens, detokenization, prefix hashes over the tokens
 appended, counters), and the request gets one output carrying all its new tokens.
 
-Who bursts (plan): every scheduled row a decode of one token on the native fast path (no block
-copies, no preemption, every running sequence scheduled), greedy with nothing asked of its logits
+Who bursts (plan): every scheduled row (at most NATIVE_STEP_MAX_ROWS) a decode of one token on
+the native fast path whose call runs the model's lookup and head itself (no block copies, no
+preemption, every running sequence scheduled), greedy with nothing asked of its logits
 (sampler._plain_greedy: no logprobs, penalties, logit_bias, bad words, guide, min_tokens ban
 still pending), no LoRA, no speculative decoding, no pending fork; and nobody waiting, so a new
 request never waits behind a burst. K = min(the maximum burst, every row's remaining max_tokens and
@@ -29,6 +30,7 @@ import time
 from typing import Dict, List, Optional
 
 from .block_manager import cdiv
+from .models.native_step import NATIVE_STEP_MAX_ROWS
 from .sampler import _plain_greedy
 from .sequence import SequenceStatus
 
@@ -74,7 +76,7 @@ def plan(engine, sched) -> int:
     sc, bm = engine.scheduler, engine.block_manager
     if (k <= 1 or engine.speculator is not None or engine.lora is not None or sc.waiting or sched.block_copies
             or sched.preempted or len(sched.seqs) != len(sc.running)
-            or getattr(engine.runner, "run_burst", None) is None):
+            or len(sched.seqs) > NATIVE_STEP_MAX_ROWS):
         return 1
     for seq, n in zip(sched.seqs, sched.num_new_tokens):
         if n != 1 or not _row_ok(seq):
@@ -82,6 +84,9 @@ def plan(engine, sched) -> int:
         k = min(k, seq.request.params.max_tokens - seq.num_output_tokens, engine.max_seq_len - seq.num_tokens)
         if k <= 1:
             return 1
+    ready = getattr(engine.runner, "burst_ready", None)  # a tensor-parallel runner has none
+    if ready is None or not ready():
+        return 1
     bs = bm.block_size
     need = sum(max(cdiv(s.num_computed_tokens + k, bs) - len(s.block_table), 0) for s in sched.seqs)
     if need > bm.num_free_blocks or not all(bm.can_append(s, k) for s in sched.seqs):

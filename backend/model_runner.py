@@ -276,6 +276,12 @@ class ModelRunner:
         finally:
             self.lora.end_step()
 
+    def burst_ready(self) -> bool:
+        """Whether run_burst can run this model's decode-only steps (checked before the engine
+        takes a burst's KV slots)."""
+        return self.native_decode is not None and self.lora is None and hasattr(self.model, "can_burst") \
+            and self.model.can_burst()
+
     @torch.inference_mode()
     def run_burst(self, sched: SchedulerOutput, k: int, stop_ids: List[List[int]]) -> Optional[List[List[int]]]:
         """Up to k greedy decode steps of a decode-only step in one native call

@@ -271,6 +271,11 @@ class NativeStep:
             self._kv_key = key
         return True
 
+    def can_burst(self, model) -> bool:
+        """Whether the call runs this model's lookup and head itself (what a burst needs)."""
+        return enabled() and self._set_head(model) and self._set_embedding(model) and \
+            all(mgr.batch is None for mgr in self.lora_managers)
+
     def run_burst(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, k: int,
                   stop_ids: list) -> Optional[list]:
         """Up to k greedy decode steps in one call (DecodeStep.run_burst; backend/decode_burst.py
