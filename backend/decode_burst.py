@@ -11,8 +11,8 @@ appended, counters), and the request gets one output carrying all its new tokens
 Who bursts (plan): every scheduled row (at most NATIVE_STEP_MAX_ROWS) a decode of one token on
 the native fast path whose call runs the model's lookup and head itself (no block copies, no
 preemption, every running sequence scheduled), greedy with nothing asked of its logits
-(sampler._plain_greedy: no logprobs, penalties, logit_bias, bad words, guide, min_tokens ban
-still pending), no LoRA, no speculative decoding, no pending fork; and nobody waiting, so a new
+(as sampler._plain_greedy: no logprobs, penalties, logit_bias, bad words, guide; a min_tokens
+ban no longer pending), no LoRA, no speculative decoding, no pending fork; and nobody waiting, so a new
 request never waits behind a burst. K = min(the maximum burst, every row's remaining max_tokens and
 room to max_seq_len); the K - 1 extra tokens' KV slots are taken first through the block manager's
 check / act pair, else no burst. The call stops after a step where a row produced one of its stop
@@ -31,7 +31,6 @@ from typing import Dict, List, Optional
 
 from .block_manager import cdiv
 from .models.native_step import NATIVE_STEP_MAX_ROWS
-from .sampler import _plain_greedy
 from .sequence import SequenceStatus
 
 ENV = "TRITIUM_DECODE_BURST"
@@ -62,8 +61,12 @@ def env_max_burst() -> Optional[int]:
 
 
 def _row_ok(seq) -> bool:
-    req = seq.request
-    return (_plain_greedy(seq) and req.lora is None and not seq.spec_token_ids
+    """Whether a row's next tokens are the plain argmax of its raw logits (sampler._plain_greedy,
+    with a min_tokens already reached: its ban is over) and nothing else waits on its steps."""
+    req, p = seq.request, seq.request.params
+    return (p.is_greedy and p.logprobs is None and seq.guide is None and not p.logit_bias and not req.bad_words
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and seq.num_output_tokens >= p.min_tokens and req.lora is None and not seq.spec_token_ids
             and seq.num_computed_tokens + 1 == seq.num_tokens
             and all(s.status != SequenceStatus.PENDING_FORK for s in req.seqs))
 

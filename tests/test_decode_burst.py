@@ -144,6 +144,22 @@ def test_stop_string_mid_burst(engines, native_bf16, bursts):
     assert any(b[2] for b in bursts)
 
 
+def test_min_tokens_ban_then_bursts(engines, native_bf16, bursts):
+    """A row with min_tokens: no burst while its ban on stop ids is pending, bursts after; its stop
+    id, banned early, ends it later exactly as step by step."""
+    prompt = [7, 100, 42, 9]
+    free, _, _, _ = _run(engines["int8"], [(prompt, _greedy(24, ignore_eos=True))], 1)
+    ids = free[0][0].token_ids
+    stop = ids[1]  # would end the row at its second token without the ban
+    reqs = [(prompt, _greedy(24, ignore_eos=True, stop_token_ids=[stop], min_tokens=9))]
+    off, c_off, _, _ = _run(engines["int8"], reqs, 1)
+    on, c_on, _, _ = _run(engines["int8"], reqs, 4)
+    _same(on, off)
+    assert c_on == c_off
+    assert len(on[0][0].token_ids) >= 9
+    assert bursts and all(b[1] <= 4 for b in bursts)
+
+
 def test_prefix_cache_after_bursts(engines, native_bf16, bursts):
     """Blocks filled by bursts are cached under the hashes of the tokens appended: a later request
     whose prompt is an earlier one's prompt and output gets the same hits and tokens."""
