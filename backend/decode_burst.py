@@ -8,8 +8,8 @@ back as its next input; the engine then appends the K tokens of every row in ord
 steps would (stop ids, stop strings, max_tokens, detokenization, prefix hashes over the tokens
 appended, counters), and the request gets one output carrying all its new tokens.
 
-Who bursts (plan): every scheduled row (at most NATIVE_STEP_MAX_ROWS) a decode of one token on
-the native fast path whose call runs the model's lookup and head itself (no block copies, no
+Who bursts (plan): at most MAX_BURST_ROWS rows, every one a decode of one token on the native
+fast path whose call runs the model's lookup and head itself (no block copies, no
 preemption, every running sequence scheduled), greedy with nothing asked of its logits
 (as sampler._plain_greedy: no logprobs, penalties, logit_bias, bad words, guide; a min_tokens
 ban no longer pending), no LoRA, no speculative decoding, no pending fork; and nobody waiting, so a new
@@ -30,12 +30,16 @@ import time
 from typing import Dict, List, Optional
 
 from .block_manager import cdiv
-from .models.native_step import NATIVE_STEP_MAX_ROWS
 from .sequence import SequenceStatus
 
 ENV = "TRITIUM_DECODE_BURST"
 DEFAULT_MAX_DECODE_BURST = 8
 MAX_DECODE_BURST = 256
+# Steps of more rows do not burst: a request that arrives during a burst waits for its end, and a
+# burst of a 16-row batch lasts K of its long steps (measured at concurrency 16, int8 SmolLM2,
+# max burst 8: time to first token p50 428 vs 173 ms, p90 1797 vs 331, for no clear gain in
+# throughput; docs/benchmarks.md#decode-bursts), while a few rows' steps are short.
+MAX_BURST_ROWS = 4
 
 _parsed = (None, None)  # (the raw TRITIUM_DECODE_BURST value last parsed, its value or None when unset)
 
@@ -79,7 +83,7 @@ def plan(engine, sched) -> int:
     sc, bm = engine.scheduler, engine.block_manager
     if (k <= 1 or engine.speculator is not None or engine.lora is not None or sc.waiting or sched.block_copies
             or sched.preempted or len(sched.seqs) != len(sc.running)
-            or len(sched.seqs) > NATIVE_STEP_MAX_ROWS):
+            or len(sched.seqs) > MAX_BURST_ROWS):
         return 1
     for seq, n in zip(sched.seqs, sched.num_new_tokens):
         if n != 1 or not _row_ok(seq):

@@ -110,6 +110,16 @@ def test_burst_equals_steps(engines, name, native_bf16, bursts):
     assert sum(n_on.values()) < sum(n_off.values())  # one output per request per burst
 
 
+def test_no_burst_above_max_rows(engines, native_bf16, bursts):
+    """Five rows (decode_burst.MAX_BURST_ROWS is 4) that finish together: never a burst."""
+    assert decode_burst.MAX_BURST_ROWS == 4
+    reqs = [([5 + i, 6, 7], _greedy(10, ignore_eos=True)) for i in range(5)]
+    off, c_off, _, _ = _run(engines["bf16"], reqs, 1)
+    on, c_on, _, _ = _run(engines["bf16"], reqs, 8)
+    _same(on, off)
+    assert c_on == c_off and not bursts
+
+
 def test_stop_token_mid_burst(engines, native_bf16, bursts):
     """A row whose stop id comes mid-burst ends the burst after that step; its neighbour goes on."""
     prompt = [7, 100, 42, 9]
