@@ -9,6 +9,7 @@ transformers' greedy generate for a float32-exact check of the tokens a burst pr
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -274,3 +275,12 @@ def test_burst_tokens_match_hf(tiny_checkpoint, engines, bursts):
             assert tok == top or row[top] - row[tok] <= 0.03 * (row.max() - row.min()), (ids, j, tok, top)
     assert exact >= 0.9 * total, (exact, total)
     assert any(b[2] == 8 for b in bursts)
+
+
+def test_serve_flag_range(capsys, monkeypatch):
+    """`tritium serve --max-decode-burst 300` fails before anything starts, naming the flag."""
+    from tritium.client.cli.main import main
+    monkeypatch.delenv(decode_burst.ENV, raising=False)
+    assert main(["serve", "--max-decode-burst", "300", "--repo", "/nonexistent-repo"]) == 2
+    assert "--max-decode-burst must be an integer in [1, 256] (1: off), got 300" in capsys.readouterr().err
+    assert decode_burst.ENV not in os.environ

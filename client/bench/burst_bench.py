@@ -137,16 +137,17 @@ def run_served(engine_dir: str, bursts, rounds: int, tokens: int, threads: int, 
 def _report(what, out, bursts, weight_bytes, rounds, tokens, threads, state_gbs) -> None:
     print(f"{what}: {weight_bytes / 1e6:.1f} MB of weights, {rounds} rounds x {tokens} tokens, "
           f"{threads} threads; state split at {state_gbs} GB/s")
-    first = statistics.median(x[0] for x in out[bursts[0]])
+    med = statistics.median
+    first = med(x[0] for x in out[bursts[0]])
     for k in bursts:
         rows = out[k]
-        line = f"max burst {k:>3}: {statistics.median(x[0] for x in rows):7.1f} tok/s " \
-               f"({statistics.median(x[0] for x in rows) / first:.3f}x), share {100 * statistics.median(x[2] for x in rows):5.1f} %"
+        tok_s = med(x[0] for x in rows)
+        line = f"max burst {k:>3}: {tok_s:7.1f} tok/s ({tok_s / first:.3f}x), share {100 * med(x[2] for x in rows):5.1f} %"
         for label, part in (("slow", [x for x in rows if x[1] < state_gbs]),
                             ("fast", [x for x in rows if x[1] >= state_gbs])):
             if part:
-                line += f" | {label} n={len(part)}: {statistics.median(x[0] for x in part):7.1f} tok/s " \
-                        f"{100 * statistics.median(x[2] for x in part):5.1f} % of {statistics.median(x[1] for x in part):.0f} GB/s"
+                line += (f" | {label} n={len(part)}: {med(x[0] for x in part):7.1f} tok/s "
+                         f"{100 * med(x[2] for x in part):5.1f} % of {med(x[1] for x in part):.0f} GB/s")
         print(line)
 
 
