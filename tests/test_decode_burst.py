@@ -111,6 +111,41 @@ def test_burst_equals_steps(engines, name, native_bf16, bursts):
     assert sum(n_on.values()) < sum(n_off.values())  # one output per request per burst
 
 
+@pytest.mark.parametrize("name", ["int8", "bf16-window"])
+def test_kv_cache_bits_equal_steps(engines, name, native_bf16, bursts, monkeypatch):
+    """Every key and value a burst wrote is the bits the steps one by one write: each request's
+    cached positions, read through its own block table as it finished."""
+    from tritium.backend.scheduler import Scheduler
+    tables = {}
+    real = Scheduler.finish
+
+    def finish(self, seq, reason):
+        tables[seq.request.request_id] = (list(seq.block_table), seq.num_computed_tokens)
+        real(self, seq, reason)
+    monkeypatch.setattr(Scheduler, "finish", finish)
+    reqs = [([3, 4, 5, 6, 7], _greedy(19, ignore_eos=True)), ([9], _greedy(26, ignore_eos=True)),
+            ([11, 12], _greedy(11, ignore_eos=True))]
+    kv = []
+    for burst in (1, 8):
+        tables.clear()
+        _, _, _, eng = _run(engines[name], reqs, burst)
+        per_request = {}
+        for rid, (table, n) in tables.items():
+            rows = []
+            for k_cache, v_cache in eng.runner.kv_caches:
+                bs = k_cache.shape[1]
+                idx = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+                rows.append((k_cache.flatten(0, 1)[idx], v_cache.flatten(0, 1)[idx]))
+            per_request[rid] = rows
+        kv.append(per_request)
+    assert any(b[2] == 8 for b in bursts)
+    assert kv[0].keys() == kv[1].keys() and len(kv[0]) == 3
+    for rid in kv[0]:
+        for (k0, v0), (k1, v1) in zip(kv[0][rid], kv[1][rid]):
+            assert torch.equal(k0.view(torch.int16), k1.view(torch.int16)), rid
+            assert torch.equal(v0.view(torch.int16), v1.view(torch.int16)), rid
+
+
 def test_no_burst_above_max_rows(engines, native_bf16, bursts):
     """Five rows (decode_burst.MAX_BURST_ROWS is 4) that finish together: never a burst."""
     assert decode_burst.MAX_BURST_ROWS == 4
