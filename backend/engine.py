@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import decode_burst
 from .admission import Admission
 from .block_manager import BlockManager
 from .config import EngineConfig, with_deterministic
@@ -55,6 +56,8 @@ class LLMEngine:
     lora: serve LoRA adapters per request, mixed in one batch (docs/lora.md).
     device_step: device sampling, staged inputs, static decode buffers / CUDA graphs
     (device_step.DeviceStepOptions; default: each on for CUDA, off for CPU; docs/serving.md).
+    max_decode_burst: greedy decode steps one native call may run (backend/decode_burst.py;
+    default decode_burst.DEFAULT_MAX_DECODE_BURST, 1: off; TRITIUM_DECODE_BURST overrides it).
     """
 
     def __init__(self, engine_dir: Optional[str] = None, num_kv_blocks: Optional[int] = None,
@@ -68,11 +71,13 @@ class LLMEngine:
                  activation_quant: Optional[str] = None,  # None: the engine's own setting
                  lora: Optional[LoRAConfig] = None,
                  gpu_memory_utilization: Optional[float] = None, instances_on_device: int = 1,
-                 device_step: Optional[DeviceStepOptions] = None):
+                 device_step: Optional[DeviceStepOptions] = None, max_decode_burst: Optional[int] = None):
         if speculative is not None:
             speculative.validate()  # before the (slow) load
         if gpu_memory_utilization is not None:
             check_utilization(gpu_memory_utilization)  # docs/serving.md#placement
+        self.max_decode_burst = decode_burst.DEFAULT_MAX_DECODE_BURST if max_decode_burst is None \
+            else decode_burst.check_max_burst(max_decode_burst)
         if (engine_dir is None) == (model is None):
             raise ValueError("give an engine_dir, or a loaded config and model")
         runner = None
@@ -205,6 +210,12 @@ class LLMEngine:
         if self.thread_policy is not None:
             self.thread_policy.apply(sched.num_batched_tokens)
         t0 = time.perf_counter()
+        k = decode_burst.plan(self, sched)  # several greedy steps in one native call
+        tokens = self.runner.run_burst(sched, k, decode_burst.stop_ids(sched)) if k > 1 else None
+        if tokens is not None:
+            if self.thread_policy is not None:
+                self.thread_policy.observe(sched.num_batched_tokens * len(tokens), time.perf_counter() - t0)
+            return outputs + decode_burst.postprocess(self, sched, tokens)
         logits = self.runner.run(sched)
         seconds = time.perf_counter() - t0
         if self.thread_policy is not None:
@@ -257,13 +268,17 @@ class LLMEngine:
             for seq, tok, entry in zip(sample_seqs, tokens, entries):
                 self._append(seq, tok, entry, now)
                 touched[seq.request.request_id] = seq.request
+        return self._outputs(touched, now), proposed, accepted
+
+    def _outputs(self, touched: Dict[str, Request], now: float) -> List[RequestOutput]:
+        """The outputs of the requests a step changed; finished ones leave the engine."""
         outs = []
         for rid, req in touched.items():
             outs.append(req.output())
             if req.is_finished:
                 req.metrics.finished_time = now
                 self.requests.pop(rid, None)
-        return outs, proposed, accepted
+        return outs
 
     def _append(self, seq: Sequence, tok: int, entry: Optional[dict], now: float) -> None:
         if seq.guide is not None and guided.dead_end(seq, tok, entry, self.scheduler):

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional
 
+from .decode_burst import DEFAULT_MAX_DECODE_BURST, MAX_DECODE_BURST
 from .device_step import DeviceStepOptions
 from .lora.adapter import DEFAULT_MAX_LORA_RANK
 from .lora.manager import DEFAULT_MAX_LORAS, LoRAConfig, parse_adapter_list
@@ -93,6 +94,10 @@ OPTIONS = (
     EngineOption("cuda_graphs", "bool", "--cuda-graphs",
                  "decode steps on static buffers per batch bucket, captured as CUDA graphs at load (default: "
                  "true on CUDA, false on CPU, where true runs the same buffers eagerly)"),
+    EngineOption("max_decode_burst", "int", "--max-decode-burst",
+                 f"greedy decode steps one native call may run for a decode-only batch of plain greedy rows when "
+                 f"nothing waits (default {DEFAULT_MAX_DECODE_BURST}; 1: off; TRITIUM_DECODE_BURST overrides it; "
+                 f"docs/serving.md#decode-bursts)", hi=MAX_DECODE_BURST),
     EngineOption("max_queue_size", "int", "--max-queue-size",
                  f"waiting requests beyond which new ones fail as overloaded "
                  f"(server default {DEFAULT_MAX_QUEUE_SIZE})"),
@@ -242,7 +247,7 @@ def engine_setup(opts: Dict[str, object], base_dir: Optional[str] = None, tp_siz
     whether small steps run faster on one thread or all, a bounded queue); otherwise torch's thread count stays as it is."""
     kw = {k: opts[k] for k in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                                "device", "threads_per_rank", "deterministic", "gpu_memory_utilization",
-                               "activation_quant")
+                               "activation_quant", "max_decode_burst")
           if k in opts}
     if "device_sampling" in opts or "cuda_graphs" in opts:
         kw["device_step"] = DeviceStepOptions(device_sampling=opts.get("device_sampling"),

@@ -276,6 +276,21 @@ class ModelRunner:
         finally:
             self.lora.end_step()
 
+    def burst_ready(self) -> bool:
+        """Whether run_burst can run this model's decode-only steps (checked before the engine
+        takes a burst's KV slots)."""
+        return self.native_decode is not None and self.lora is None and hasattr(self.model, "can_burst") \
+            and self.model.can_burst()
+
+    @torch.inference_mode()
+    def run_burst(self, sched: SchedulerOutput, k: int, stop_ids: List[List[int]]) -> Optional[List[List[int]]]:
+        """Up to k greedy decode steps of a decode-only step in one native call
+        (backend/decode_burst.py; each row's blocks cover its next k tokens): every step's tokens
+        (a list of one token per row), or None where this step or model does not take it."""
+        if self.native_decode is None or self.lora is not None:
+            return None
+        return self.native_decode.run_burst(sched, k, stop_ids)
+
     @torch.inference_mode()
     def execute(self, arrays: StepArrays) -> Optional[torch.Tensor]:
         """The forward pass over prepared arrays (every tensor-parallel rank runs this; ranks other

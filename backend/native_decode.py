@@ -98,10 +98,9 @@ class NativeDecode:
             self._last.forget()
             self._last = None
 
-    def run(self, sched, allowed: bool = True) -> Optional[torch.Tensor]:
-        """float32 logits of every row (the runner's _argmax set as decode_logits returns it), or
-        None where this step does not take the path (the caller runs the general one; `allowed`
-        False: not this step, e.g. LoRA adapters in the engine)."""
+    def _fill(self, sched, allowed: bool) -> Optional[_Rows]:
+        """The buffers of this step's row count holding its inputs, or None where the step does
+        not take the path."""
         seqs = sched.seqs
         t = len(seqs)
         if (not allowed or not 0 < t <= NATIVE_STEP_MAX_ROWS or sched.block_copies
@@ -127,6 +126,15 @@ class NativeDecode:
         r.vec[0:3] = (ids, pos, slots)
         np.add(r.vec[1], 1, out=r.vec[6])  # keys [0, position]
         r.set_tables(seqs)
+        return r
+
+    def run(self, sched, allowed: bool = True) -> Optional[torch.Tensor]:
+        """float32 logits of every row (the runner's _argmax set as decode_logits returns it), or
+        None where this step does not take the path (the caller runs the general one; `allowed`
+        False: not this step, e.g. LoRA adapters in the engine)."""
+        r = self._fill(sched, allowed)
+        if r is None:
+            return None
         runner = self.runner
         out = runner.model.decode_logits(r.ids, r.pos, runner.kv_caches, r)
         if out is None:
@@ -134,3 +142,18 @@ class NativeDecode:
             return None
         runner._argmax = out
         return out[0]
+
+    def run_burst(self, sched, k: int, stop_ids: list) -> Optional[list]:
+        """Up to k greedy decode steps of this step's rows in one call (backend/decode_burst.py;
+        every row's blocks cover its next k tokens): each step's tokens (lists of T), or None
+        where the step or the model does not take it."""
+        if not hasattr(self.runner.model, "decode_burst"):
+            return None
+        r = self._fill(sched, True)
+        if r is None:
+            return None
+        runner = self.runner
+        out = runner.model.decode_burst(r.ids, r.pos, runner.kv_caches, r, k, stop_ids)
+        if out is None:
+            self.forget()
+        return out

@@ -26,7 +26,8 @@ from .rotary_ref import rotary_tables
 # the EMB_* kinds of cpu_decode_step.c
 EMB_NONE, EMB_BF16, EMB_I8, EMB_I8_PANELS, EMB_I6_PANELS = range(5)
 SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # SCALE_* of cpu_decode_step.c
-_ERRORS = {-2: "token id outside the vocabulary", -3: "position outside the rotary table (max_seq_len)"}
+_ERRORS = {-2: "token id outside the vocabulary", -3: "position outside the rotary table (max_seq_len)",
+           -5: "burst rows not a decode-only step's, or past the block tables"}
 
 
 class _Front(ctypes.Structure):
@@ -86,6 +87,9 @@ def _lib():
         lib.tritium_decode_step_bf16.argtypes = ([p, p, i64, p, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6
                                                  + [i64, p, i64, i64] + [p, p, i64, p, p, p, p])
         lib.tritium_decode_step_bf16.restype = ctypes.c_int
+        lib.tritium_decode_burst_bf16.argtypes = ([p, p, i64, p, p] + [i64] * 6 + [f32] * 3 + [p] * 6
+                                                  + [i64, p, i64] + [p, p, i64, p, p, p] + [i64, i64, p, p, p])
+        lib.tritium_decode_burst_bf16.restype = ctypes.c_int
         lib.tritium_decode_step_profile.argtypes = [p]
         lib.tritium_decode_step_profile.restype = None
         lib.tritium_step_warm_set.argtypes = [p, i64]
@@ -217,6 +221,52 @@ class DecodeStep:
             self._scratch[t] = (bufs + (normed,), mid, (f32.data_ptr(), b16.data_ptr()), normed.data_ptr())
         return self._scratch[t]
 
+    def _check(self, rc: int, t: int) -> None:
+        if rc == -1:
+            raise MemoryError(f"native decode step: no memory for the scratch of {t} rows")
+        if rc == -4:
+            raise ValueError(f"{WARM_ENV} must be an integer in [0, {WARM_MAX_MIB}] (MiB), got "
+                             f"{os.environ.get(WARM_ENV)!r}")
+        if rc in _ERRORS:
+            raise IndexError(f"native decode step: {_ERRORS[rc]}")
+
+    def _own_warming(self) -> None:
+        if _warm_owner[0] is None or _warm_owner[0]() is not self:  # the warming thread reads these weights
+            flat = [v for pair in warm_ranges(self.layers) for v in pair]
+            _lib().tritium_step_warm_set((ctypes.c_int64 * max(1, len(flat)))(*flat), len(flat) // 2)
+            _warm_owner[0] = weakref.ref(self)
+
+    def run_burst(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                  rows: torch.Tensor, block_size: int, k: int, window: Optional[int], stop_ids: list) -> list:
+        """Up to k greedy decode steps in one call (kernels/cpu_decode_burst.c): ids, positions,
+        slots (T,) int64 and rows (T, 4) of the first step as run() takes them (a decode-only step:
+        row t reads block-table row t, whose blocks must cover positions + k - 1); window: the
+        sliding window or None; stop_ids: T lists of each row's stop ids (EOS, stop token ids). The
+        head and the lookup must be the call's own. Returns the steps' tokens, a list of lists
+        (steps run, T): it stops after the step where a row produced one of its stop ids."""
+        t = positions.shape[0]
+        assert self.head is not None and self.front.kind != EMB_NONE
+        _, mid, ws, normed = self._bufs(t)
+        cols = rows.t().contiguous()
+        y, out = torch.empty(t, self.head.n, dtype=torch.float32), torch.empty(k, t, dtype=torch.int64)
+        flat = [s for row in stop_ids for s in row]
+        off = [0]
+        for row in stop_ids:
+            off.append(off[-1] + len(row))
+        stops = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+        stop_off = (ctypes.c_int64 * (t + 1))(*off)
+        lay = self.layers
+        threads = torch.get_num_threads() if lay.splittable else 1
+        self._own_warming()
+        rc = _lib().tritium_decode_burst_bf16(
+            ctypes.addressof(self.front), ctypes.addressof(lay._arr), len(lay._arr), ids.data_ptr(),
+            positions.data_ptr(), *mid, slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            cols.data_ptr(), block_size, *ws, threads, normed, ctypes.addressof(self.head), y.data_ptr(),
+            k, window or 0, stops, stop_off, out.data_ptr())
+        if rc < 0:
+            self._check(rc, t)
+        return out[:rc].tolist()
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: Optional[torch.Tensor], slots: torch.Tensor,
             block_tables: torch.Tensor, rows: torch.Tensor, block_size: int, logits: bool = False):
         """T rows: ids, positions (T,) int64 (hidden (T, H) bf16 the embedded rows where the
@@ -236,20 +286,11 @@ class DecodeStep:
             out = torch.empty(t, self.h, dtype=torch.bfloat16)
             tail = (out.data_ptr(), None, None, None)
         threads = torch.get_num_threads() if lay.splittable else 1
-        if _warm_owner[0] is None or _warm_owner[0]() is not self:  # the warming thread reads these weights
-            flat = [v for pair in warm_ranges(lay) for v in pair]
-            _lib().tritium_step_warm_set((ctypes.c_int64 * max(1, len(flat)))(*flat), len(flat) // 2)
-            _warm_owner[0] = weakref.ref(self)
+        self._own_warming()
         rc = _lib().tritium_decode_step_bf16(
             ctypes.addressof(self.front), ctypes.addressof(lay._arr), len(lay._arr), ids.data_ptr(),
             positions.data_ptr(), None if hidden is None else hidden.data_ptr(), *mid, slots.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], cols.data_ptr(), cols.shape[1], block_size,
             *ws, threads, *tail)
-        if rc == -1:
-            raise MemoryError(f"native decode step: no memory for the scratch of {t} rows")
-        if rc == -4:
-            raise ValueError(f"{WARM_ENV} must be an integer in [0, {WARM_MAX_MIB}] (MiB), got "
-                             f"{os.environ.get(WARM_ENV)!r}")
-        if rc in _ERRORS:
-            raise IndexError(f"native decode step: {_ERRORS[rc]}")
+        self._check(rc, t)
         return out if head is None else (y, tokens.tolist())

@@ -188,6 +188,18 @@ class DecoderLM(nn.Module):
         native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
         return None if native is None else native.run_step(self, input_ids, positions, kv_caches, meta, logits=True)
 
+    def can_burst(self) -> bool:
+        """Whether decode_burst can run this model (NativeStep.can_burst)."""
+        native = NativeStep.get(self) if self.tp is None else None
+        return native is not None and native.can_burst(self)
+
+    def decode_burst(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[KVCache],
+                     meta: AttentionMetadata, k: int, stop_ids: list):
+        """Up to k greedy decode steps in one native call (NativeStep.run_burst): each step's
+        tokens, or None where this model or step does not take it."""
+        native = NativeStep.get(self) if input_ids.device.type == "cpu" else None
+        return None if native is None else native.run_burst(self, input_ids, positions, kv_caches, meta, k, stop_ids)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) token ids -> (T, hidden); an int8 embedding dequantizes only the gathered rows."""
         if self.tp is None:

@@ -294,6 +294,41 @@ class NativeStep:
         self._head_key = key + (self._head_inputs(model),)
         return self.step.head is not None
 
+    def _ready(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> bool:
+        """Whether this step's tensors, caches and adapters let the native call run (and its
+        caches are pointed at kv_caches)."""
+        t = input_ids.shape[0]
+        k0 = kv_caches[0][0]
+        if not (t <= NATIVE_STEP_MAX_ROWS and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
+                and input_ids.is_contiguous() and positions.is_contiguous() and k0.dtype == torch.bfloat16
+                and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
+                and all(mgr.batch is None for mgr in self.lora_managers) and enabled()):
+            return False
+        key = (id(kv_caches), k0.data_ptr(), kv_caches[-1][1].data_ptr())  # the runner's caches: one list
+        if key != self._kv_key:
+            self.native.set_caches(kv_caches)
+            self._kv_key = key
+        return True
+
+    def can_burst(self, model) -> bool:
+        """Whether the call runs this model's lookup and head itself (what a burst needs)."""
+        return enabled() and self._set_head(model) and self._set_embedding(model) and \
+            all(mgr.batch is None for mgr in self.lora_managers)
+
+    def run_burst(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, k: int,
+                  stop_ids: list) -> Optional[list]:
+        """Up to k greedy decode steps in one call (DecodeStep.run_burst; backend/decode_burst.py
+        says which steps): meta a decode-only step's (NativeDecode's rows); the tokens of each step
+        run, or None where the call cannot run this model's lookup and head (the caller steps
+        once)."""
+        if not (self._set_head(model) and self._set_embedding(model)
+                and self._ready(input_ids, positions, kv_caches, meta)):
+            return None
+        plan = meta.cpu_plan
+        return self.step.run_burst(input_ids, positions, meta.slot_mapping, plan.block_tables,
+                                   plan.rows_for(meta, self.window), kv_caches[0][0].shape[1], k, self.window,
+                                   stop_ids)
+
     def run_step(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta,
                  logits: bool = False):
         """The whole step natively (kernels/decode_step.py: embedding lookup, rotary rows, every
@@ -301,20 +336,12 @@ class NativeStep:
         DecoderLM.forward's parts). Returns the final norm's output (T, hidden); with `logits`,
         (float32 logits (T, vocab), each row's argmax) from the LM head in the same call, or None
         where the call does not run this model's head."""
-        t = input_ids.shape[0]
-        k0 = kv_caches[0][0]
-        if not (t <= NATIVE_STEP_MAX_ROWS and input_ids.dtype == torch.int64 and positions.dtype == torch.int64
-                and input_ids.is_contiguous() and positions.is_contiguous() and k0.dtype == torch.bfloat16
-                and k0.is_contiguous() and meta.block_tables.dtype == torch.int32
-                and all(mgr.batch is None for mgr in self.lora_managers) and enabled()):
+        if not self._ready(input_ids, positions, kv_caches, meta):
             return None
         if logits and not self._set_head(model):
             return None
         hidden = None if self._set_embedding(model) else model.embed(input_ids).contiguous()
-        key = (id(kv_caches), k0.data_ptr(), kv_caches[-1][1].data_ptr())  # the runner's caches: one list
-        if key != self._kv_key:
-            self.native.set_caches(kv_caches)
-            self._kv_key = key
+        k0 = kv_caches[0][0]
         plan = getattr(meta, "cpu_plan", None) or ops.attention_plan(meta)
         return self.step.run(input_ids, positions, hidden, meta.slot_mapping.to(torch.int64).contiguous(),
                              plan.block_tables, plan.rows_for(meta, self.window), k0.shape[1], logits)

@@ -23,7 +23,7 @@ from tritium.client.cli.generate_inputs import (chat_messages, field_kwargs, gui
 
 # The engine options `tritium generate --engine` takes (backend/engine_options.py).
 ENGINE_FLAGS = ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "device", "device_sampling",
-                "cuda_graphs", "activation_quant") + SPECULATIVE
+                "cuda_graphs", "activation_quant", "max_decode_burst") + SPECULATIVE
 LORA_LIMITS = ("max_lora_rank",)  # beside --lora NAME=PATH
 
 

@@ -47,6 +47,9 @@ def register(sub) -> None:
                    help="write the server log here (default: <cache>/logs/tritonserver-<HTTP port>.log, "
                         "one per server)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness (default 600)")
+    p.add_argument("--max-decode-burst", type=int, default=None, metavar="N",
+                   help="greedy decode steps one native call may run (sets TRITIUM_DECODE_BURST for the server, "
+                        "over the models' max_decode_burst parameter; 1: off; docs/serving.md#decode-bursts)")
     from tritium.client.serve.http_checks import GuardLimits
     p.add_argument("--max-body-bytes", type=int, default=GuardLimits.max_body_bytes,
                    help="HTTP guard: largest request body, after gzip/deflate (default %(default)s)")
@@ -135,6 +138,9 @@ def _openai_server(args, security):
 
 def run(args: argparse.Namespace) -> int:
     limits = _limits(args)
+    if getattr(args, "max_decode_burst", None) is not None:  # the server (a child) inherits the environment
+        from tritium.backend.decode_burst import ENV, check_max_burst
+        os.environ[ENV] = str(check_max_burst(args.max_decode_burst, "--max-decode-burst"))
     ports = dict(http_port=_port(args.http_port), grpc_port=_port(args.grpc_port),
                  metrics_port=_port(args.metrics_port))
     if args.openai_port < -1 or args.openai_port > 65535:
