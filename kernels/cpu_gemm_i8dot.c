@@ -166,7 +166,8 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 #include "cpu_rows.h" /* DISPATCH */
 
-/* Panel p (16 channels) for all M rows, MR at a time, scaled by r into y. */
+/* Panel p (16 channels) for all M rows, PASS_ROWS(bits) at a time (a tile of MR, or two tiles in
+ * one pass: avx512 folded int4), scaled by r into y. */
 static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
                        float *y, int64_t M, int64_t N, int64_t bits, int64_t p) {
     const int64_t K = A->K, KB = K / QB, pbytes = 16 * (bits == 8 ? K : K / 2);
