@@ -16,7 +16,8 @@
  * b in block order for every row and channel (fixed by K: batch invariance).
  * int4 with folded zeros (bits == FOLD4; i8dot_pack.py): z holds int16 zc per channel and block,
  * the codes are c = 8 u + zc - 128 and there is no float zero term: y = r sum_b T d xd.
- * A block's weights are loaded once per tile of up to 8 rows; a row's 4 codes are broadcast
+ * A block's weights are loaded once per tile of up to 8 rows (AVX-512 folded int4: once per pass of
+ * two tiles, up to 16 rows; cpu_i8dot_avx512.h); a row's 4 codes are broadcast
  * against the 16 channels, so each integer lane sums one channel's whole block and no horizontal
  * sum is left: AVX-512 VNNI (VPDPBUSD: weights as unsigned u = c + 128 or the int4 nibble, the
  * offset's share off S subtracted exactly in int32 by starting the sum from -off S), AVX2
@@ -94,112 +95,16 @@ INLINE int64_t aidx(int64_t KB, int64_t m, int64_t b) { return ((m / MR) * KB + 
 INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 #if defined(I8DOT_AVX512)
-#define OFF8 128 /* int8 codes: u = c ^ 0x80 = c + 128 for VPDPBUSD's unsigned operand */
-#define OFF4 8
-#define OFF4F 128 /* folded int4: the byte 8 u + zc = c + 128 */
-/* One panel of 16 channels, rows m0 .. m0 + MR_ - 1: out (MR_, 16) = sum_b (T d) xd + xz z.
- * Each block's weights are loaded (and widened) once into 8 registers of 16 channels x 4 k and used
- * for every row: T of a row = 8 VPDPBUSD with the row's 4 codes broadcast, started from -off S.
- * The rows' T chains are interleaved (vector i of every row, then i + 1: MR_ independent chains
- * in flight) and the accumulators stay in registers; ZP (0: no zero term, 1: the float zero term,
- * 2: folded int4, each weight byte 8 u + zc; 3: folded int4 for 1-2 rows, the nibbles' sums U, then
- * T = 8 U + (zc - 128) S per row: the same integer, fewer unpacking operations) is fixed at compile
- * time. Each row's operations and their order are those of one row alone. */
-/* t + the dot of u's unsigned bytes with the 4 signed codes at p in every lane: the codes as an
- * embedded broadcast of VPDPBUSD's memory operand (GCC emits a separate VPBROADCASTD otherwise). */
-INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(t) : "v"(u), "m"(*(const int32_t *)p));
-    return t;
-}
-
-INLINE void panel_z(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                    float *out, const int BITS, const int MR_, const int ZP, const int NOPF) {
-    const int64_t K = A->K, KB = K / QB, pf = BITS == 8 && MR_ <= 2 ? pf_bytes : PFB;
-    __m512 f[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80), m4 = _mm512_set1_epi8(0x0f), m78 = _mm512_set1_epi8(0x78);
-    /* byte 4 j + e of each 128-bit lane L takes channel 4 L + j of the broadcast 16 zc bytes */
-    const __m512i zrep = _mm512_set_epi32(0x0f0f0f0f, 0x0e0e0e0e, 0x0d0d0d0d, 0x0c0c0c0c, 0x0b0b0b0b, 0x0a0a0a0a,
-                                          0x09090909, 0x08080808, 0x07070707, 0x06060606, 0x05050505, 0x04040404,
-                                          0x03030303, 0x02020202, 0x01010101, 0x00000000);
-    const int64_t t0 = aidx(KB, m0, 0); /* m0 % MR == 0: row r of block b at t0 + b MR + r */
-    const int8_t *x0 = A->xq + t0 * QB;
-    const int32_t *xo = A->xo + t0;
-    const float *xd = A->xd + t0, *xz = A->xz + t0;
-    for (int64_t b = 0; b < KB; b++) {
-        __m512i u[8];
-        if (BITS == 8) {
-            const uint8_t *p = wp + b * 512;
-            if (!NOPF) {
-#pragma GCC unroll 8
-                for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
-            }
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) u[i] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(p + 64 * i)), flip);
-        } else {
-            const uint8_t *p = wp + b * 256;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(p + pf + 64 * i), _MM_HINT_T1);
-            if (ZP == 2) { /* zc of the 16 channels, each byte 4 times: the lanes' 4 k */
-                const __m128i z8 = _mm256_cvtepi16_epi8(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
-                const __m512i zc = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(z8), zrep);
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
-                    u[i] = _mm512_add_epi8(_mm512_and_si512(_mm512_slli_epi16(v, 3), m78), zc);
-                    u[i + 4] = _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 1), m78), zc);
-                }
-            } else {
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
-                    u[i] = _mm512_and_si512(v, m4);
-                    u[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                }
-            }
-        }
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + b * 16)));
-        __m512i t[MR];
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++) t[r] = ZP == 3 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[b * MR + r]);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++)
-#pragma GCC unroll 8
-            for (int r = 0; r < MR_; r++)
-                t[r] = dpbusd_b(t[r], u[i], x0 + (b * MR + r) * QB + 4 * i);
-        if (ZP == 3) { /* the nibble sums U: T = 8 U + (zc - 128) S, S = xo / -128 in the low int16 */
-            const __m512i zcm = _mm512_sub_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(zp + b * 16))),
-                                                 _mm512_set1_epi32(128));
-#pragma GCC unroll 8
-            for (int r = 0; r < MR_; r++)
-                t[r] = _mm512_add_epi32(_mm512_slli_epi32(t[r], 3),
-                                        _mm512_madd_epi16(zcm, _mm512_set1_epi32((xo[b * MR + r] / -128) & 0xffff)));
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; r++)
-            f[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r]), dv), _mm512_set1_ps(xd[b * MR + r]), f[r]);
-        if (ZP == 1) {
-            const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(zp + b * 16)));
-#pragma GCC unroll 8
-            for (int r = 0; r < MR_; r++) f[r] = _mm512_fmadd_ps(_mm512_set1_ps(xz[b * MR + r]), zv, f[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < MR_; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
-}
-
-INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, const uint16_t *zp,
-                  float *out, const int BITS, const int MR_) {
-    if (BITS == FOLD4) panel_z(A, m0, wp, dp, zp, out, 4, MR_, MR_ <= 2 ? 3 : 2, 0); /* the same integer T */
-    else if (zp) panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 1, 0);
-    else panel_z(A, m0, wp, dp, zp, out, BITS, MR_, 0, 0);
-}
+#include "cpu_i8dot_avx512.h" /* dpbusd_b, panel_z, panel, panel16 */
 
 #elif defined(I8DOT_AVX2)
 #include "cpu_i8dot_avx2.h" /* half_block, panel */
+#define PASS_ROWS(bits) MR
+#define panel16(A, m0, wp, dp, zp, out, R) ((void)0) /* PASS_ROWS == MR: never called */
 
 #else /* portable C: signed codes */
+#define PASS_ROWS(bits) MR
+#define panel16(A, m0, wp, dp, zp, out, R) ((void)0) /* PASS_ROWS == MR: never called */
 #define OFF8 0
 #define OFF4 0
 #define OFF4F 0
@@ -261,17 +166,21 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 #include "cpu_rows.h" /* DISPATCH */
 
-/* Panel p (16 channels) for all M rows, MR at a time, scaled by r into y. */
+/* Panel p (16 channels) for all M rows, PASS_ROWS(bits) at a time (a tile of MR, or two tiles in
+ * one pass: avx512 folded int4), scaled by r into y. */
 static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, const uint16_t *z, const float *r,
                        float *y, int64_t M, int64_t N, int64_t bits, int64_t p) {
     const int64_t K = A->K, KB = K / QB, pbytes = 16 * (bits == 8 ? K : K / 2);
     const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
     const uint8_t *wp = w + p * pbytes;
     const uint16_t *dp = d + p * 16 * KB, *zp = z ? z + p * 16 * KB : NULL;
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int64_t mr = M - m0 < MR ? M - m0 : MR;
-        float out[MR * 16];
-        if (bits == 8) {
+    for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0, mr = left < PASS_ROWS(bits) ? left : PASS_ROWS(bits);
+        float out[2 * MR * 16];
+        if (mr > MR) { /* folded int4 on avx512: two tiles in one pass */
+#define PQ(R) panel16(A, m0, wp, dp, zp, out, R)
+            DISPATCH(PQ, mr - MR)
+        } else if (bits == 8) {
 #define P8(R) panel(A, m0, wp, dp, zp, out, 8, R)
             DISPATCH(P8, mr)
         } else if (bits == FOLD4) {
@@ -283,6 +192,7 @@ static void panel_rows(const acts_t *A, const uint8_t *w, const uint16_t *d, con
         }
         for (int64_t i = 0; i < mr; i++)
             for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+        m0 += mr;
     }
 }
 

@@ -14,8 +14,8 @@
  *
  * y[m][n] = r[n] sum_b T[m][n][b] d[n][g(b)] xd[m][b], T = sum_k c_k q_k over block b (exact int32),
  * the sum over b in block order (fixed by K). Per block the 8 slices of 4 inputs are rebuilt as bytes
- * u once per tile of up to 8 rows and a row's 4 codes are broadcast against the 16 channels (no
- * horizontal sums): AVX-512 VNNI (VPDPBUSD on u, started from -32 S, S the block's code sum), AVX2
+ * u once per tile of up to 8 rows (AVX-512: once per pass of up to 16 rows, two tiles) and a row's
+ * 4 codes are broadcast against the 16 channels (no horizontal sums): AVX-512 VNNI (VPDPBUSD on u, started from -32 S, S the block's code sum), AVX2
  * (VPMADDUBSW on u, two slices summed in int16: 2 x 2 x 63 x 127 < 2^15, then VPMADDWD), portable C
  * (u rebuilt in channel order as 32-bit words, 4 codes each, then per channel a 32-term dot). The float32 steps are those of cpu_gemm_i8dot.c's panels on each path, so an int6
  * head gives the same bits as its codes widened to int8 and run through tritium_i8dot_gemm.
@@ -55,6 +55,7 @@ INLINE int32_t load4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 #if defined(HEAD_AVX512)
 #define OFF 32
+#define TILE (2 * MR) /* rows per pass over a panel: panel16 */
 /* the high bits of slice 4 h + t, moved to bits 4, 5 of each byte */
 INLINE __m512i hi2_512(__m512i h, const int t) {
     const __m512i m2 = _mm512_set1_epi8(0x30);
@@ -66,21 +67,33 @@ INLINE __m512i hi2_512(__m512i h, const int t) {
     }
 }
 
+/* t + the dot of u's unsigned bytes with the 4 signed codes at p in every lane: the codes as an
+ * embedded broadcast of VPDPBUSD's memory operand (as cpu_gemm_i8dot.c's panels). */
+INLINE __m512i dpbusd_b(__m512i t, __m512i u, const int8_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(t) : "v"(u), "m"(*(const int32_t *)p));
+    return t;
+}
+
+/* The 8 slices of 4 inputs of one block (VB bytes at p) rebuilt as the bytes u = c + 32. */
+INLINE void widen_block(const uint8_t *p, __m512i *u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i h0 = _mm512_loadu_si512((const void *)(p + 256)), h1 = _mm512_loadu_si512((const void *)(p + 320));
+    for (int i = 0; i < 4; i++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
+        u[i] = _mm512_or_si512(_mm512_and_si512(v, m4), hi2_512(h0, i));
+        u[i + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), hi2_512(h1, i));
+    }
+}
+
 INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, float *out, const int MR_) {
     const int64_t K = A->K, KB = K / QB;
     __m512 f[MR];
     for (int r = 0; r < MR_; r++) f[r] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < KB; b++) {
         const uint8_t *p = wp + b * VB;
         for (int i = 0; i < 6; i++) _mm_prefetch((const char *)(p + 4 * VB + 64 * i), _MM_HINT_T0);
         __m512i u[8];
-        const __m512i h0 = _mm512_loadu_si512((const void *)(p + 256)), h1 = _mm512_loadu_si512((const void *)(p + 320));
-        for (int i = 0; i < 4; i++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(p + 64 * i));
-            u[i] = _mm512_or_si512(_mm512_and_si512(v, m4), hi2_512(h0, i));
-            u[i + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), hi2_512(h1, i));
-        }
+        widen_block(p, u);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + (b / A->bpg) * 16)));
         for (int r = 0; r < MR_; r++) {
             const int64_t m = m0 + r;
@@ -93,8 +106,47 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
     for (int r = 0; r < MR_; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
 }
 
+/* Rows m0 .. m0 + 8 + MRB - 1 (two tiles) of one panel in one pass: each block rebuilt once for
+ * both (the rebuild costs about a third of a tile's work), then the first tile's 8 rows, their T
+ * chains interleaved, then the second's MRB; per row the operations of panel, in its order. */
+INLINE void panel16(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp, float *out, const int MRB) {
+    const int64_t K = A->K, KB = K / QB;
+    __m512 f[2 * MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR + MRB; r++) f[r] = _mm512_setzero_ps();
+    const int8_t *x0 = A->xq + m0 * K;
+    const int32_t *xo = A->xo + m0 * KB;
+    const float *xd = A->xd + m0 * KB;
+    for (int64_t b = 0; b < KB; b++) {
+        __m512i u[8];
+        const uint8_t *p = wp + b * VB;
+#pragma GCC unroll 6
+        for (int i = 0; i < 6; i++) _mm_prefetch((const char *)(p + 4 * VB + 64 * i), _MM_HINT_T0);
+        widen_block(p, u);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + (b / A->bpg) * 16)));
+#pragma GCC unroll 2
+        for (int g = 0; g < 2; g++) {
+            const int R0 = g * MR, NR = g ? MRB : MR;
+            __m512i t[MR];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) t[r] = _mm512_set1_epi32(xo[(R0 + r) * KB + b]);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) t[r] = dpbusd_b(t[r], u[i], x0 + (R0 + r) * K + b * QB + 4 * i);
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++)
+                f[R0 + r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r]), dv),
+                                            _mm512_set1_ps(xd[(R0 + r) * KB + b]), f[R0 + r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR + MRB; r++) _mm512_storeu_ps(out + 16 * r, f[r]);
+}
+
 #elif defined(HEAD_AVX2)
 #define OFF 32
+#define TILE MR
 INLINE __m256i hi2_256(__m256i h, const int t) {
     const __m256i m2 = _mm256_set1_epi8(0x30);
     switch (t) {
@@ -145,6 +197,7 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 #else /* portable C: unsigned codes u, T = sum u q - 32 S as on the SIMD paths */
 #define OFF 32
+#define TILE MR
 static __attribute__((noinline)) void dots16(const uint8_t (*restrict c)[QB], const int8_t *restrict x,
                                              int32_t *restrict t) {
     for (int j = 0; j < 16; j++) {
@@ -195,6 +248,21 @@ INLINE void panel(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t
 
 #include "cpu_rows.h" /* DISPATCH */
 
+#if defined(HEAD_AVX512)
+/* Rows m0 .. m0 + mr - 1 (9..16) of one panel through panel16, scaled by r into y: a function of
+ * its own (inlined into the panel loop, it slowed the 8-row tiles there by 5-10 %: code placement). */
+static __attribute__((noinline)) void pass16(const acts_t *A, int64_t m0, const uint8_t *wp, const uint16_t *dp,
+                                             const float *r, float *y, int64_t N, int64_t n0, int64_t nn, int64_t mr) {
+    float out[2 * MR * 16];
+#define P16(R) panel16(A, m0, wp, dp, out, R)
+    DISPATCH(P16, mr - MR)
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+}
+#else
+#define pass16(A, m0, wp, dp, r, y, N, n0, nn, mr) ((void)0) /* TILE == MR: never called */
+#endif
+
 /* x bfloat16 (M, K); w (P, K/32, 6, 16, 4) bytes, d float16 bits (P, K/G, 16), r float32 (N,),
  * P = ceil(N / 16); y float32 (M, N). The panels (vocabulary) are split over the OpenMP threads.
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
@@ -213,13 +281,17 @@ int tritium_head6_gemm(const uint16_t *x, const uint8_t *w, const uint16_t *d, c
 #pragma omp parallel for schedule(dynamic, chunk) /* claimed panels (cpu_split.h) */
     for (int64_t p = 0; p < P; p++) {
         const int64_t n0 = 16 * p, nn = N - n0 < 16 ? N - n0 : 16;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            float out[MR * 16];
+        for (int64_t m0 = 0; m0 < M;) {
+            const int64_t left = M - m0, mr = left < TILE ? left : TILE;
+            if (mr > MR) pass16(&A, m0, w + p * pbytes, d + p * pd, r, y, N, n0, nn, mr);
+            else {
+                float out[MR * 16];
 #define P6(R) panel(&A, m0, w + p * pbytes, d + p * pd, out, R)
-            DISPATCH(P6, mr)
-            for (int64_t i = 0; i < mr; i++)
-                for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+                DISPATCH(P6, mr)
+                for (int64_t i = 0; i < mr; i++)
+                    for (int64_t j = 0; j < nn; j++) y[(m0 + i) * N + n0 + j] = out[16 * i + j] * r[n0 + j];
+            }
+            m0 += mr;
         }
     }
     free(mem);

@@ -33,7 +33,7 @@ _SRCS = [os.path.join(_HERE, f) for f in ("cpu_gemm.c", "cpu_gemm_bf16.c", "cpu_
                                                   "cpu_gemm_i8dot.c", "cpu_i8dot_peak.c", "cpu_lora.c", "cpu_head.c",
                                                   "cpu_decode_step.c", "cpu_decode_burst.c")]
 _HEADERS = [os.path.join(_HERE, h) for h in ("cpu_simd.h", "cpu_f16.h", "cpu_gemm_bf16_generic.h", "cpu_gemm_bf16_avx2.h",
-                                                   "cpu_rows.h", "cpu_q8.h", "cpu_i8dot_avx2.h", "cpu_attention_tile.h", "cpu_split.h",
+                                                   "cpu_rows.h", "cpu_q8.h", "cpu_i8dot_avx2.h", "cpu_i8dot_avx512.h", "cpu_attention_tile.h", "cpu_split.h",
                                                    "cpu_step_sync.h", "cpu_step_attention.h", "cpu_step_profile.h", "cpu_step_warm.h")]
 _ALIGN = 32  # K (and the int4 group size) must be a multiple of this
 

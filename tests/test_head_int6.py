@@ -94,6 +94,23 @@ def test_head6_gives_the_bits_of_the_int8_integer_dot_kernel_on_the_widened_code
         assert torch.equal(y6, y8), (cpu_path, group)
 
 
+@pytest.mark.parametrize("m", [8, 9, 13, 16, 23, 33])
+def test_head6_row_counts_of_the_two_tile_pass_keep_the_widened_bits_and_each_rows_own(cpu_path, m):
+    """Row counts around the tiles (avx512: up to 16 rows in one pass over a panel, the codes
+    rebuilt once for both 8-row tiles; a remainder of 1-8 rows in the 8-row tile): the bits of the
+    int8 kernel on the widened codes, and each row alone gives its row of the batch."""
+    stored, s = _weights(70, 160, 32, seed=11 + m)
+    codes = unpack_int6(stored)
+    hw = head_pack.repack6(codes, s, 32)
+    x = torch.randn(m, 160).to(torch.bfloat16)
+    y = cpu_native.head6_gemm(x, hw)
+    assert torch.equal(y, cpu_native.i8dot_gemm(x, i8dot_pack.repack(codes, s, None, 32, 8))), (cpu_path, m)
+    ref = _w6a8_by_definition(x, stored, s, 32)
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), (cpu_path, m)
+    for i in (0, m // 2, m - 1):
+        assert torch.equal(cpu_native.head6_gemm(x[i:i + 1], hw), y[i:i + 1]), (cpu_path, m, i)
+
+
 def test_head6_lookup_reads_the_same_codes(cpu_path):
     stored, s = _weights(1000, 576, 64, seed=7)
     codes = unpack_int6(stored)

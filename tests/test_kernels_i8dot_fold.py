@@ -76,7 +76,8 @@ def test_fold_only_where_every_block_allows_it():
 def test_folded_gemm_matches_definition_and_rows_are_independent(cpu_path):
     """The native GEMM on folded weights against the reference (exact integer block dots, float
     rescaling order only), on a tail panel and a long K; each row gives the same bits alone, in 3,
-    16, 33 and 300 rows, first, last and mid-tile."""
+    9, 13, 16, 17, 33 and 300 rows, first, last and mid-tile (avx512 passes over a panel with up to
+    16 rows, two 8-row tiles, and a 1-8 row remainder: every split of a call)."""
     seed = fixed_seed()
     torch.manual_seed(seed)
     for n, k in ((37, 1536), (70, 320)):
@@ -93,7 +94,7 @@ def test_folded_gemm_matches_definition_and_rows_are_independent(cpu_path):
         tol = 2e-6 * (xhat.abs() @ ip.dequantize(w).abs().t()) + 1e-30
         err = (full.double() - ref).abs()
         assert (err <= tol).all(), f"{where}: max err {err.max().item():.3g}"
-        for m in (1, 2, 3, 16, 33):
+        for m in (1, 2, 3, 9, 13, 16, 17, 33):
             for r0 in (0, 300 - m, 131):
                 got = cpu_native.i8dot_gemm(x[r0:r0 + m], w)
                 assert torch.equal(got, full[r0:r0 + m]), f"{where} rows {r0}..{r0 + m - 1}"
@@ -139,17 +140,18 @@ def test_fold_switch_at_load(monkeypatch):
 def test_folded_avx2_gives_the_avx512_bits():
     """AVX2 forms the folded block sum as T / 8 in one exact float FMA and multiplies by 8 d (the
     real product T d), AVX-512 converts the integer T: the same float steps, so the same bits at 1,
-    2, 3 and 16 rows (paths skipped with the reason where this CPU cannot run them)."""
+    2, 3, 9, 16, 25 and 40 rows (avx512's 16-row passes and their remainders; paths skipped with
+    the reason where this CPU cannot run them)."""
     from conftest import forced_cpu_path
     seed = fixed_seed()
     torch.manual_seed(seed)
     n, k = 37, 640
     c, s, z = _weights(n, k)
     w = ip.repack(c, s, z, 32, 4)
-    x = torch.randn(16, k) * 3
+    x = torch.randn(40, k) * 3
     got = {}
     for path in ("avx512", "avx2"):
         with forced_cpu_path(path):
-            got[path] = [cpu_native.i8dot_gemm(x[:m], w) for m in (1, 2, 3, 16)]
+            got[path] = [cpu_native.i8dot_gemm(x[:m], w) for m in (1, 2, 3, 9, 16, 25, 40)]
     for a, b in zip(got["avx512"], got["avx2"]):
         assert torch.equal(a, b), f"seed={seed} rows={a.shape[0]}: max diff {(a - b).abs().max().item():.3g}"
