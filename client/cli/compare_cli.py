@@ -64,6 +64,8 @@ def register(sub) -> None:
                         "TRITIUM_CPU_ISA set)")
     p.add_argument("--bandwidth-mb", type=int, default=256,
                    help="buffer for the memory-bandwidth measurement (default 256 MB; 0 skips it)")
+    from tritium.client.bench.bandwidth_probe import add_probe_flags
+    add_probe_flags(p)
     p.add_argument("--llama-server-args", default="", metavar="ARGS",
                    help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--triton-protocol", default=DEFAULT_PROTOCOL, choices=("http", "grpc"),
@@ -263,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     from tritium.client.bench.bandwidth_probe import probe_for_host
     probe = probe_for_host(host) if opts.single_stream else None  # the read beside each single stream
+    from tritium.client.bench.bandwidth_probe import watch_probe
+    watch_probe(None, args, {})  # the flags checked before the servers start
     results = {}
     for p_idx, kind in enumerate(pairs):
         log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
@@ -327,6 +331,9 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work, probe=None) -> di
             d.check()
         pgids = {name: llama.proc.pid for name, llama in llamas.items()}
         pgids["tritium-serve"] = triton.proc.pid
+        if probe is not None:  # each probe waits for both servers and this process to go quiet
+            from tritium.client.bench.bandwidth_probe import watch_probe
+            watch_probe(probe, args, pgids)
         idle0 = {n: group_cpu_seconds(g) for n, g in pgids.items()}
         time.sleep(5.0)
         idle = {n: (group_cpu_seconds(g) - idle0[n]) / 5.0 for n, g in pgids.items()}
