@@ -183,12 +183,16 @@ def add_probe_flags(p) -> None:
                         "during each probe still recorded)")
 
 
+def check_probe_flags(args) -> None:
+    if not args.probe_quiet_cores >= 0:
+        raise ValueError(f"--probe-quiet-cores must be >= 0, got {args.probe_quiet_cores}")
+    if not args.probe_max_wait_ms >= 0:
+        raise ValueError(f"--probe-max-wait-ms must be >= 0 (0: no wait), got {args.probe_max_wait_ms}")
+
+
 def watch_probe(probe: Optional[ReadProbe], args, pgids: Dict[str, int]) -> None:
     """Point `probe` (if any) at the process groups `pgids` and this process, with the flags' wait."""
-    if args.probe_quiet_cores < 0:
-        raise ValueError(f"--probe-quiet-cores must be >= 0, got {args.probe_quiet_cores}")
-    if args.probe_max_wait_ms < 0:
-        raise ValueError(f"--probe-max-wait-ms must be >= 0 (0: no wait), got {args.probe_max_wait_ms}")
+    check_probe_flags(args)
     if probe is not None:
         from tritium.client.bench.cpu_watch import CpuWatch
         probe.set_watch(CpuWatch(pgids), args.probe_quiet_cores, args.probe_max_wait_ms / 1e3)

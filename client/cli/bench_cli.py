@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     opts.validate()
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    from tritium.client.bench.bandwidth_probe import check_probe_flags
+    check_probe_flags(args)
     if args.served_engine is not None:
         import os
         if not args.url:

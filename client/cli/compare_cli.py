@@ -235,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    from tritium.client.bench.bandwidth_probe import check_probe_flags
+    check_probe_flags(args)
     apply_isa(args.isa)
     from tritium.client.cli.bench_cli import api_key_of
     from tritium.client.security import API_KEY_ENV, check_key
@@ -265,8 +267,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     from tritium.client.bench.bandwidth_probe import probe_for_host
     probe = probe_for_host(host) if opts.single_stream else None  # the read beside each single stream
-    from tritium.client.bench.bandwidth_probe import watch_probe
-    watch_probe(None, args, {})  # the flags checked before the servers start
     results = {}
     for p_idx, kind in enumerate(pairs):
         log(f"pair {kind}: llama-server {os.path.basename(ggufs[kind])} vs tritium serve {engines[kind]}")
