@@ -13,7 +13,8 @@ from tritium.client.bench.bandwidth_probe import ReadProbe, format_share, share_
 from tritium.client.bench.bench_report import summarize
 from tritium.client.bench.bench_runner import run_requests
 from tritium.client.bench.bench_workload import BenchRequest
-from tritium.client.bench.cpu_watch import CpuWatch, busiest, busy_cores, host_cores, host_ticks, wait_quiet
+from tritium.client.bench.cpu_watch import (CpuWatch, busiest, busy_cores, host_cores, host_ticks, queued_cores,
+                                           task_run_ns, wait_quiet)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INT8_BYTES = 149830368
@@ -66,6 +67,24 @@ def test_busy_cores_and_busiest_against_hand_computation():
     assert busiest(a, b, n=5, min_ns=600_000) == [("srv", "x", 10, 4.0), ("srv", "y", 11, 1.0)]
     with pytest.raises(ValueError, match="seconds"):
         busy_cores(a, b, 0.0)
+    # run-queue waits (schedstat's 2nd field): 10 waited 3 ms, 11 (born in between) 1 ms -> 0.4 cores
+    # over 10 ms; a sample without the field counts 0
+    qa = {"probe": {10: ("p", 0, 2_000_000)}, "x": {1: ("x", 0)}}
+    qb = {"probe": {10: ("p", 0, 5_000_000), 11: ("q", 0, 1_000_000)}, "x": {1: ("x", 5)}}
+    assert queued_cores(qa, qb, 0.010) == pytest.approx({"probe": 0.4, "x": 0.0})
+
+
+def test_real_schedstat_sees_a_busy_thread_and_its_own_process():
+    import os
+    import time
+    me = threading.get_native_id()
+    a = task_run_ns(os.getpid())[me]
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.05:  # 50 ms busy: run + waited for a CPU covers it
+        pass
+    b = task_run_ns(os.getpid())[me]
+    assert len(b) == 3 and b[1] - a[1] + b[2] - a[2] >= 0.045e9 and b[1] > a[1]
+    assert task_run_ns(2 ** 22 + 12345) == {}  # no such process
 
 
 def test_host_ticks_from_a_proc_stat_line(tmp_path):
@@ -196,7 +215,8 @@ class RecordingProbe:
 
     def last_record(self):
         return {"call": self.n, "wait_ms": 10.0 * self.n, "quiet": self.n != 2,
-                "cores": {"srv": 0.01 * self.n, "client": 0.1, "probe": 1.5 + 0.1 * self.n}}
+                "cores": {"srv": 0.01 * self.n, "client": 0.1, "probe": 1.5 + 0.1 * self.n},
+                "probe_queued": [0.5, 0.1, 0.0, 0.2][self.n - 1]}
 
 
 class Driver:
@@ -228,16 +248,18 @@ def test_each_request_keeps_its_two_probes_records_in_order_and_the_summary_read
     assert [[w["call"] for w in p["probe_watch"]] for p in s["probed_requests"]] == [[1, 2], [3, 4]]
     rep = share_report([{**p, "tok_s": 200.0} for p in s["probed_requests"]], INT8_BYTES)
     # before / after: 30/60 = 0.5 and 40/40 = 1.0 -> median 0.75; waits 10, 20, 30, 40 ms -> median 25;
-    # probe 2 not quiet; servers' cores at most 0.04 (call 4); the probe's threads 1.6..1.9 -> median 1.75
+    # probe 2 not quiet; servers' cores at most 0.04 (call 4); the probe's threads 1.6..1.9 -> median 1.75,
+    # waiting for a CPU 0.5 0.1 0.0 0.2 -> median 0.15
     assert rep["before_after_median"] == pytest.approx(0.75)
     assert (rep["wait_ms_median"], rep["not_quiet"], rep["probes_watched"]) == (25.0, 1, 4)
     assert rep["server_cores_max"] == pytest.approx(0.04) and rep["client_cores_max"] == pytest.approx(0.1)
     assert rep["probe_cores_median"] == pytest.approx(1.75)
+    assert rep["probe_queued_median"] == pytest.approx(0.15)  # 0.0 0.1 0.2 0.5
     # shares: 200 x 149830368 / 45e9 = 0.665912747, / 40e9 = 0.74915184; median 0.707532293
     assert rep["share"] == pytest.approx(0.7075322933, rel=1e-9)
     line = format_share("tritium-serve", {"same_second": rep, "start_of_run": None})
     assert "probe before / after median 0.75" in line
     assert ("[probes: waited median 25 ms for quiet, 1 of 4 gave up; during them servers <= 0.04 cores, "
-            "client <= 0.10, the probe's threads median 1.75]") in line
+            "client <= 0.10; the probe's threads median 1.75 cores on a CPU, 0.15 waiting for one]") in line
     plain = share_report([{"tok_s": 200.0, "probe_gbs": [30.0, 60.0]}], INT8_BYTES)
     assert "probes_watched" not in plain and "[probes:" not in format_share("x", {"same_second": plain})

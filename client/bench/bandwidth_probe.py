@@ -49,8 +49,10 @@ class ReadProbe:
     groups together use at most `quiet_cores` cores. Every reading is kept in `readings` as a dict:
     t (start, time.perf_counter), gbs, s (seconds of the read), and with a watch wait_s, quiet,
     polls, cores_before (what ran over the wait's last poll), cores (during the read), busiest
-    (the threads with the most CPU during the read: group, name, tid, ms) and host (the whole
-    host's busy and stolen cores during the read, /proc/stat: neighbours and the probe included).
+    (the threads with the most CPU during the read: group, name, tid, ms), host (the whole host's
+    busy and stolen cores during the read, /proc/stat: neighbours and the probe included) and
+    probe_queued (the probe's threads' time ready but waiting for a CPU, in cores: neighbours had
+    the cores; its threads' time on a CPU is cores["probe"]).
     The calling thread is left out of the client group (it only waits for the probe's thread)."""
 
     def __init__(self, threads: int, mb: int, pages: str = "2MiB", passes: int = PROBE_PASSES):
@@ -120,7 +122,8 @@ class ReadProbe:
         return got
 
     def __call__(self) -> float:
-        from tritium.client.bench.cpu_watch import busiest, busy_cores, host_cores, host_ticks, wait_quiet
+        from tritium.client.bench.cpu_watch import (busiest, busy_cores, host_cores, host_ticks, queued_cores,
+                                                    wait_quiet)
         rec: dict = {}
         me = (threading.get_native_id(),)  # the caller: between the samples it only samples and waits
         if self.watch is not None:
@@ -135,7 +138,8 @@ class ReadProbe:
         if self.watch is not None:
             h1, s1 = host_ticks(), self.watch.sample(me)
             rec.update(cores=busy_cores(s0, s1, t_end - t_start), busiest=busiest(s0, s1),
-                       host=host_cores(h0, h1, t_end - t_start))
+                       host=host_cores(h0, h1, t_end - t_start),
+                       probe_queued=queued_cores(s0, s1, t_end - t_start).get("probe", 0.0))
         self.readings.append({"t": t_start, "gbs": gbs, "s": t_end - t_start, **rec})
         return gbs
 
@@ -150,6 +154,7 @@ class ReadProbe:
             out["cores"] = {g: round(c, 3) for g, c in r["cores"].items()}
             out["busiest"] = [[g, name, tid, round(ms, 2)] for g, name, tid, ms in r["busiest"]]
             out["host"] = {k: round(v, 2) for k, v in r["host"].items()}
+            out["probe_queued"] = round(r["probe_queued"], 3)
         return out
 
     def describe(self) -> dict:
@@ -217,7 +222,8 @@ def share_report(probed: List[dict], weight_bytes: Optional[int]) -> Optional[di
     each request's share, the probes' min / max, the median of probe before / probe after, and
     with a watch the probes' waits (median, and how many gave up before the host went quiet), the
     most cores the servers and the client used during a probe, and the median cores the probe's
-    own threads got (below its thread count: neighbours took part of the cores)."""
+    own threads ran and waited for a CPU (waiting: neighbours had the cores, and the read measured
+    the CPU it got as much as the memory)."""
     rows = [p for p in probed if p.get("tok_s") and p.get("probe_gbs") and None not in p["probe_gbs"]]
     if not rows or not weight_bytes:
         return None
@@ -236,7 +242,8 @@ def share_report(probed: List[dict], weight_bytes: Optional[int]) -> Optional[di
                    server_cores_max=max(sum(c for g, c in w["cores"].items() if g not in ("client", "probe"))
                                         for w in watched),
                    client_cores_max=max(w["cores"].get("client", 0.0) for w in watched),
-                   probe_cores_median=statistics.median(w["cores"].get("probe", 0.0) for w in watched))
+                   probe_cores_median=statistics.median(w["cores"].get("probe", 0.0) for w in watched),
+                   probe_queued_median=statistics.median(w.get("probe_queued", 0.0) for w in watched))
     return out
 
 
@@ -279,8 +286,9 @@ def format_share(system: str, s: dict) -> str:
             wait = (f"waited median {same['wait_ms_median']:.0f} ms for quiet, {same['not_quiet']} of "
                     f"{same['probes_watched']} gave up; " if same.get("wait_ms_median") is not None else "no wait; ")
             line += (f" [probes: {wait}during them servers <= {same['server_cores_max']:.2f} cores, "
-                     f"client <= {same['client_cores_max']:.2f}, the probe's threads median "
-                     f"{same['probe_cores_median']:.2f}]")
+                     f"client <= {same['client_cores_max']:.2f}; the probe's threads median "
+                     f"{same['probe_cores_median']:.2f} cores on a CPU, {same['probe_queued_median']:.2f} "
+                     f"waiting for one]")
     else:
         line += "no same-second figure (no probed single-stream request)"
     if s.get("start_of_run") is not None:

@@ -4,8 +4,10 @@ from /proc/<pid>/task/<tid>/schedstat (its first field: nanoseconds on a CPU, ex
 /proc/.../stat counts 10 ms ticks, too coarse for a 10-25 ms probe), and a bounded wait until
 they have gone quiet.
 
-A sample is {group: {tid: (thread name, run ns)}}; `busy_cores` turns two samples into cores
-per group (CPU seconds / wall seconds), `busiest` names the threads behind them.
+A sample is {group: {tid: (thread name, run ns[, ns waited runnable for a CPU])}}; `busy_cores`
+turns two samples into cores per group (CPU seconds / wall seconds), `queued_cores` the same for
+the time the threads were ready but waited for a CPU (schedstat's second field: someone else had
+the cores), `busiest` names the threads behind them.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ CLIENT = "client"  # the benchmark process's group name (less the probe's own th
 PROBE = "probe"    # the probe's own threads (CpuWatch `exclude`), shown apart, never waited for
 
 
-def task_run_ns(pid: int) -> Dict[int, Tuple[str, int]]:
-    """{tid: (thread name, ns run on a CPU)} of every live thread of `pid` ({} when it is gone)."""
-    out: Dict[int, Tuple[str, int]] = {}
+def task_run_ns(pid: int) -> Dict[int, Tuple[str, int, int]]:
+    """{tid: (thread name, ns run on a CPU, ns waited runnable for a CPU)} of every live thread of
+    `pid` ({} when it is gone)."""
+    out: Dict[int, Tuple[str, int, int]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -28,12 +31,12 @@ def task_run_ns(pid: int) -> Dict[int, Tuple[str, int]]:
     for t in tids:
         try:
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                ns = int(f.read().split()[0])
+                run, queued = (int(x) for x in f.read().split()[:2])
             with open(f"/proc/{pid}/task/{t}/comm") as f:
                 comm = f.read().strip()
-        except (OSError, ValueError, IndexError):
+        except (OSError, ValueError):
             continue
-        out[int(t)] = (comm, ns)
+        out[int(t)] = (comm, run, queued)
     return out
 
 
@@ -119,13 +122,30 @@ def busy_cores(a: Sample, b: Sample, seconds: float) -> Dict[str, float]:
     return out
 
 
+def queued_cores(a: Sample, b: Sample, seconds: float) -> Dict[str, float]:
+    """Per group, the threads' seconds ready to run but waiting for a CPU between a and b, over
+    `seconds` (a thread sample without that field counts 0)."""
+    if seconds <= 0:
+        raise ValueError(f"queued_cores: seconds must be > 0, got {seconds}")
+    out = {}
+    for name, tasks in b.items():
+        before = a.get(name, {})
+        ns = 0
+        for t, v in tasks.items():
+            if len(v) > 2:
+                old = before.get(t)
+                ns += max(0, v[2] - (old[2] if old is not None and len(old) > 2 else 0))
+        out[name] = ns / 1e9 / seconds
+    return out
+
+
 def busiest(a: Sample, b: Sample, n: int = 3, min_ns: int = 100_000) -> List[Tuple[str, str, int, float]]:
     """The n threads with the most CPU between a and b (at least min_ns): (group, thread name,
     tid, milliseconds), most first."""
     rows = []
     for name, tasks in b.items():
         before = a.get(name, {})
-        for t, (comm, ns) in tasks.items():
+        for t, (comm, ns, *_) in tasks.items():
             d = ns - before.get(t, (None, 0))[1]
             if d >= min_ns:
                 rows.append((name, comm, t, d / 1e6))
