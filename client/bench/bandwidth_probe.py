@@ -21,6 +21,12 @@ last event meaningless, while the send and the final response bound the work exa
 prompt's prefill (one step of ~16 rows) inside it makes the figure slightly conservative. The
 start-of-run figure (single-stream output tok/s x weight bytes / the read at the start) is kept
 beside it, labelled, for comparison with older tables.
+
+What runs during a probe is recorded, and the probe waits for the servers first (ReadProbe.set_watch,
+cpu_watch.py): each probe waits, bounded, until the servers' process groups and this process are
+quiet, then reads, and keeps the cores each of them used during the read, the cores its own
+threads ran and waited for a CPU (neighbours on a shared host), and the host's busy / stolen
+cores; share_report summarizes them beside the share.
 """
 from __future__ import annotations
 
@@ -144,7 +150,8 @@ class ReadProbe:
         return gbs
 
     def last_record(self) -> dict:
-        """The last reading's watch figures (what record() keeps per probe in the JSON), rounded."""
+        """The last reading, rounded, with its watch figures: what the benchmark keeps per probe
+        (RequestResult.probe_watch, the JSON's probed_requests[].probe_watch)."""
         r = self.readings[-1]
         out = {"gbs": round(r["gbs"], 2), "read_ms": round(r["s"] * 1e3, 1)}
         if "wait_s" in r:
