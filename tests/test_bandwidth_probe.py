@@ -144,7 +144,7 @@ def test_real_probe_reads_with_the_headlines_threads_and_pages():
     assert probe.describe() == {"threads": 1, "buffer_mb": 128, "pages": "4KiB", "passes": 2}
     torch.set_num_threads(1)
     g = probe()
-    assert g > 0 and len(probe.readings) == 1 and probe.readings[0][1] == g
+    assert g > 0 and len(probe.readings) == 1 and probe.readings[0]["gbs"] == g
     two = ReadProbe(2, 8, "2MiB", passes=2)  # 2 MiB pages where the host has them, else 4 KiB
     assert two.pages in ("2MiB", "4KiB") and two() > 0 and torch.get_num_threads() == 1  # threads restored
     assert probe_for_host({}) is None
@@ -203,7 +203,10 @@ def test_benchmark_flags_are_documented_and_bad_ones_name_themselves(capsys, tmp
     for argv, flag in ((["bench", "--engine", str(tmp_path), "--served-engine", str(tmp_path)], "--served-engine"),
                        (["bench", "--url", "127.0.0.1:1", "--served-engine", str(tmp_path)], "--served-engine"),
                        (["bench", "--url", "127.0.0.1:1", "--api-key", "short"], "--api-key"),
-                       (["compare", "--api-key", "has space in it, long enough"], "--api-key")):
+                       (["compare", "--api-key", "has space in it, long enough"], "--api-key"),
+                       (["bench", "--engine", str(tmp_path), "--probe-max-wait-ms", "-1"], "--probe-max-wait-ms"),
+                       (["bench", "--engine", str(tmp_path), "--probe-quiet-cores", "-0.5"], "--probe-quiet-cores"),
+                       (["compare", "--probe-max-wait-ms", "-5"], "--probe-max-wait-ms")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert flag in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -148,9 +148,13 @@ def test_bench_url_json_against_real_server(served, capsys, tmp_path):
     assert host["bandwidth_limit_tok_s"] == pytest.approx(host["memory"]["read_gbs"] * 1e9 / weights)
     # the read probed just before and after each single stream of both systems, and the share from it
     assert res["bandwidth_probe"]["threads"] == host["memory"]["threads"] and "bandwidth share" in err
+    assert res["bandwidth_probe"]["watched"] == ["client", "probe"] and res["bandwidth_probe"]["max_wait_s"] == 1.0
     for system in ("tritium-grpc", "in-process"):
         probed = next(s for s in res["runs"][system] if s["label"] == "single")["probed_requests"]
         assert len(probed) == 2 and all(len(p["probe_gbs"]) == 2 and min(p["probe_gbs"]) > 0 for p in probed)
+        # each probe watched this process (its own threads apart) and waited at most the default 1000 ms
+        assert all(len(p["probe_watch"]) == 2 and set(w["cores"]) == {"client", "probe"} and w["wait_ms"] <= 1100
+                   for p in probed for w in [p["probe_watch"][0]])
         shares = sorted(p["tok_s"] * weights / (sum(p["probe_gbs"]) / 2 * 1e9) for p in probed)
         assert res["bandwidth_share"][system]["same_second"]["share"] == pytest.approx(sum(shares) / 2)
     assert err.startswith("host: ") or "\nhost: " in err

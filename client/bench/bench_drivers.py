@@ -59,6 +59,7 @@ class RequestResult:
     token_ids: Optional[List[int]] = None                    # every token id, when the driver keeps them
     error: Optional[str] = None
     probe_gbs: Optional[List[float]] = None                  # host read GB/s just before / after (bandwidth_probe)
+    probe_watch: Optional[List[dict]] = None                 # those probes' waits and watched CPU (ReadProbe.last_record)
 
     @property
     def output_tokens(self) -> int:

@@ -85,10 +85,12 @@ def summarize(run: RunResult) -> dict:
 
 def _probed(run: RunResult) -> dict:
     """With bandwidth probes (bandwidth_probe.py): each completed request's tok/s (output tokens /
-    (final response - send)) and the host's read GB/s just before and after it, and the probes'
-    time left out of duration_s."""
+    (final response - send)) and the host's read GB/s just before and after it (with a watching
+    probe, each probe's wait and the watched groups' cores: probe_watch), and the probes' time left
+    out of duration_s."""
     from tritium.client.bench.bandwidth_probe import request_tok_s
-    rows = [{"index": r.index, "tok_s": request_tok_s(r.output_tokens, r.t_send, r.t_end), "probe_gbs": r.probe_gbs}
+    rows = [{"index": r.index, "tok_s": request_tok_s(r.output_tokens, r.t_send, r.t_end), "probe_gbs": r.probe_gbs,
+             **({"probe_watch": r.probe_watch} if r.probe_watch else {})}
             for r in run.results if r.ok and r.probe_gbs is not None]
     return {"probed_requests": rows, "probe_s": run.probe_s} if rows else {}
 

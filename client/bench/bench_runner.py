@@ -9,8 +9,9 @@ threads' own CPU time (the engine's loop thread is the system under test).
 
 Bandwidth probe (single streams, bandwidth_probe.py): with `probe` at concurrency 1 the worker
 reads memory just before each request is sent and just after its last response
-(RequestResult.probe_gbs); the probes' time is taken out of the run's duration, so the run's
-tok/s is what it would be without them.
+(RequestResult.probe_gbs; with a watching probe, each probe's wait and the watched processes'
+cores in RequestResult.probe_watch); the probes' time (their waits included) is taken out of the
+run's duration, so the run's tok/s is what it would be without them.
 """
 from __future__ import annotations
 
@@ -88,9 +89,12 @@ def run_requests(driver, requests: Sequence[BenchRequest], concurrency: int, lab
                 if delay > 0:
                     time.sleep(delay)
                 before = _probe(probe, probe_spans, probe_cpu) if probe is not None else None
+                watch_before = _watch_record(probe)
                 res = session.run(requests[i], f"bench-{label}-{i}-{id(results):x}")
                 if probe is not None:
                     res.probe_gbs = [before, _probe(probe, probe_spans, probe_cpu)]
+                    if watch_before is not None:
+                        res.probe_watch = [watch_before, _watch_record(probe)]
                 results[i] = res
                 with lock:
                     bar.update(1)
@@ -135,6 +139,13 @@ def _probe(probe, spans: list, cpu: list) -> float:
     cpu[0] += time.process_time() - c0
     cpu[1] += time.thread_time() - t0
     return gbs
+
+
+def _watch_record(probe) -> Optional[dict]:
+    """The probe's last reading's wait and watched CPU (ReadProbe with a watch), else None."""
+    if probe is None or getattr(probe, "watch", None) is None:
+        return None
+    return probe.last_record()
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):

@@ -76,6 +76,8 @@ def register(sub) -> None:
     o.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (matplotlib) into DIR")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    from tritium.client.bench.bandwidth_probe import add_probe_flags
+    add_probe_flags(o)
     o.add_argument("--bandwidth-mb", type=int, default=256,
                    help="buffer for the host's memory-bandwidth measurement, printed first and under 'host' "
                         "in --json (default 256 MB; 0 skips it)")
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     opts.validate()
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    from tritium.client.bench.bandwidth_probe import check_probe_flags
+    check_probe_flags(args)
     if args.served_engine is not None:
         import os
         if not args.url:
@@ -131,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     host = measure_host(args)
     from tritium.client.bench.bandwidth_probe import probe_for_host, shares_of_run
     probe = probe_for_host(host) if opts.single_stream else None
+    from tritium.client.bench.bandwidth_probe import watch_probe
+    watch_probe(probe, args, {})  # this process (the in-process engine); a --url server is not seen
     try:
         result, raw = run_suite(targets, opts, probe=probe)
     finally:

@@ -64,6 +64,8 @@ def register(sub) -> None:
                         "TRITIUM_CPU_ISA set)")
     p.add_argument("--bandwidth-mb", type=int, default=256,
                    help="buffer for the memory-bandwidth measurement (default 256 MB; 0 skips it)")
+    from tritium.client.bench.bandwidth_probe import add_probe_flags
+    add_probe_flags(p)
     p.add_argument("--llama-server-args", default="", metavar="ARGS",
                    help='extra llama-server arguments, one string (e.g. "--poll 0")')
     p.add_argument("--triton-protocol", default=DEFAULT_PROTOCOL, choices=("http", "grpc"),
@@ -233,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.bandwidth_mb < 0:
         raise ValueError(f"--bandwidth-mb must be >= 0 (0 skips the measurement), got {args.bandwidth_mb}")
+    from tritium.client.bench.bandwidth_probe import check_probe_flags
+    check_probe_flags(args)
     apply_isa(args.isa)
     from tritium.client.cli.bench_cli import api_key_of
     from tritium.client.security import API_KEY_ENV, check_key
@@ -327,6 +331,9 @@ def run_pair(kind, src, gguf, engine, opts, args, p_idx, work, probe=None) -> di
             d.check()
         pgids = {name: llama.proc.pid for name, llama in llamas.items()}
         pgids["tritium-serve"] = triton.proc.pid
+        if probe is not None:  # each probe waits for both servers and this process to go quiet
+            from tritium.client.bench.bandwidth_probe import watch_probe
+            watch_probe(probe, args, pgids)
         idle0 = {n: group_cpu_seconds(g) for n, g in pgids.items()}
         time.sleep(5.0)
         idle = {n: (group_cpu_seconds(g) - idle0[n]) / 5.0 for n, g in pgids.items()}
