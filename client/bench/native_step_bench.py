@@ -73,7 +73,7 @@ def _onednn_engine(path: str, deterministic) -> LLMEngine:
     old = os.environ.get(ONEDNN_ENV)
     os.environ[ONEDNN_ENV] = "1"
     try:
-        return LLMEngine(path, enable_prefix_caching=False, deterministic=deterministic)
+        return LLMEngine(path, enable_prefix_caching=False, deterministic=deterministic, max_decode_burst=1)
     finally:
         if old is None:
             os.environ.pop(ONEDNN_ENV, None)
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     old = os.environ.get(ENV)
     try:
         for path in args.engines:
-            eng = LLMEngine(path, enable_prefix_caching=False, deterministic=args.deterministic or None)
+            eng = LLMEngine(path, enable_prefix_caching=False, deterministic=args.deterministic or None,
+                            max_decode_burst=1)  # one step a call: per-step figures
             model = eng.runner.model
             _decode_rate(eng, 4, 1)  # warm-up, and NativeStep.get decides
             why = model.__dict__.get("native_step_refusal")

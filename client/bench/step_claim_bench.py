@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     probe = read_probe() if args.state_gbs else None
     try:
         for path in args.engines:
-            eng = LLMEngine(path, enable_prefix_caching=False)
+            eng = LLMEngine(path, enable_prefix_caching=False, max_decode_burst=1)  # one step a call
             _decode_rate(eng, 4, 1)
             why = eng.runner.model.__dict__.get("native_step_refusal")
             if why is not None:

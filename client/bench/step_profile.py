@@ -154,7 +154,7 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     # the weights lie on 2 MiB pages (native_step.weights_to_huge_pages) unless TRITIUM_HUGE_PAGES=0
     bw = args.bandwidth_gbs or read_bandwidth_gbs(huge=True) or read_bandwidth_gbs()
-    eng = LLMEngine(args.engine, enable_prefix_caching=False)
+    eng = LLMEngine(args.engine, enable_prefix_caching=False, max_decode_burst=1)  # one step a call: per-step figures
     profile(eng, 4, args.batch)  # warm-up, and NativeStep.get decides
     model = eng.runner.model
     if NativeStep.get(model) is None:

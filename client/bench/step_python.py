@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
-    eng = LLMEngine(args.engine, enable_prefix_caching=False)
+    eng = LLMEngine(args.engine, enable_prefix_caching=False, max_decode_burst=1)  # one step a call: per-step figures
     acc: dict = collections.defaultdict(float)
     one_round(eng, acc, 8, args.batch)  # warm-up (and the native step's build)
     if args.stub_native:

@@ -73,7 +73,8 @@ def worker(engine_dir: str, threads: int) -> int:
 
 
 def _start(engine_dir: str, threads: int, pythonpath):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # one step a call in both trees (decode bursts off; a tree without them ignores the variable)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRITIUM_DECODE_BURST="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", engine_dir, str(threads)],
