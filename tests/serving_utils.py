@@ -81,6 +81,43 @@ def raw_grpc(server, model, fields):
     return outs, err
 
 
+def greedy_stream(grpc_url, model, prompt, max_tokens, stream=True, headers=None):
+    """A greedy request (EOS ignored) over the gRPC stream, asking for output_ids, text_output and
+    num_output_tokens: [(output_ids, text, num_output_tokens)] of each response that carried outputs."""
+    import tritonclient.grpc as grpcclient
+    results = queue.Queue()
+    cl = grpcclient.InferenceServerClient(grpc_url)
+    cl.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+    fields = {"text_input": (np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
+              "max_tokens": (np.array([[max_tokens]], dtype=np.int32), "INT32"),
+              "stream": (np.array([[stream]], dtype=np.bool_), "BOOL"),
+              "temperature": (np.array([[0.0]], dtype=np.float32), "FP32"),
+              "sampling_parameters": (np.array([[b'{"ignore_eos": true}']], dtype=np.object_), "BYTES")}
+    inputs = []
+    for name, (arr, dtype) in fields.items():
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    outs = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "text_output", "num_output_tokens")]
+    cl.async_stream_infer(model, inputs, outputs=outs, enable_empty_final_response=True)
+    got = []
+    try:
+        while True:
+            # generous: a tiny engine answers in well under a second, but on a loaded 2-core host
+            # beside other servers a response can wait tens of seconds; a hang still fails
+            r, e = results.get(timeout=120)
+            assert e is None, e
+            if r.get_response().outputs:
+                got.append((r.as_numpy("output_ids").reshape(-1).tolist(),
+                            r.as_numpy("text_output").reshape(-1)[0].decode(),
+                            int(r.as_numpy("num_output_tokens").reshape(-1)[0])))
+            if r.get_response().parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        cl.stop_stream()
+        cl.close()
+
+
 def cancel_beside_others(others_client, cancel_client, other_prompts, other_tokens: int,
                          cancel_prompt: str, cancel_tokens: int, chunks: int = 3):
     """Stream `other_prompts` (each exactly other_tokens tokens, EOS banned) in threads while one

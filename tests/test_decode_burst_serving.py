@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import urllib.request
 
 import numpy as np
 import pytest
+from serving_utils import greedy_stream
 
 from tritium.backend.engine import LLMEngine
 from tritium.backend.sampling_params import SamplingParams
@@ -41,13 +41,8 @@ def served(tiny_checkpoint, tmp_path_factory):
             f.write(llm_config(name, engine, 8, {"max_decode_burst": burst}))
     env = os.environ.pop("TRITIUM_DECODE_BURST", None)  # the parameters decide here
     srv = TritonServer(repo, log_file=os.path.join(root, "server.log"), load_models=["burst", "steps"])
-    cwd = os.getcwd()
     try:
-        os.chdir(_tree_root())
-        try:
-            srv.start(timeout=240)
-        finally:
-            os.chdir(cwd)
+        srv.start(timeout=240)
         yield engine, srv
         assert srv.stop() == 0
     finally:
@@ -55,52 +50,9 @@ def served(tiny_checkpoint, tmp_path_factory):
             os.environ["TRITIUM_DECODE_BURST"] = env
 
 
-def _tree_root() -> str:
-    """The folder the backend stub must start in to import this test's `tritium`: the stub's
-    Python ignores PYTHONPATH (its sys.path: '' (its working directory), the standard library,
-    the environment's site-packages with the editable install's finder), so a worktree whose
-    package sits in a folder on PYTHONPATH (a namespace `tritium` of links) would otherwise serve
-    the editable install's code. Where `tritium` is the editable install itself: the current folder."""
-    import tritium
-    for entry in list(tritium.__path__):
-        parent = os.path.dirname(entry)
-        if os.path.isdir(os.path.join(parent, "tritium", "backend")):
-            return parent
-    return os.getcwd()
-
-
 def _grpc(srv, model, prompt):
     """[(output_ids, text, num_output_tokens)] of each streamed response that carried outputs."""
-    import tritonclient.grpc as grpcclient
-    results = queue.Queue()
-    cl = grpcclient.InferenceServerClient(srv.grpc_url)
-    cl.start_stream(callback=lambda result, error: results.put((result, error)), headers=srv.headers("grpc"))
-    fields = {"text_input": (np.array([[prompt.encode()]], dtype=np.object_), "BYTES"),
-              "max_tokens": (np.array([[MAX_TOKENS]], dtype=np.int32), "INT32"),
-              "stream": (np.array([[True]], dtype=np.bool_), "BOOL"),
-              "temperature": (np.array([[0.0]], dtype=np.float32), "FP32"),
-              "sampling_parameters": (np.array([[b'{"ignore_eos": true}']], dtype=np.object_), "BYTES")}
-    inputs = []
-    for name, (arr, dtype) in fields.items():
-        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    outs = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "text_output", "num_output_tokens")]
-    cl.async_stream_infer(model, inputs, outputs=outs, enable_empty_final_response=True)
-    got = []
-    try:
-        while True:
-            r, e = results.get(timeout=120)
-            assert e is None, e
-            if r.get_response().outputs:
-                got.append((r.as_numpy("output_ids").reshape(-1).tolist(),
-                            r.as_numpy("text_output").reshape(-1)[0].decode(),
-                            int(r.as_numpy("num_output_tokens").reshape(-1)[0])))
-            if r.get_response().parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        cl.stop_stream()
-        cl.close()
+    return greedy_stream(srv.grpc_url, model, prompt, MAX_TOKENS, headers=srv.headers("grpc"))
 
 
 def _http(srv, model, prompt):

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from serving_utils import greedy_stream
 
 from tritium.backend.async_engine import AsyncLLMEngine, merge_outputs
 from tritium.backend.sampling_params import SamplingParams
@@ -101,38 +102,7 @@ def server(tiny_engine, tmp_path_factory):
 
 def _request(url, model, prompt, stream: bool, max_tokens=48):
     """[(output_ids, text, num_output_tokens)] of each response that carried outputs."""
-    import queue
-    import tritonclient.grpc as grpcclient
-    results = queue.Queue()
-    cl = grpcclient.InferenceServerClient(url)
-    cl.start_stream(callback=lambda result, error: results.put((result, error)))
-    fields = {"text_input": np.array([[prompt.encode()]], dtype=np.object_),
-              "max_tokens": np.array([[max_tokens]], dtype=np.int32),
-              "stream": np.array([[stream]], dtype=np.bool_),
-              "temperature": np.array([[0.0]], dtype=np.float32),
-              "sampling_parameters": np.array([[b'{"ignore_eos": true}']], dtype=np.object_)}
-    inputs = []
-    for name, arr in fields.items():
-        inp = grpcclient.InferInput(name, list(arr.shape), {np.object_: "BYTES", np.int32: "INT32", np.bool_: "BOOL",
-                                                            np.float32: "FP32"}[arr.dtype.type])
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    outs = [grpcclient.InferRequestedOutput(n) for n in ("output_ids", "text_output", "num_output_tokens")]
-    cl.async_stream_infer(model, inputs, outputs=outs, enable_empty_final_response=True)
-    got = []
-    try:
-        while True:
-            r, e = results.get(timeout=120)
-            assert e is None, e
-            if r.get_response().outputs:
-                got.append((r.as_numpy("output_ids").reshape(-1).tolist(),
-                            r.as_numpy("text_output").reshape(-1)[0].decode(),
-                            int(r.as_numpy("num_output_tokens").reshape(-1)[0])))
-            if r.get_response().parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        cl.stop_stream()
-        cl.close()
+    return greedy_stream(url, model, prompt, max_tokens, stream=stream)
 
 
 def test_concurrent_streams_equal_non_streamed_results(server):

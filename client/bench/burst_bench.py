@@ -68,13 +68,10 @@ def run_served(engine_dir: str, bursts, rounds: int, tokens: int, threads: int, 
                work_dir: str) -> dict:
     """The same through a real tritonserver: one model per maximum burst on the same engine (model
     parameter max_decode_burst), single streams over Triton's HTTP generate_stream sent to each in
-    turn (the order reversed every other round), each between two same-second reads. The server
-    starts in this package's folder, so its backend stub imports this tree's `tritium` (the stub's
-    Python ignores PYTHONPATH)."""
+    turn (the order reversed every other round), each between two same-second reads."""
     import json
     import urllib.request
 
-    import tritium
     from tritium.builder.repository import llm_config
     from tritium.client.bench.bandwidth_probe import ReadProbe
     from tritium.client.bench.host_info import engine_weight_bytes
@@ -85,16 +82,10 @@ def run_served(engine_dir: str, bursts, rounds: int, tokens: int, threads: int, 
         os.makedirs(os.path.join(repo, name, "1"), exist_ok=True)
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
             f.write(llm_config(name, os.path.abspath(engine_dir), 16, {"max_decode_burst": str(k)}))
-    root = next((os.path.dirname(e) for e in tritium.__path__
-                 if os.path.isdir(os.path.join(os.path.dirname(e), "tritium", "backend"))), os.getcwd())
-    cwd, saved = os.getcwd(), os.environ.pop(ENV, None)
+    saved = os.environ.pop(ENV, None)
     srv = TritonServer(repo, log_file=os.path.join(work_dir, "server.log"), load_models=names)
     try:
-        os.chdir(root)
-        try:
-            srv.start(timeout=300)
-        finally:
-            os.chdir(cwd)
+        srv.start(timeout=300)
         weight_bytes = engine_weight_bytes(engine_dir)
         probe = ReadProbe(threads, 128)
 
